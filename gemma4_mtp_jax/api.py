@@ -1,0 +1,242 @@
+"""The small public API research scripts and tests use: load models, run the target, run a draft step."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4_mtp_jax.config import (
+    AssistantConfig,
+    ConfigError,
+    TextConfig,
+    check_pair,
+    parse_assistant_config,
+    parse_target_config,
+    read_config_json,
+)
+from gemma4_mtp_jax.model.assistant import Gemma4Assistant
+from gemma4_mtp_jax.model.attention import DraftKV
+from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.weights import hf_loader, orbax_io
+
+Array = jax.Array
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"]
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded Gemma 4 target: its config, parameters (HF-named tree) and checkpoint directory."""
+
+    config: TextConfig
+    params: dict
+    dtype: Any
+    path: Path
+    generation_config: dict
+
+    @functools.cached_property
+    def module(self) -> Gemma4Target:
+        return Gemma4Target(self.config, self.dtype)
+
+    @functools.cached_property
+    def _forward(self):
+        return jax.jit(lambda p, t, pos: self.module.apply({"params": p}, t, pos))
+
+    @functools.cached_property
+    def _embed(self):
+        return jax.jit(lambda p, t: self.module.apply({"params": p}, t, method=Gemma4Target.embed))
+
+
+@dataclasses.dataclass
+class Assistant:
+    """A loaded Gemma 4 assistant (MTP drafter)."""
+
+    config: AssistantConfig
+    params: dict
+    dtype: Any
+    path: Path
+    generation_config: dict
+
+    @functools.cached_property
+    def module(self) -> Gemma4Assistant:
+        return Gemma4Assistant(self.config, self.dtype)
+
+    @functools.cached_property
+    def _step(self):
+        def step(params, embedding, h, by_layer, lengths):
+            kv = DraftKV(by_layer, lengths)
+            hn, h_next = self.module.apply({"params": params}, embedding, h, kv)
+            logits = self.module.apply({"params": params}, hn, method=Gemma4Assistant.logits)
+            return logits, h_next, hn
+
+        return jax.jit(step)
+
+
+@dataclasses.dataclass
+class TargetOutput:
+    logits: Array  # [B, T, V], softcapped
+    hidden: Array  # [B, T, H], after the final norm (what the assistant's first step reads)
+    store_kv: dict[str, tuple[Array, Array]]  # layer type -> (K, V) [B, T, nKV, D] of the store layers
+
+
+@dataclasses.dataclass
+class DraftOutput:
+    logits: Array  # [B, V]
+    h_next: Array  # [B, Hb], the post_projection output fed to the next draft step
+    hidden: Array  # [B, Ha], the normed draft hidden the logits come from
+
+
+def _resolve(path_or_id: str | os.PathLike) -> Path:
+    """A local directory, or a Hugging Face hub id downloaded (weights, configs, tokenizer) to the HF cache."""
+    p = Path(path_or_id).expanduser()
+    if p.is_dir():
+        return p
+    s = str(path_or_id)
+    if p.exists():
+        raise ConfigError(f"{p}: expected a checkpoint directory, found a file")
+    if s.count("/") == 1 and not s.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+            raise ConfigError(f"{s}: not a local directory, and huggingface_hub is not installed") from e
+        return Path(snapshot_download(s, allow_patterns=_HUB_FILES))
+    raise ConfigError(f"{s}: no such checkpoint directory (and not a hub id of the form 'org/name')")
+
+
+def _dtype(dtype: str | Any | None, d: Path, cfg_json: dict) -> Any:
+    if dtype is None:
+        if orbax_io.is_orbax_checkpoint(d):
+            dtype = orbax_io.read_metadata(d).get("dtype", "bfloat16")
+        else:
+            dtype = cfg_json.get("dtype") or cfg_json.get("torch_dtype") or "bfloat16"
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype '{dtype}' is not supported (choose from {sorted(_DTYPES)})")
+        return _DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+def _generation_config(d: Path) -> dict:
+    p = d / "generation_config.json"
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: invalid JSON ({e})") from None
+
+
+def _restore_orbax(d: Path, kind: str, abstract: Any, dtype: Any) -> dict:
+    meta = orbax_io.read_metadata(d)
+    if meta.get("kind") != kind:
+        raise ConfigError(f"{d}: Orbax checkpoint holds a '{meta.get('kind')}', expected a '{kind}'")
+    params, _ = orbax_io.restore_params(d)
+    want = hf_loader.flatten_shapes(abstract)
+    got = hf_loader.flatten_shapes(params)
+    if set(want) != set(got):
+        diff = sorted(set(want) ^ set(got))
+        raise ConfigError(f"{d}: Orbax parameters do not match config.json (first difference: '{diff[0]}')")
+    out = {}
+    for name, leaf in got.items():
+        if tuple(leaf.shape) != tuple(want[name].shape):
+            raise ConfigError(f"{d}: parameter '{name}' has shape {tuple(leaf.shape)}, config implies {want[name].shape}")
+        cast = jnp.int32 if jnp.issubdtype(want[name].dtype, jnp.integer) else dtype
+        out[name] = jnp.asarray(leaf, cast)
+    return hf_loader.unflatten(out)
+
+
+def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None) -> Target:
+    """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
+
+    dtype: "float32" | "bfloat16" | None (None: the checkpoint's own dtype).
+    """
+    d = _resolve(path_or_id)
+    cfg_json = read_config_json(d)
+    cfg = parse_target_config(cfg_json, str(d / "config.json"))
+    dt = _dtype(dtype, d, cfg_json)
+    module = Gemma4Target(cfg, dt)
+    abstract = jax.eval_shape(
+        lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
+    )["params"]
+    if orbax_io.is_orbax_checkpoint(d):
+        params = _restore_orbax(d, "target", abstract, dt)
+    else:
+        params = hf_loader.load_target_params(str(d), cfg, abstract, dt)
+    return Target(cfg, params, dt, d, _generation_config(d))
+
+
+def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None) -> Assistant:
+    """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id."""
+    d = _resolve(path_or_id)
+    cfg_json = read_config_json(d)
+    cfg = parse_assistant_config(cfg_json, str(d / "config.json"))
+    dt = _dtype(dtype, d, cfg_json)
+    module = Gemma4Assistant(cfg, dt)
+    nb, H = 1, cfg.backbone_hidden_size
+    kv_dummy = {
+        i: (jnp.zeros((nb, 1, *cfg.text.kv_geometry(t)), dt),) * 2
+        for i, t in enumerate(cfg.text.layer_types)
+    }
+    abstract = jax.eval_shape(
+        lambda: module.init(
+            jax.random.PRNGKey(0),
+            jnp.zeros((nb, H), dt),
+            jnp.zeros((nb, H), dt),
+            DraftKV(kv_dummy, jnp.ones((nb,), jnp.int32)),
+            method=lambda m, e, h, kv: m.logits(m(e, h, kv)[0]),
+        )
+    )["params"]
+    if orbax_io.is_orbax_checkpoint(d):
+        params = _restore_orbax(d, "assistant", abstract, dt)
+    else:
+        params = hf_loader.load_assistant_params(str(d), cfg, abstract, dt)
+    return Assistant(cfg, params, dt, d, _generation_config(d))
+
+
+def target_forward(target: Target, tokens: Any, positions: Any = None) -> TargetOutput:
+    """Full-sequence forward. tokens: int [B, T]; positions: int [B, T] (default 0..T-1)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, hidden, kv = target._forward(target.params, tokens, jnp.asarray(positions, jnp.int32))
+    store = {t: kv.layers[i] for t, i in target.config.store_layers.items()}
+    return TargetOutput(logits, hidden, store)
+
+
+def draft_step(
+    assistant: Assistant,
+    target: Target,
+    tokens: Any,
+    hidden: Any,
+    kv: dict[str, tuple[Any, Any]],
+    kv_lengths: Any,
+) -> DraftOutput:
+    """One assistant step for a batch of sequences.
+
+    tokens [B]: the newest token (the bonus token in round 1, then the previous draft); hidden [B, Hb]: the
+    target's post-norm hidden at P-1 (step 1) or the previous step's `h_next`; kv: layer type -> (K, V)
+    [B, S, nKV, D] of the target's store layers, key j at position j; kv_lengths [B]: P, the committed tokens.
+    The query sits at position P; full layers see keys 0..P-1, sliding layers P-1-W..P-1.
+    """
+    check_pair(target.config, assistant.config)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    embedding = target._embed(target.params, tokens)
+    by_layer = {i: tuple(jnp.asarray(a, assistant.dtype) for a in kv[t])
+                for i, t in enumerate(assistant.config.text.layer_types)}
+    lengths = jnp.asarray(kv_lengths, jnp.int32)
+    logits, h_next, hn = assistant._step(assistant.params, embedding, jnp.asarray(hidden), by_layer, lengths)
+    return DraftOutput(logits, h_next, hn)
+
+
+def as_numpy(tree: Any) -> Any:
+    return jax.tree_util.tree_map(np.asarray, tree)

@@ -1,0 +1,91 @@
+"""The Gemma 4 assistant (MTP drafter): 4 Q-only decoder layers over the target's K/V, and its LM heads."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from gemma4_mtp_jax.config import AssistantConfig
+from gemma4_mtp_jax.model.attention import DraftKV
+from gemma4_mtp_jax.model.decoder import DecoderLayer
+from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
+
+Array = jax.Array
+
+
+class CentroidHead(nn.Module):
+    """The centroid-masked LM head of the E2B/E4B assistants (transformers' Gemma4AssistantMaskedEmbedder).
+
+    Centroid scores pick the top-k token clusters; only their tokens get logits. The head's rows are stored
+    permuted by `token_ordering` (done once at load time), so cluster c's tokens are the contiguous rows
+    c*V/C .. (c+1)*V/C-1 of `ordered_embedding`, and `token_ordering` maps a row back to its token id.
+    """
+
+    num_centroids: int
+    top_k: int
+    vocab_size: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, hn: Array) -> tuple[Array, Array]:
+        """hn [B, Ha] -> (sparse logits [B, K*V/C], their canonical token ids [B, K*V/C] int32)."""
+        C, V = self.num_centroids, self.vocab_size
+        Ha = hn.shape[-1]
+        scores = Linear(C, self.param_dtype, name="centroids")(hn)  # [B, C]
+        table = self.param("ordered_embedding", nn.initializers.normal(1.0), (V, Ha), self.param_dtype)
+        ordering = self.param("token_ordering", lambda *_: jnp.arange(V, dtype=jnp.int32))
+        top = jax.lax.top_k(scores, self.top_k)[1]  # [B, K]
+        rows = jnp.take(table.reshape(C, V // C, Ha), top, axis=0)  # [B, K, V/C, Ha]
+        logits = jnp.einsum("bh,bkrh->bkr", hn, rows.astype(hn.dtype)).reshape(hn.shape[0], -1)
+        ids = jnp.take(ordering.reshape(C, V // C), top, axis=0).reshape(hn.shape[0], -1)
+        return logits, ids
+
+
+def scatter_sparse_logits(logits: Array, ids: Array, vocab_size: int) -> Array:
+    """Full-vocab logits as transformers builds them: unselected tokens get min(selected, whole batch) - 1."""
+    fill = jnp.min(logits) - 1.0
+    full = jnp.full((logits.shape[0], vocab_size), fill, logits.dtype)
+    return full.at[jnp.arange(logits.shape[0])[:, None], ids].set(logits)
+
+
+class Gemma4Assistant(nn.Module):
+    """One draft step: (scaled target embedding of the token, h) -> (normed draft hidden hn, next h).
+
+    `concat(E_target(tok) * sqrt(Hb), h)` -> pre_projection (no sqrt(Ha) scaling) -> Q-only layers at the
+    query position P = committed length -> norm = hn; post_projection(hn) is the next step's h. The logits come
+    from hn through the tied draft-dim head (`logits`) or the centroid head (`sparse_logits`). No softcap.
+    """
+
+    cfg: AssistantConfig
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        cfg, text, pd = self.cfg, self.cfg.text, self.param_dtype
+        self.pre_projection = Linear(text.hidden_size, pd)
+        self.layers = [DecoderLayer(text, i, pd, name=f"layers_{i}") for i in range(text.num_layers)]
+        self.norm = RMSNorm(text.rms_norm_eps, True, pd)
+        self.post_projection = Linear(cfg.backbone_hidden_size, pd)
+        if cfg.use_ordered_embeddings:
+            self.masked_embedding = CentroidHead(cfg.num_centroids, cfg.centroid_top_k, text.vocab_size, pd)
+        else:
+            self.embed_tokens = Embedding(text.vocab_size, text.hidden_size, pd)
+
+    def __call__(self, token_embedding: Array, h: Array, kv: DraftKV) -> tuple[Array, Array]:
+        """token_embedding, h: [B, Hb] -> hn [B, Ha], h_next [B, Hb]."""
+        x = self.pre_projection(jnp.concatenate([token_embedding, h.astype(token_embedding.dtype)], -1))[:, None]
+        positions = kv.lengths[:, None]  # convention 1: the bonus token's position, constant within a round
+        for layer in self.layers:
+            x, _ = layer(x, positions, kv)
+        hn = self.norm(x)[:, 0]
+        return hn, self.post_projection(hn)
+
+    def logits(self, hn: Array) -> Array:
+        """Full-vocab logits [B, V] (the centroid head fills unselected tokens as transformers does)."""
+        if self.cfg.use_ordered_embeddings:
+            sparse, ids = self.masked_embedding(hn)
+            return scatter_sparse_logits(sparse, ids, self.cfg.text.vocab_size)
+        return self.embed_tokens.attend(hn)
+
+    def sparse_logits(self, hn: Array) -> tuple[Array, Array]:
+        return self.masked_embedding(hn)

@@ -1,0 +1,86 @@
+"""Attention, and the K/V views the decoder layers attend through.
+
+Every decoder layer reaches K/V only through a view: `store` (layers that own K/V hand over their new keys and
+values) and `attend` (read the K/V of a given layer). The dense views here hold K/V of the tokens at hand; the
+paged KV state plugs in behind the same two calls, so the layers never know where K/V live.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+    """Softmax attention with scale 1.0 (q_norm/k_norm replace 1/sqrt(D)) and grouped KV heads.
+
+    q: [B, T, nH, D]; k, v: [B, S, nKV, D]; allowed: [B, T, S] bool. Query head h reads KV head h // (nH/nKV).
+    Returns [B, T, nH, D] in q's dtype. Rows with no allowed key (padding) give finite garbage, never NaN.
+    """
+    B, T, nH, D = q.shape
+    nKV = k.shape[2]
+    qg = q.reshape(B, T, nKV, nH // nKV, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, nH, D)
+
+
+def causal_window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
+    """[B, T, S]: key at k_pos visible from q_pos iff q_pos - window < k_pos <= q_pos (window=None: causal)."""
+    allowed = k_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    return allowed
+
+
+class KVView(Protocol):
+    def store(self, layer: int, k: Array, v: Array) -> "KVView": ...
+
+    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array: ...
+
+
+@flax.struct.dataclass
+class DenseKV:
+    """K/V of the tokens of one forward pass ([B, T, nKV, D] per owning layer), at positions `positions`."""
+
+    positions: Array  # [B, T]
+    layers: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
+
+    def store(self, layer: int, k: Array, v: Array) -> "DenseKV":
+        return self.replace(layers={**self.layers, layer: (k, v)})
+
+    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
+        k, v = self.layers[layer]
+        return dot_product_attention(q, k, v, causal_window_mask(q_pos, self.positions, window))
+
+
+@flax.struct.dataclass
+class DraftKV:
+    """What the assistant sees: the target's committed K/V (DESIGN.md convention 2).
+
+    `by_layer` maps each assistant layer to the target K/V of its attention type ([B, S, nKV, D], key j at
+    position j). With `lengths` = P committed tokens, full layers see keys 0..P-1 and sliding layers the last
+    W+1 of them, P-1-W..P-1 (transformers' drafter mask, minus its stale rejected drafts).
+    """
+
+    by_layer: dict[int, tuple[Array, Array]]
+    lengths: Array  # [B] committed tokens = the query position
+
+    def store(self, layer: int, k: Array, v: Array) -> "DraftKV":
+        raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
+
+    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
+        k, v = self.by_layer[layer]
+        B, S = k.shape[:2]
+        k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        last = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)  # newest committed key
+        allowed = causal_window_mask(last, k_pos, None if window is None else window + 1)
+        return dot_product_attention(q, k, v, allowed)

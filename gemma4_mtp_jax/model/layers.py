@@ -1,0 +1,157 @@
+"""Building blocks of Gemma 4: norms, projections, RoPE, feed-forward blocks.
+
+Parameters keep the Hugging Face names and layouts (`weight` of a projection is `[out, in]`), so a checkpoint
+maps onto the parameter tree by name alone and nothing is transposed at load time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from gemma4_mtp_jax.config import RopeConfig
+
+Array = jax.Array
+
+
+def gelu_tanh(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def rms_normalize(x: Array, eps: float) -> Array:
+    """x * (mean(x^2) + eps)^-1/2 in float32, returned in float32."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4 RMSNorm: multiplies by `weight` itself (not 1 + weight); `with_scale=False` for v_norm / router."""
+
+    eps: float = 1e-6
+    with_scale: bool = True
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        y = rms_normalize(x, self.eps)
+        if self.with_scale:
+            w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+            y = y * w.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T with the PyTorch `[out, in]` weight layout (no bias anywhere in Gemma 4)."""
+
+    features: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        w = self.param("weight", nn.initializers.normal(0.02), (self.features, x.shape[-1]), self.param_dtype)
+        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+
+
+def scaled_embedding_lookup(table: Array, ids: Array, hidden_size: int) -> Array:
+    """table[ids] * sqrt(H), the scale first cast to the table dtype (bf16: sqrt(1536) -> 39.25), as transformers."""
+    scale = jnp.asarray(math.sqrt(hidden_size), dtype=table.dtype)
+    return jnp.take(table, ids, axis=0) * scale
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Array:
+    """Inverse frequencies [head_dim/2]. Proportional RoPE rotates only the first `factor*head_dim/2` pairs, with
+    frequencies of a full `head_dim` RoPE; the remaining pairs have frequency 0 (identity)."""
+    n_rot = int(rope.partial_rotary_factor * head_dim // 2)
+    inv = 1.0 / rope.theta ** (jnp.arange(0, 2 * n_rot, 2, dtype=jnp.float32) / head_dim)
+    return jnp.concatenate([inv, jnp.zeros((head_dim // 2 - n_rot,), jnp.float32)])
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Neox "rotate_half" RoPE. x: [..., T, heads, D]; positions: [..., T]."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)[..., None, :]  # [..., T, 1, D]
+    # transformers casts cos/sin to the activation dtype before the products.
+    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x))."""
+
+    hidden_size: int
+    intermediate_size: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        gate = Linear(self.intermediate_size, self.param_dtype, name="gate_proj")(x)
+        up = Linear(self.intermediate_size, self.param_dtype, name="up_proj")(x)
+        return Linear(self.hidden_size, self.param_dtype, name="down_proj")(gelu_tanh(gate) * up)
+
+
+class Router(nn.Module):
+    """Softmax router over the un-normed residual: top-k, renormalised, times `per_expert_scale`."""
+
+    num_experts: int
+    top_k: int
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, r: Array) -> tuple[Array, Array]:
+        H = r.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (H,), self.param_dtype)
+        per_expert_scale = self.param("per_expert_scale", nn.initializers.ones, (self.num_experts,), self.param_dtype)
+        z = RMSNorm(self.eps, with_scale=False)(r) * scale.astype(r.dtype) * jnp.asarray(H**-0.5, r.dtype)
+        scores = Linear(self.num_experts, self.param_dtype, name="proj")(z)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)  # [..., E]
+        weights, idx = jax.lax.top_k(probs, self.top_k)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights * jnp.take(per_expert_scale, idx).astype(jnp.float32)
+        return weights, idx
+
+
+class Experts(nn.Module):
+    """The MoE experts. `gate_up_proj` [E, 2*Im, H] (first Im rows: gate), `down_proj` [E, H, Im].
+
+    Every expert runs on every token, weighted by a dense [N, E] routing matrix that is zero off the top-k:
+    exact, never materialises per-token weight copies, and at decode batch sizes reads each expert's weights
+    once, which is what a memory-bound step costs anyway. Long prefills will want a grouped (ragged) matmul.
+    """
+
+    num_experts: int
+    moe_intermediate_size: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, weights: Array, idx: Array) -> Array:
+        E, Im, H = self.num_experts, self.moe_intermediate_size, x.shape[-1]
+        gate_up = self.param("gate_up_proj", nn.initializers.normal(0.02), (E, 2 * Im, H), self.param_dtype)
+        down = self.param("down_proj", nn.initializers.normal(0.02), (E, H, Im), self.param_dtype)
+        combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * weights[..., None], axis=-2)  # [..., E]
+        gu = jnp.einsum("...h,eoh->...eo", x, gate_up.astype(x.dtype))  # [..., E, 2Im]
+        act = gelu_tanh(gu[..., :Im]) * gu[..., Im:]
+        out = jnp.einsum("...ei,ehi->...eh", act, down.astype(x.dtype))  # [..., E, H]
+        return jnp.einsum("...eh,...e->...h", out, combine.astype(x.dtype))
+
+
+class Embedding(nn.Module):
+    """A `[num, features]` table: scaled lookup (Gemma4TextScaledWordEmbedding) and, tied, the LM head."""
+
+    num_embeddings: int
+    features: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.weight = self.param("weight", nn.initializers.normal(1.0), (self.num_embeddings, self.features), self.param_dtype)
+
+    def __call__(self, ids: Array, scale_dim: int) -> Array:
+        return scaled_embedding_lookup(self.weight, ids, scale_dim)
+
+    def attend(self, x: Array) -> Array:
+        return jnp.einsum("...h,vh->...v", x, self.weight.astype(x.dtype))

@@ -1,0 +1,67 @@
+"""The Gemma 4 target: the text decoder of E2B, E4B, 26B-A4B and 31B."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from gemma4_mtp_jax.config import TextConfig
+from gemma4_mtp_jax.model.attention import DenseKV, KVView
+from gemma4_mtp_jax.model.decoder import DecoderLayer
+from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
+
+Array = jax.Array
+
+
+class Gemma4Target(nn.Module):
+    """tokens [B, T], positions [B, T] -> logits [B, T, V] (softcapped), post-norm hidden [B, T, H], K/V view.
+
+    Parameter names follow the checkpoint (`embed_tokens`, `layers_{i}`, `norm`, PLE tensors), with the
+    `model.` / `model.language_model.` prefix dropped and `layers.{i}` written `layers_{i}`.
+    """
+
+    cfg: TextConfig
+    param_dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        cfg, pd = self.cfg, self.param_dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, pd)
+        if cfg.hidden_size_per_layer_input:  # per-layer embeddings (E2B/E4B)
+            L, P = cfg.num_layers, cfg.hidden_size_per_layer_input
+            self.embed_tokens_per_layer = Embedding(cfg.vocab_size_per_layer_input, L * P, pd)
+            self.per_layer_model_projection = Linear(L * P, pd)
+            self.per_layer_projection_norm = RMSNorm(cfg.rms_norm_eps, True, pd)
+        self.layers = [DecoderLayer(cfg, i, pd, name=f"layers_{i}") for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, True, pd)
+
+    def embed(self, tokens: Array) -> Array:
+        """The scaled input embedding E[tok] * sqrt(H) (the assistant embeds its input tokens with it too)."""
+        return self.embed_tokens(tokens, self.cfg.hidden_size)
+
+    def __call__(self, tokens: Array, positions: Array, kv: KVView | None = None, *, logits: bool = True):
+        cfg = self.cfg
+        x = self.embed(tokens)
+        if kv is None:
+            kv = DenseKV(positions)
+        ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, kv, None if ple is None else ple[..., i, :])
+        hidden = self.norm(x)
+        return (self.lm_logits(hidden) if logits else None), hidden, kv
+
+    def _per_layer_inputs(self, tokens: Array, inputs_embeds: Array) -> Array:
+        """PLE: token identity plus a normed projection of the input embedding, one P-vector per layer [B,T,L,P]."""
+        cfg = self.cfg
+        L, P, H = cfg.num_layers, cfg.hidden_size_per_layer_input, cfg.hidden_size
+        token_identity = self.embed_tokens_per_layer(tokens, P).reshape(*tokens.shape, L, P)
+        ctx = self.per_layer_model_projection(inputs_embeds) * jnp.asarray(H**-0.5, inputs_embeds.dtype)
+        ctx = self.per_layer_projection_norm(ctx.reshape(*tokens.shape, L, P))
+        return (ctx + token_identity) * jnp.asarray(2.0**-0.5, ctx.dtype)
+
+    def lm_logits(self, hidden: Array) -> Array:
+        out = self.embed_tokens.attend(hidden)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            out = jnp.tanh(out / cap) * cap
+        return out

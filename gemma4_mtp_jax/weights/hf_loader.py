@@ -1,0 +1,145 @@
+"""Hugging Face safetensors -> parameter trees, one tensor at a time.
+
+The parameter tree of each Flax model mirrors the checkpoint's names (`layers.3.self_attn.q_proj.weight` is
+`params["layers_3"]["self_attn"]["q_proj"]["weight"]`), so the expected tensors and shapes come from the
+model itself (`jax.eval_shape` of its init) and loading is a name mapping plus checks. Each tensor is read,
+checked, cast and moved to the device before the next is read: host memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from gemma4_mtp_jax.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
+
+# Multimodal checkpoints (Gemma4ForConditionalGeneration) carry towers the text model never reads.
+_MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_KV_PROJ = ("k_proj", "v_proj", "k_norm", "v_norm")
+
+
+def flax_to_hf_name(path: str) -> str:
+    return re.sub(r"(^|\.)layers_(\d+)\.", r"\1layers.\2.", path)
+
+
+def flatten_shapes(abstract_params: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """{'layers_0.self_attn.q_proj.weight': ShapeDtypeStruct, ...} of an abstract (eval_shape) param tree."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+        out[".".join(str(k.key) for k in path)] = leaf
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _cast(name: str, array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype) -> jax.Array:
+    if tuple(array.shape) != tuple(want.shape):
+        raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, the config implies {tuple(want.shape)}")
+    if jnp.issubdtype(want.dtype, jnp.integer):
+        if not np.issubdtype(array.dtype, np.integer):
+            raise CheckpointError(f"tensor '{name}' should hold integers, found {array.dtype}")
+        return jnp.asarray(array, jnp.int32)
+    if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+        raise CheckpointError(f"tensor '{name}' should be floating point, found {array.dtype}")
+    return jnp.asarray(array, dtype)
+
+
+def read_tensors(
+    ckpt: SafetensorsCheckpoint,
+    expected: dict[str, jax.ShapeDtypeStruct],
+    to_checkpoint_name: Callable[[str], str],
+    ignorable: Callable[[str], bool],
+    dtype: jnp.dtype,
+    desc: str,
+) -> dict[str, jax.Array]:
+    """Read every expected tensor (keyed by param path) from `ckpt`; anything else in the file is an error
+    unless `ignorable`. Missing tensors and wrong shapes are errors naming the tensor."""
+    by_ckpt_name = {to_checkpoint_name(p): p for p in expected}
+    names = ckpt.names()
+    unexpected = [n for n in names if n not in by_ckpt_name and not ignorable(n)]
+    if unexpected:
+        raise CheckpointError(f"{ckpt.directory}: unexpected tensor '{unexpected[0]}'" + (
+            f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    present = set(names)
+    missing = [n for n in by_ckpt_name if n not in present]
+    if missing:
+        raise CheckpointError(f"{ckpt.directory}: missing tensor '{missing[0]}'" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    out = {}
+    total = sum(ckpt.nbytes(n) for n in by_ckpt_name)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, disable=total < (64 << 20)) as bar:
+        for name, path in by_ckpt_name.items():
+            out[path] = _cast(name, ckpt.read(name), expected[path], dtype)
+            bar.update(ckpt.nbytes(name))
+    return out
+
+
+def _target_prefix(ckpt: SafetensorsCheckpoint) -> str:
+    names = ckpt.names()
+    if any(n.startswith("model.language_model.") for n in names):
+        return "model.language_model."
+    return "model."
+
+
+def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dtype: jnp.dtype) -> dict:
+    with SafetensorsCheckpoint(directory) as ckpt:
+        prefix = _target_prefix(ckpt)
+        reuse = {i for i, lc in enumerate(cfg.layers) if lc.kv_mode == "reuse"}
+
+        def ignorable(name: str) -> bool:
+            if name.startswith(_MULTIMODAL_PREFIXES) or name == "lm_head.weight":  # lm_head is tied
+                return True
+            # KV-shared layers own no K/V; released E2B/E4B checkpoints still carry stale k/v tensors for them.
+            m = re.match(re.escape(prefix) + r"layers\.(\d+)\.self_attn\.(\w+)\.weight$", name)
+            return bool(m) and int(m.group(1)) in reuse and m.group(2) in _KV_PROJ
+
+        flat = read_tensors(ckpt, flatten_shapes(abstract_params), lambda p: prefix + flax_to_hf_name(p),
+                            ignorable, dtype, f"target {directory}")
+    return unflatten(flat)
+
+
+_ORDERED = "masked_embedding.ordered_embedding"
+
+
+def load_assistant_params(directory: str, cfg: AssistantConfig, abstract_params: Any, dtype: jnp.dtype) -> dict:
+    expected = flatten_shapes(abstract_params)
+    if cfg.use_ordered_embeddings:
+        # The checkpoint holds the canonical-order head `model.embed_tokens.weight`; we keep it permuted instead.
+        expected["embed_tokens.weight"] = expected.pop(_ORDERED)
+
+    def to_checkpoint_name(p: str) -> str:
+        top = p.split(".")[0]
+        hf = flax_to_hf_name(p)
+        return hf if top in ("pre_projection", "post_projection", "masked_embedding") else "model." + hf
+
+    with SafetensorsCheckpoint(directory) as ckpt:
+        flat = read_tensors(ckpt, expected, to_checkpoint_name, lambda n: n == "lm_head.weight", dtype,
+                            f"assistant {directory}")
+    if cfg.use_ordered_embeddings:
+        flat[_ORDERED] = permute_head_rows(flat.pop("embed_tokens.weight"), flat["masked_embedding.token_ordering"])
+    return unflatten(flat)
+
+
+def permute_head_rows(table: jax.Array, token_ordering: jax.Array) -> jax.Array:
+    """Rows of the head in cluster order (cluster c = rows c*V/C..(c+1)*V/C-1), checked to be a permutation."""
+    V = table.shape[0]
+    order = np.asarray(token_ordering)
+    if not np.array_equal(np.sort(order), np.arange(V)):
+        raise CheckpointError(f"masked_embedding.token_ordering is not a permutation of 0..{V - 1}")
+    return jnp.take(table, token_ordering, axis=0)
