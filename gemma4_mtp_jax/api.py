@@ -153,6 +153,29 @@ def _restore_orbax(d: Path, kind: str, abstract: Any, dtype: Any) -> dict:
     return hf_loader.unflatten(out)
 
 
+def abstract_target_params(cfg: TextConfig, dtype: Any) -> dict:
+    """Shapes and dtypes of every target parameter (no memory allocated)."""
+    module = Gemma4Target(cfg, dtype)
+    one = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), one, one))["params"]
+
+
+def abstract_assistant_params(cfg: AssistantConfig, dtype: Any) -> dict:
+    """Shapes and dtypes of every assistant parameter (no memory allocated)."""
+    module = Gemma4Assistant(cfg, dtype)
+    H = cfg.backbone_hidden_size
+    kv = {i: (jnp.zeros((1, 1, *cfg.text.kv_geometry(t)), dtype),) * 2 for i, t in enumerate(cfg.text.layer_types)}
+    return jax.eval_shape(
+        lambda: module.init(
+            jax.random.PRNGKey(0),
+            jnp.zeros((1, H), dtype),
+            jnp.zeros((1, H), dtype),
+            DraftKV(kv, jnp.ones((1,), jnp.int32)),
+            method=lambda m, e, h, kv: m.logits(m(e, h, kv)[0]),
+        )
+    )["params"]
+
+
 def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None) -> Target:
     """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
 
@@ -162,10 +185,7 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None) -
     cfg_json = read_config_json(d)
     cfg = parse_target_config(cfg_json, str(d / "config.json"))
     dt = _dtype(dtype, d, cfg_json)
-    module = Gemma4Target(cfg, dt)
-    abstract = jax.eval_shape(
-        lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))
-    )["params"]
+    abstract = abstract_target_params(cfg, dt)
     if orbax_io.is_orbax_checkpoint(d):
         params = _restore_orbax(d, "target", abstract, dt)
     else:
@@ -179,21 +199,7 @@ def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None
     cfg_json = read_config_json(d)
     cfg = parse_assistant_config(cfg_json, str(d / "config.json"))
     dt = _dtype(dtype, d, cfg_json)
-    module = Gemma4Assistant(cfg, dt)
-    nb, H = 1, cfg.backbone_hidden_size
-    kv_dummy = {
-        i: (jnp.zeros((nb, 1, *cfg.text.kv_geometry(t)), dt),) * 2
-        for i, t in enumerate(cfg.text.layer_types)
-    }
-    abstract = jax.eval_shape(
-        lambda: module.init(
-            jax.random.PRNGKey(0),
-            jnp.zeros((nb, H), dt),
-            jnp.zeros((nb, H), dt),
-            DraftKV(kv_dummy, jnp.ones((nb,), jnp.int32)),
-            method=lambda m, e, h, kv: m.logits(m(e, h, kv)[0]),
-        )
-    )["params"]
+    abstract = abstract_assistant_params(cfg, dt)
     if orbax_io.is_orbax_checkpoint(d):
         params = _restore_orbax(d, "assistant", abstract, dt)
     else:

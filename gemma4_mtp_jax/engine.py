@@ -1,0 +1,280 @@
+"""The continuous-batching engine: requests join and leave between steps; every step is a compiled program.
+
+Data flows one way: a request is admitted when its pages are free (it waits otherwise, and is refused at once
+if it could never fit), its prompt is prefilled in bucketed chunks, then it joins the decode batch, padded to
+the next batch bucket. All programs are compiled at start-up; serving never compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4_mtp_jax.allocator import PageAllocator
+from gemma4_mtp_jax.api import Target
+from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
+from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.step import CompiledSteps
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked (bad ids, too long, larger than the whole KV pool)."""
+
+
+def powers_of_two_upto(n: int, start: int = 1) -> list[int]:
+    out, b = [], start
+    while b < n:
+        out.append(b)
+        b *= 2
+    return out + [n]
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    page_size: int = 16
+    # Pages per KV group's pool; None: enough for max_num_seqs sequences of max_model_len.
+    num_pages: dict[str, int] | None = None
+    prefill_chunk: int = 256
+    min_prefill_bucket: int = 16
+    cache_dtype: str | None = None  # default: the target's parameter dtype
+    attention_impl: str = "auto"  # "auto" | "pallas" | "xla"
+    compile_at_start: bool = True
+
+    def batch_buckets(self) -> list[int]:
+        return powers_of_two_upto(self.max_num_seqs)
+
+    def prefill_buckets(self) -> list[int]:
+        return powers_of_two_upto(self.prefill_chunk, min(self.min_prefill_bucket, self.prefill_chunk))
+
+
+@dataclasses.dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    output: list[int] = dataclasses.field(default_factory=list)
+    status: str = "waiting"  # waiting -> running -> finished
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    pages: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    def stats(self) -> dict[str, Any]:
+        end = self.finished_at or time.perf_counter()
+        gaps = np.diff(self.token_times) if len(self.token_times) > 1 else np.array([])
+        return {
+            "prompt_tokens": len(self.prompt),
+            "generated_tokens": len(self.output),
+            "finish_reason": self.finish_reason,
+            "ttft_s": None if self.first_token_at is None else self.first_token_at - self.arrival,
+            "latency_s": end - self.arrival,
+            "mean_inter_token_s": float(gaps.mean()) if gaps.size else None,
+        }
+
+
+@dataclasses.dataclass
+class StepEvent:
+    request: Request
+    new_tokens: list[int]
+    finished: bool
+
+
+class Engine:
+    def __init__(self, target: Target, config: EngineConfig | None = None,
+                 progress: Callable[[str, float], None] | None = None):
+        self.target = target
+        self.config = cfg = config or EngineConfig()
+        tc = target.config
+        if cfg.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
+        groups = sorted({tc.layers[i].layer_type for i in tc.store_layers.values()})
+        num_pages = cfg.num_pages
+        if num_pages is None:
+            probe = make_layout(tc, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
+                                num_pages={g: 1 << 30 for g in groups})
+            num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + 1 for g in groups}
+        self.layout: KVLayout = make_layout(tc, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
+                                            num_pages=num_pages)
+        self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
+        self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
+        self.pages = init_pages(tc, self.layout, self.cache_dtype)
+        self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.eos_ids = self._eos_ids()
+        self.compile_times: dict[str, float] = {}
+        if cfg.compile_at_start:
+            self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
+
+    def _eos_ids(self) -> frozenset[int]:
+        eos = self.target.generation_config.get("eos_token_id", self.target.config.eos_token_ids)
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                    stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> Request:
+        V = self.target.config.vocab_size
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+        if max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        total = len(prompt) + max_new_tokens
+        if total > self.config.max_model_len:
+            raise RequestError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                               f"max_model_len={self.config.max_model_len}")
+        for g, alloc in self.allocators.items():
+            if self.layout.pages_needed(g, total) > alloc.capacity:
+                raise RequestError(f"request needs {self.layout.pages_needed(g, total)} '{g}' pages; the pool has "
+                                   f"{alloc.capacity}")
+        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling or SamplingParams(),
+                      self.eos_ids if stop_ids is None else frozenset(stop_ids))
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, request: Request) -> None:
+        if request.finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "cancelled")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pages_in_use(self) -> dict[str, int]:
+        return {g: a.num_used for g, a in self.allocators.items()}
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason, req.finished_at = "finished", reason, time.perf_counter()
+        for g, pages in req.pages.items():
+            self.allocators[g].free(pages)
+        req.pages = {}
+        if req in self.running:
+            self.running.remove(req)
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            total = len(req.prompt) + req.max_new_tokens
+            need = {g: self.layout.pages_needed(g, total) for g in self.allocators}
+            if any(need[g] > a.num_free for g, a in self.allocators.items()):
+                break  # first come, first served: wait for pages to free up
+            self.waiting.popleft()
+            req.pages = {g: self.allocators[g].allocate(n) for g, n in need.items()}
+            req.status = "running"
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    # ------------------------------------------------------------------ host -> device arrays
+    def _tables(self, reqs: list[Request], batch: int) -> dict[str, np.ndarray]:
+        out = {}
+        for g, width in self.layout.pages_per_seq:
+            t = np.full((batch, width), NULL_PAGE, np.int32)
+            for r, req in enumerate(reqs):
+                t[r, : len(req.pages[g])] = req.pages[g]
+            out[g] = t
+        return out
+
+    def _bucket(self, buckets: list[int], n: int) -> int:
+        for b in buckets:
+            if b >= n:
+                return b
+        raise AssertionError(f"no bucket for {n} (buckets {buckets})")
+
+    # ------------------------------------------------------------------ steps
+    def _prefill(self, req: Request) -> int:
+        chunk = self.config.prefill_chunk
+        buckets = self.config.prefill_buckets()
+        tables = self._tables([req], 1)
+        sampling = SamplingBatch.from_params([req.sampling], 1)
+        token = None
+        for start in range(0, len(req.prompt), chunk):
+            piece = req.prompt[start : start + chunk]
+            T = self._bucket(buckets, len(piece))
+            tokens = np.zeros((1, T), np.int32)
+            positions = np.full((1, T), -1, np.int32)
+            tokens[0, : len(piece)] = piece
+            positions[0, : len(piece)] = np.arange(start, start + len(piece))
+            fn = self.steps.compile_prefill(1, T)
+            self.pages, token, _ = fn(self.target.params, self.pages, tokens, positions, tables,
+                                      np.array([len(piece) - 1], np.int32), sampling)
+        return int(np.asarray(token)[0])
+
+    def _decode(self, reqs: list[Request]) -> list[int]:
+        B = self._bucket(self.config.batch_buckets(), len(reqs))
+        tokens = np.zeros((B,), np.int32)
+        positions = np.full((B,), -1, np.int32)
+        for r, req in enumerate(reqs):
+            tokens[r] = req.output[-1]
+            positions[r] = len(req.prompt) + len(req.output) - 1
+        fn = self.steps.compile_decode(B)
+        self.pages, nxt = fn(self.target.params, self.pages, tokens, positions, self._tables(reqs, B),
+                             SamplingBatch.from_params([r.sampling for r in reqs], B))
+        return [int(t) for t in np.asarray(nxt)[: len(reqs)]]
+
+    def _append(self, req: Request, tokens: list[int], now: float) -> list[int]:
+        kept = []
+        for t in tokens:
+            req.output.append(t)
+            req.token_times.append(now)
+            kept.append(t)
+            if t in req.stop_ids:
+                self._finish(req, "stop")
+                break
+            if len(req.output) >= req.max_new_tokens:
+                self._finish(req, "length")
+                break
+        if req.first_token_at is None and kept:
+            req.first_token_at = now
+        return kept
+
+    def step(self) -> list[StepEvent]:
+        """Admit what fits, prefill the newly admitted, then one decode step for the others."""
+        events = []
+        decoding = [r for r in self.running if r.output]
+        for req in self._admit():
+            token = self._prefill(req)
+            events.append(StepEvent(req, self._append(req, [token], time.perf_counter()), req.finished))
+        if decoding:
+            new = self._decode(decoding)
+            now = time.perf_counter()
+            for req, t in zip(decoding, new):
+                events.append(StepEvent(req, self._append(req, [t], now), req.finished))
+        return events
+
+    def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:
+        while self.has_work:
+            for ev in self.step():
+                if on_event:
+                    on_event(ev)

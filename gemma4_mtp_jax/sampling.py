@@ -1,0 +1,99 @@
+"""Per-request sampling inside the jitted step: greedy, temperature, top-k, top-p, seeded.
+
+Every request carries its own parameters as rows of small arrays, so one compiled program serves any mix of
+greedy and sampled requests. A request's random key is derived from its seed and the position being
+sampled, so its samples do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks for. temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= int(self.seed) < 2**32:
+            raise ValueError(f"seed must be in [0, 2^32), got {self.seed}")
+
+
+@flax.struct.dataclass
+class SamplingBatch:
+    """Rows of per-request parameters, padded to the batch bucket."""
+
+    temperature: Array  # [B] float32
+    top_k: Array  # [B] int32
+    top_p: Array  # [B] float32
+    seed: Array  # [B] uint32
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], batch: int) -> "SamplingBatch":
+        pad = batch - len(params)
+        rows = list(params) + [SamplingParams()] * pad
+        return SamplingBatch(
+            temperature=np.array([p.temperature for p in rows], np.float32),
+            top_k=np.array([p.top_k for p in rows], np.int32),
+            top_p=np.array([p.top_p for p in rows], np.float32),
+            seed=np.array([0 if p.seed is None else p.seed for p in rows], np.uint32),
+        )
+
+
+def filter_logits(logits: Array, top_k: Array, top_p: Array) -> Array:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. logits [B, V] float32.
+
+    The nucleus keeps the smallest set of highest-probability tokens whose mass reaches top_p (the token that
+    crosses the threshold included), computed after top-k, as in transformers' TopK then TopP warpers.
+    """
+    V = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1)  # stable: ties keep vocabulary order
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (mass_before < top_p[:, None]) | (rank == 0)
+    masked_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(masked_sorted, inverse, axis=-1)
+
+
+def request_keys(seed: Array, position: Array) -> Array:
+    """One PRNG key per row from (request seed, position of the token being sampled)."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, position)
+
+
+def sample(logits: Array, params: SamplingBatch, position: Array) -> Array:
+    """Next token per row [B] int32: argmax where temperature == 0, else a draw from the filtered softmax."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
+        filtered = filter_logits(logits / temp[:, None], params.top_k, params.top_p)
+        keys = request_keys(params.seed, position)
+        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
+        return jnp.where(params.temperature > 0, drawn, greedy)
+
+    # The vocabulary sort costs real time at V = 262144: skip it when the whole batch is greedy.
+    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)

@@ -1,0 +1,130 @@
+"""The compiled steps of the target over the paged KV state: prefill chunks and decode.
+
+Each step is one XLA program per shape bucket, compiled ahead of time; the KV pages are donated and come back
+updated in place. The host passes small arrays only (tokens, positions, page tables, sampling rows) and reads
+back the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from gemma4_mtp_jax.api import Target
+from gemma4_mtp_jax.kv_state import KVLayout, PagedKV, abstract_pages, owning_layers
+from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.sampling import SamplingBatch, sample
+
+Array = jax.Array
+log = logging.getLogger(__name__)
+
+
+def _layer_groups(target: Target) -> dict[int, str]:
+    return {i: target.config.layers[i].layer_type for i in owning_layers(target.config)}
+
+
+def make_kv_view(target: Target, layout: KVLayout, pages, tables, positions: Array, *, prefill: bool,
+                 attention_impl: str) -> PagedKV:
+    start = jnp.maximum(positions[:, 0], 0)
+    return PagedKV(pages=pages, tables=tables, positions=positions, start=start, layer_group=_layer_groups(target),
+                   page_size=layout.page_size, ring_pages=layout.ring_pages("sliding_attention")
+                   if "sliding_attention" in dict(layout.pages_per_seq) else None,
+                   prefill=prefill, attention_impl=attention_impl)
+
+
+def forward_paged(target: Target, layout: KVLayout, params, pages, tokens: Array, positions: Array, tables,
+                  *, prefill: bool, attention_impl: str):
+    """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages)."""
+    kv = make_kv_view(target, layout, pages, tables, positions, prefill=prefill, attention_impl=attention_impl)
+    _, hidden, kv = target.module.apply({"params": params}, tokens, positions, kv, logits=False)
+    return hidden, kv.pages
+
+
+def lm_logits(target: Target, params, hidden: Array) -> Array:
+    return target.module.apply({"params": params}, hidden, method=Gemma4Target.lm_logits)
+
+
+def prefill_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
+                 last_index, sampling: SamplingBatch):
+    """One prompt chunk per row. Writes its K/V and samples from the logits at `last_index` (the row's last
+    real token; only meaningful on a prompt's final chunk). Returns (pages, token [B], hidden at last [B, H])."""
+    hidden, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, prefill=True,
+                                  attention_impl=attention_impl)
+    rows = jnp.arange(tokens.shape[0])
+    h_last = hidden[rows, last_index]
+    logits = lm_logits(target, params, h_last)
+    next_pos = positions[rows, last_index] + 1
+    return pages, sample(logits, sampling, next_pos), h_last
+
+
+def decode_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
+                sampling: SamplingBatch):
+    """One token per row: tokens, positions [B] (-1 = padding row). Returns (pages, next token [B])."""
+    hidden, pages = forward_paged(target, layout, params, pages, tokens[:, None], positions[:, None], tables,
+                                  prefill=False, attention_impl=attention_impl)
+    logits = lm_logits(target, params, hidden[:, 0])
+    return pages, sample(logits, sampling, positions + 1)
+
+
+@dataclasses.dataclass
+class CompiledSteps:
+    """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, decode per batch bucket."""
+
+    target: Target
+    layout: KVLayout
+    cache_dtype: Any
+    attention_impl: str = "auto"
+    prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    decode: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def _abstract(self, batch: int, tokens: int | None):
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
+        sampling = SamplingBatch(
+            temperature=jax.ShapeDtypeStruct((batch,), jnp.float32),
+            top_k=i32(batch),
+            top_p=jax.ShapeDtypeStruct((batch,), jnp.float32),
+            seed=jax.ShapeDtypeStruct((batch,), jnp.uint32),
+        )
+        params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.target.params)
+        pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
+        if tokens is None:
+            return params, pages, i32(batch), i32(batch), tables, sampling
+        return params, pages, i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling
+
+    def _compile(self, fn: Callable, args) -> Any:
+        return jax.jit(fn, donate_argnums=(1,)).lower(*args).compile()
+
+    def compile_prefill(self, batch: int, tokens: int) -> Any:
+        if (batch, tokens) not in self.prefill:
+            fn = lambda *a: prefill_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
+            self.prefill[(batch, tokens)] = self._compile(fn, self._abstract(batch, tokens))
+        return self.prefill[(batch, tokens)]
+
+    def compile_decode(self, batch: int) -> Any:
+        if batch not in self.decode:
+            fn = lambda *a: decode_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
+            self.decode[batch] = self._compile(fn, self._abstract(batch, None))
+        return self.decode[batch]
+
+    def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None) -> dict[str, float]:
+        """Compile every bucket now (start-up), so that serving never compiles. Returns seconds per program."""
+        times = {}
+        jobs = [("prefill", 1, t) for t in prefill_buckets] + [("decode", b, None) for b in batch_buckets]
+        for kind, b, t in jobs:
+            t0 = time.perf_counter()
+            if kind == "prefill":
+                self.compile_prefill(b, t)
+                name = f"prefill[1x{t}]"
+            else:
+                self.compile_decode(b)
+                name = f"decode[{b}]"
+            times[name] = time.perf_counter() - t0
+            if progress:
+                progress(name, times[name])
+        return times
