@@ -43,9 +43,13 @@ class CentroidHead(nn.Module):
 
 
 def scatter_sparse_logits(logits: Array, ids: Array, vocab_size: int) -> Array:
-    """Full-vocab logits as transformers builds them: unselected tokens get min(selected, whole batch) - 1."""
-    fill = jnp.min(logits) - 1.0
-    full = jnp.full((logits.shape[0], vocab_size), fill, logits.dtype)
+    """Full-vocab logits as transformers builds them: unselected tokens get min(selected) - 1.
+
+    transformers takes the min over the whole batch, but its drafter only ever runs one sequence; per row keeps
+    a sequence's draft distribution independent of its batch neighbours and equals transformers at batch 1.
+    """
+    fill = jnp.min(logits, axis=-1, keepdims=True) - 1.0
+    full = jnp.broadcast_to(fill, (logits.shape[0], vocab_size)).astype(logits.dtype)
     return full.at[jnp.arange(logits.shape[0])[:, None], ids].set(logits)
 
 

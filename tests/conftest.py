@@ -1,0 +1,70 @@
+"""Shared pytest fixtures.
+
+JAX runs on the CPU in float32 for the test-suite: JAX_PLATFORMS is set to "cpu" before anything imports jax (set
+GEMMA4_TEST_JAX_PLATFORMS to run the suite elsewhere, e.g. "cuda"), and jax_enable_x64 stays off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = os.environ.get("GEMMA4_TEST_JAX_PLATFORMS", "cpu")
+os.environ["JAX_ENABLE_X64"] = "0"
+
+import pytest  # noqa: E402
+
+_TESTS_DIR = Path(__file__).resolve().parent
+for _p in (_TESTS_DIR, _TESTS_DIR.parent):  # hf_tiny; the working tree's gemma4_mtp_jax / checkpoints_convert
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory) -> dict:
+    """{family: {"target": Path, "assistant": Path[, "target_multimodal" | "target_sharded": Path]}} for the tiny
+    random transformers-built checkpoints of hf_tiny.py (families "e2b", "a26b", "b31b"); built once per session."""
+    import hf_tiny  # torch + transformers: imported only by the tests that need them
+
+    root = tmp_path_factory.mktemp("hf_tiny")
+    t0 = time.time()
+    paths = hf_tiny.build_all(root)
+    print(f"\n[hf_tiny] built tiny checkpoints in {time.time() - t0:.2f}s under {root}")
+    return paths
+
+
+class _LazyModels:
+    """Session cache of loaded JAX models: key (path, kind, dtype) -> model."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def _get(self, kind: str, path, dtype: str):
+        key = (str(path), kind, dtype)
+        if key not in self._cache:
+            import hf_tiny
+
+            g = hf_tiny.import_gemma4_mtp_jax()
+            load = g.load_target if kind == "target" else g.load_assistant
+            self._cache[key] = load(str(path), dtype=dtype)
+        return self._cache[key]
+
+    def target(self, path, dtype: str = "float32"):
+        return self._get("target", path, dtype)
+
+    def assistant(self, path, dtype: str = "float32"):
+        return self._get("assistant", path, dtype)
+
+
+@pytest.fixture(scope="session")
+def jax_models() -> _LazyModels:
+    """`jax_models.target(path, dtype)` / `jax_models.assistant(path, dtype)`, each loaded once per session."""
+    return _LazyModels()

@@ -1,0 +1,171 @@
+"""`python -m checkpoints_convert`: HF safetensors -> Orbax, checked against loading the HF directory directly.
+
+Every converted array must equal the one `load_target` / `load_assistant` gives for the HF directory, bit for bit
+and dtype for dtype; user errors exit with status 2 and a one-line message (no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import hf_tiny
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert", *args],
+        cwd=str(REPO),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def _user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error: "), err
+    assert len([ln for ln in lines if ln.startswith("error: ")]) == 1, err
+    for n in needles:
+        assert n in lines[-1], (n, lines[-1])
+    return lines[-1]
+
+
+def _flat(params) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _assert_identical(got_params, want_params) -> None:
+    got, want = _flat(got_params), _flat(want_params)
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype, (k, g.dtype, w.dtype)
+        assert g.shape == w.shape, (k, g.shape, w.shape)
+        assert np.array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8)), k
+
+
+def _loader(kind: str):
+    g = hf_tiny.import_gemma4_mtp_jax()
+    return g.load_target if kind == "target" else g.load_assistant
+
+
+def _convert_and_compare(src: Path, out: Path, kind: str, dtype: str | None) -> dict:
+    args = ["--hf", str(src), "--out", str(out)] + ([] if dtype is None else ["--dtype", dtype])
+    proc = _run(*args)
+    _ok(proc)
+    assert "[convert] done:" in proc.stdout, proc.stdout
+    load = _loader(kind)
+    kw = {} if dtype is None else {"dtype": dtype}
+    want = load(str(src), **kw)
+    got = load(str(out), **kw)
+    _assert_identical(got.params, want.params)
+    assert got.config == want.config
+    # converted checkpoint remembers its dtype: loading it with no dtype gives the same arrays
+    if dtype is not None:
+        _assert_identical(load(str(out)).params, want.params)
+    meta = json.loads((out / "gemma4_mtp_jax.json").read_text())
+    assert meta["kind"] == kind
+    assert meta["num_tensors"] == len(_flat(want.params))
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).exists():
+            assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    return meta
+
+
+@pytest.mark.parametrize("family", hf_tiny.FAMILIES)
+@pytest.mark.parametrize("kind", ["target", "assistant"])
+def test_convert_matches_hf(tiny_ckpts, tmp_path, family, kind):
+    src = Path(tiny_ckpts[family][kind])
+    meta = _convert_and_compare(src, tmp_path / "out", kind, None)
+    assert meta["dtype"] == "float32"  # the tiny checkpoints are float32
+
+
+@pytest.mark.parametrize("kind", ["target", "assistant"])
+def test_convert_bfloat16(tiny_ckpts, tmp_path, kind):
+    src = Path(tiny_ckpts["e2b"][kind])
+    meta = _convert_and_compare(src, tmp_path / "out", kind, "bfloat16")
+    assert meta["dtype"] == "bfloat16"
+    assert set(meta["bytes_by_dtype"]) <= {"bfloat16", "int32"}
+
+
+@pytest.mark.parametrize("layout", ["target_multimodal", "target_sharded"])
+def test_convert_other_layouts(tiny_ckpts, tmp_path, layout):
+    family = "e2b" if layout == "target_multimodal" else "a26b"
+    _convert_and_compare(Path(tiny_ckpts[family][layout]), tmp_path / "out", "target", None)
+
+
+def test_refuses_nonempty_out_then_force(tiny_ckpts, tmp_path):
+    src = Path(tiny_ckpts["b31b"]["assistant"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    _user_error(_run("--hf", str(src), "--out", str(out)), "--force", str(out.name))
+    _ok(_run("--hf", str(src), "--out", str(out), "--force"))
+    _ok(_run("--hf", str(src), "--out", str(out), "--force", "--dtype", "bfloat16"))
+    assert json.loads((out / "gemma4_mtp_jax.json").read_text())["dtype"] == "bfloat16"
+    assert (out / "keep.txt").exists()
+
+
+def test_missing_dir(tmp_path):
+    missing = tmp_path / "does_not_exist"
+    line = _user_error(_run("--hf", str(missing), "--out", str(tmp_path / "out")), str(missing))
+    assert "no such directory" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_model_type(tiny_ckpts, tmp_path):
+    src = tmp_path / "llama"
+    shutil.copytree(tiny_ckpts["e2b"]["target"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (src / "config.json").write_text(json.dumps(cfg))
+    _user_error(_run("--hf", str(src), "--out", str(tmp_path / "out")), "model_type 'llama'", "gemma4_assistant")
+
+
+def test_no_config(tmp_path):
+    (tmp_path / "src").mkdir()
+    _user_error(_run("--hf", str(tmp_path / "src"), "--out", str(tmp_path / "out")), "config.json")
+
+
+def test_truncated_weights(tiny_ckpts, tmp_path):
+    src = tmp_path / "trunc"
+    shutil.copytree(tiny_ckpts["e2b"]["assistant"], src)
+    f = src / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    _user_error(_run("--hf", str(src), "--out", str(tmp_path / "out")), str(f), "truncated")
+
+
+def test_already_converted(tiny_ckpts, tmp_path):
+    out = tmp_path / "out"
+    _ok(_run("--hf", str(tiny_ckpts["e2b"]["assistant"]), "--out", str(out)))
+    _user_error(_run("--hf", str(out), "--out", str(tmp_path / "again")), "already")
+
+
+def test_help():
+    proc = _run("--help")
+    _ok(proc)
+    for flag in ("--hf", "--out", "--dtype", "--force", "bfloat16", "float32"):
+        assert flag in proc.stdout
