@@ -18,7 +18,7 @@ import numpy as np
 
 from gemma4_mtp_jax.config import FULL, SLIDING
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 _SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 _BYTE_OFFSET = len(_SPECIALS)
 VOCAB = 512  # specials, 256 bytes, unused ids up to a multiple of the centroid count
@@ -86,7 +86,7 @@ def default_root() -> Path:
 
 
 def _tokenizer_json() -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
@@ -99,6 +99,7 @@ def _tokenizer_json() -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     return tok.to_str()
 
 
@@ -201,7 +202,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
-    ids = [2] + tok.encode(args.prompt).ids
+    ids = tok.encode(args.prompt).ids
     out = g.target_forward(target, np.array([ids]))
     bonus = int(jnp.argmax(out.logits[0, -1]))
     kv = out.store_kv

@@ -75,6 +75,11 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
+    # Speculative decoding: drafts proposed / accepted, acceptance by draft position, accepted count per round.
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_per_round: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -112,10 +117,10 @@ class Engine:
         num_pages = cfg.num_pages
         if num_pages is None:
             probe = make_layout(tc, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
-                                num_pages={g: 1 << 30 for g in groups})
+                                num_pages={g: 1 << 30 for g in groups}, prefill_chunk=cfg.prefill_chunk)
             num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + 1 for g in groups}
         self.layout: KVLayout = make_layout(tc, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
-                                            num_pages=num_pages)
+                                            num_pages=num_pages, prefill_chunk=cfg.prefill_chunk)
         self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
         self.pages = init_pages(tc, self.layout, self.cache_dtype)

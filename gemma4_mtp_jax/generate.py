@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m gemma4_mtp_jax.generate",
         description="Generate with a Gemma 4 checkpoint; prints JSON with the tokens and stats of each prompt.",
     )
-    ap.add_argument("--ckpt", required=True, help="target checkpoint: HF directory, converted Orbax directory, or hub id")
+    ap.add_argument("--ckpt", default="demo",
+                    help="target checkpoint: HF directory, converted Orbax directory, hub id, or 'demo' (default): "
+                         "a small random-weight pair the project builds itself")
     ap.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     ap.add_argument("--prompt-ids", action="append", type=_parse_ids, default=[],
                     help="a prompt as comma-separated token ids, e.g. 2,651,1234 (repeat for a batch)")
@@ -102,7 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.prompt and not args.prompt_ids:
             raise RequestError("give at least one --prompt or --prompt-ids")
         t0 = time.perf_counter()
-        target = load_target(args.ckpt, args.dtype)
+        ckpt = args.ckpt
+        if ckpt == "demo":
+            from gemma4_mtp_jax.demo import build_demo
+
+            ckpt = build_demo()[0]
+            info(f"demo checkpoint (random weights): {ckpt}")
+        target = load_target(ckpt, args.dtype)
         info(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s")
         tok = load_tokenizer(target.path)
         prompts = [list(p) for p in args.prompt_ids]

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
-from gemma4_mtp_jax.model.attention import causal_window_mask, dot_product_attention
 
 Array = jax.Array
 NULL_PAGE = 0
@@ -56,13 +55,14 @@ class KVLayout:
 
 
 def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_pages: dict[str, int],
-                num_speculative_tokens: int = 0) -> KVLayout:
+                num_speculative_tokens: int = 0, prefill_chunk: int = 1) -> KVLayout:
     groups = sorted({cfg.layers[i].layer_type for i in cfg.store_layers.values()})
     widths = {}
     for g in groups:
         if g == SLIDING:
-            # The drafter reads P-1-W..P-1 while the verify step writes up to P+k: W + k + 2 slots.
-            slots = cfg.sliding_window + num_speculative_tokens + 2
+            # The drafter reads P-1-W..P-1 while the verify step writes up to P+k: W + k + 2 slots; a prefill
+            # chunk of T tokens is written before its first query reads back W-1 keys: W + T slots.
+            slots = cfg.sliding_window + max(num_speculative_tokens + 2, prefill_chunk)
             widths[g] = min(math.ceil(slots / page_size), math.ceil(max_model_len / page_size))
         else:
             widths[g] = math.ceil(max_model_len / page_size)
@@ -111,51 +111,24 @@ def write_kv(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset
     return kp, vp
 
 
-def context_positions(table_width: int, page_size: int, start: Array, ring_pages: int | None) -> Array:
-    """Positions held by each slot of a sequence's pages before writing at `start` [B]: [B, width*page_size].
-
-    Full layers: slot j holds position j. A ring of C slots: slot s holds the newest position p < start with
-    p = s (mod C). Slots holding nothing yet (p < 0 or p >= start) get -1... encoded as a huge value so that
-    no causal mask ever admits them.
-    """
-    S = table_width * page_size
-    slot = jnp.arange(S, dtype=jnp.int32)[None, :]
-    start = start[:, None]
-    if ring_pages is None:
-        pos = jnp.broadcast_to(slot, (start.shape[0], S))
-    else:
-        pos = start - 1 - jnp.mod(start - 1 - slot, S)
-    return jnp.where((pos >= 0) & (pos < start), pos, jnp.iinfo(jnp.int32).max)
-
-
-def gather_pages(pages: Array, table: Array) -> Array:
-    """[nKV, P, page, D] pool + [B, n] table -> [B, n*page, nKV, D] dense copy of the sequences' pages."""
-    g = jnp.take(pages, table, axis=1)  # [nKV, B, n, page, D]
-    nKV, B, n, ps, D = g.shape
-    return jnp.moveaxis(g.reshape(nKV, B, n * ps, D), 0, 2)
-
-
 @flax.struct.dataclass
 class PagedKV:
     """The KV view (see model/attention.py) over the paged state, for one forward over tokens [B, T].
 
-    Decode/verify (`prefill=False`, T <= k+1): the new K/V are written first, then attention reads the pages
-    in place (Pallas kernel on GPU). Prefill chunks (`prefill=True`): attention reads the context that was in
-    the pages before the chunk (gathered; prefill is compute-bound) plus the chunk's own K/V, so a chunk may be
-    longer than the sliding ring's slack.
+    `store` writes the new K/V into the pages first; `attend` then reads the pages in place. Decode and verify
+    (T <= k+1) go through the paged-attention kernel on GPU; prefill chunks use its plain-XLA twin (they are
+    compute-bound, and gathering one sequence's pages is cheap next to the chunk's matmuls). Writing before
+    reading is what keeps the update in place; it is safe because a sliding ring holds W + max(k+2, chunk)
+    slots, so a forward's own writes never evict a key one of its queries still needs.
     """
 
     pages: dict[int, tuple[Array, Array]]
     tables: dict[str, Array]  # group -> [B, width] page ids
     positions: Array  # [B, T], -1 for padding
-    start: Array  # [B] position of the first token of this forward (the committed length before it)
     layer_group: dict[int, str] = flax.struct.field(pytree_node=False)
     page_size: int = flax.struct.field(pytree_node=False)
     ring_pages: int | None = flax.struct.field(pytree_node=False)
-    prefill: bool = flax.struct.field(pytree_node=False)
     attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
-    new: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
-    before: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
 
     def _ring(self, group: str) -> int | None:
         return self.ring_pages if group == SLIDING else None
@@ -163,28 +136,12 @@ class PagedKV:
     def store(self, layer: int, k: Array, v: Array) -> "PagedKV":
         group = self.layer_group[layer]
         page, offset = page_slots(self.tables[group], self.positions, self.page_size, self._ring(group))
-        written = write_kv(self.pages[layer], k, v, page, offset)
-        return self.replace(
-            pages={**self.pages, layer: written},
-            new={**self.new, layer: (k, v)},
-            before={**self.before, layer: self.pages[layer]},
-        )
+        return self.replace(pages={**self.pages, layer: write_kv(self.pages[layer], k, v, page, offset)})
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
-        group = self.layer_group[layer]
-        table = self.tables[group]
-        if self.prefill:
-            kp, vp = self.before[layer]
-            k_ctx, v_ctx = gather_pages(kp, table), gather_pages(vp, table)
-            ctx_pos = context_positions(table.shape[1], self.page_size, self.start, self._ring(group))
-            k_new, v_new = self.new[layer]
-            k = jnp.concatenate([k_ctx, k_new.astype(k_ctx.dtype)], axis=1)
-            v = jnp.concatenate([v_ctx, v_new.astype(v_ctx.dtype)], axis=1)
-            new_pos = jnp.where(self.positions >= 0, self.positions, jnp.iinfo(jnp.int32).max)
-            k_pos = jnp.concatenate([ctx_pos, new_pos], axis=1)
-            return dot_product_attention(q, k, v, causal_window_mask(q_pos, k_pos, window))
         from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 
+        group = self.layer_group[layer]
         kp, vp = self.pages[layer]
-        return attend_paged(q, kp, vp, table, q_pos, window=window, ring_pages=self._ring(group),
+        return attend_paged(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
                             impl=self.attention_impl)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.api import Target
+from gemma4_mtp_jax.config import SLIDING
 from gemma4_mtp_jax.kv_state import KVLayout, PagedKV, abstract_pages, owning_layers
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.sampling import SamplingBatch, sample
@@ -30,11 +31,11 @@ def _layer_groups(target: Target) -> dict[int, str]:
 
 def make_kv_view(target: Target, layout: KVLayout, pages, tables, positions: Array, *, prefill: bool,
                  attention_impl: str) -> PagedKV:
-    start = jnp.maximum(positions[:, 0], 0)
-    return PagedKV(pages=pages, tables=tables, positions=positions, start=start, layer_group=_layer_groups(target),
-                   page_size=layout.page_size, ring_pages=layout.ring_pages("sliding_attention")
-                   if "sliding_attention" in dict(layout.pages_per_seq) else None,
-                   prefill=prefill, attention_impl=attention_impl)
+    groups = dict(layout.pages_per_seq)
+    return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(target),
+                   page_size=layout.page_size,
+                   ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
+                   attention_impl="xla" if prefill else attention_impl)
 
 
 def forward_paged(target: Target, layout: KVLayout, params, pages, tokens: Array, positions: Array, tables,

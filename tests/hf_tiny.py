@@ -223,17 +223,19 @@ def align_for_acceptance_(target, assistant, alpha_t: float, alpha_a: float = 0.
         me.centroids.weight.copy_(assistant.model.embed_tokens.weight[clusters].mean(1))
 
 
-def make_models(family: str):
-    """Fresh (target, assistant) torch models with the family's deterministic random weights."""
+def make_models(family: str, align: bool = True, std: float = 0.2):
+    """Fresh (target, assistant) torch models with the family's deterministic random weights; `align=False` skips
+    the acceptance alignment (the target then generates varied text instead of mostly repeating tokens)."""
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
     tcfg, acfg = make_configs(family)
     target = Gemma4ForCausalLM(tcfg).eval()
     assistant = Gemma4AssistantForCausalLM(acfg).eval()
     seed = SEEDS[family]
-    randomize_(target, seed)
-    randomize_(assistant, seed + 1)
-    align_for_acceptance_(target, assistant, alpha_t=ALIGN_ALPHA[family], seed=seed + 2)
+    randomize_(target, seed, std=std)
+    randomize_(assistant, seed + 1, std=std)
+    if align:
+        align_for_acceptance_(target, assistant, alpha_t=ALIGN_ALPHA[family], seed=seed + 2)
     return target, assistant
 
 
@@ -264,6 +266,14 @@ def build_pair(family: str, out_dir: Path) -> dict:
         assistant.generation_config.suppress_tokens = list(E2B_SUPPRESS_TOKENS)
     _quiet_save(assistant, adir)
     return {"target": tdir, "assistant": adir}
+
+
+def build_plain_target(family: str, out_dir: Path) -> Path:
+    """The family's target without the acceptance alignment and with smaller weights (std 0.1, at which greedy text
+    stays varied; at 0.2 the MoE family collapses onto one repeated token), for generation tests."""
+    target, _ = make_models(family, align=False, std=0.1)
+    _quiet_save(target, Path(out_dir))
+    return Path(out_dir)
 
 
 def _released_style_text_config(tcfg) -> dict:
@@ -356,6 +366,7 @@ def build_all(root: Path) -> dict:
     out = {}
     for fam in FAMILIES:
         out[fam] = build_pair(fam, root / fam)
+        out[fam]["target_plain"] = build_plain_target(fam, root / fam / "target_plain")
     out["e2b"]["target_multimodal"] = build_multimodal_target("e2b", root / "e2b" / "target_multimodal")
     out["a26b"]["target_sharded"] = build_sharded_target("a26b", root / "a26b" / "target_sharded")
     return out

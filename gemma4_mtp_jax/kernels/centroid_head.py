@@ -1,0 +1,367 @@
+"""The centroid-masked LM head of the E2B/E4B assistants: fused sparse gather-dot + argmax / sparse logits.
+
+transformers' `Gemma4AssistantMaskedEmbedder` (reference/gemma4_architecture.md §4.4) scores C token clusters
+("centroids"), keeps the top-K, and computes logits only for the V/C tokens of each kept cluster. The head's rows
+are stored permuted by `token_ordering` (done once at load time, see model/assistant.py `CentroidHead`), so
+cluster c is the contiguous rows c*R .. (c+1)*R-1 of `ordered_embedding` (R = V/C) and `token_ordering[row]` is the
+canonical token id of a row. A token's candidates are therefore K contiguous [R, Ha] tiles picked by `top`.
+
+Candidate order and the tie rule (the reference and the kernels implement it identically):
+    candidate j (0 <= j < K*R) of a token is row  top[t, j // R] * R + j % R  of `ordered_embedding`,
+    i.e. top order first (the order `jax.lax.top_k` returns: descending centroid score, lower centroid index
+    first on equal scores), then row order inside the centroid block. The argmax returns the candidate with the
+    largest float32 logit; among equal logits the FIRST candidate in this order wins. Suppressed rows get -inf
+    (if every candidate is suppressed the first candidate is returned, with logit -inf). NaNs are not handled.
+
+Numerics: logits are float32 dot products of hn and the row, both upcast to float32 (bf16 x bf16 products are
+exact in float32, so only the summation order differs between the XLA reference and the kernel, ~1e-7 relative).
+
+Functions:
+    select_centroids(hn, centroids, top_k)                                  -> top [T, K] int32 (plain XLA)
+    centroid_argmax_reference / centroid_argmax                             -> (token [T] int32, logit [T] f32)
+    centroid_sparse_logits_reference / centroid_sparse_logits               -> (logits [T, K*R] f32, ids [T, K*R] i32)
+    centroid_head(..., mode="argmax"|"sparse", impl="auto"|"pallas"|"xla")  -> dispatcher
+
+Pallas kernels (Triton lowering, selected by passing `jax.experimental.pallas.triton.CompilerParams`):
+    grid (T, NP) with NP = K*R / BP chunks of BP rows (BP = `block_rows`, a power of two dividing R). Program
+    (t, p) reads centroid k = p // (R/BP) of token t (a scalar load of top[t, k]) and its rows
+    r0 = (p % (R/BP)) * BP .. r0+BP-1: ONE contiguous [BP, Ha] tile load (BP*Ha*itemsize bytes, 64 KiB at
+    BP=128/Ha=256/bf16), issued whole, so every thread has all its 16-byte loads in flight at once; plus the BP
+    token ids (and suppress flags) of those rows. Logits are an elementwise f32 multiply by hn and a row sum
+    (a GEMV: tensor cores would need a 16-wide N and buy nothing, the work is bandwidth bound).
+    argmax kernel: each program writes its chunk's max logit and the canonical token id of the chunk's FIRST max
+    row (partials [T, NP]); chunks are in candidate order, so a first-occurrence argmax over NP in XLA (one tiny
+    fusion) gives exactly the tie rule above.
+    sparse kernel: each program writes its BP logits and ids into [T, K*R] (candidate order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+try:  # the Triton lowering of Pallas on GPU (deprecated in JAX 0.11, still works in 0.11.2)
+    from jax.experimental.pallas import triton as _pl_triton
+except Exception:  # pragma: no cover - a JAX without the Triton backend
+    _pl_triton = None
+
+__all__ = [
+    "select_centroids",
+    "centroid_argmax_reference",
+    "centroid_argmax",
+    "centroid_sparse_logits_reference",
+    "centroid_sparse_logits",
+    "centroid_head",
+    "default_config",
+    "pallas_supported",
+]
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared: centroid selection (plain XLA)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def select_centroids(hn: Array, centroids: Array, top_k: int) -> Array:
+    """top [T, K] int32: the K best clusters by the raw score hn @ centroids.T (`centroids` is [C, Ha], PyTorch
+    layout). Computed as the assistant's `Linear` does (weight cast to hn's dtype, default precision), so this
+    equals `CentroidHead`'s selection; `jax.lax.top_k` order (descending score, lower index first on ties)."""
+    scores = jnp.einsum("th,ch->tc", hn, centroids.astype(hn.dtype))
+    return jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
+
+
+def _check_shapes(hn, top, ordered_embedding, token_ordering, suppress):
+    if hn.ndim != 2 or top.ndim != 2 or ordered_embedding.ndim != 2:
+        raise ValueError(f"expected hn [T, Ha], top [T, K], ordered_embedding [V, Ha]; got {hn.shape}, {top.shape}, "
+                         f"{ordered_embedding.shape}")
+    T, Ha = hn.shape
+    V = ordered_embedding.shape[0]
+    if ordered_embedding.shape[1] != Ha or top.shape[0] != T:
+        raise ValueError(f"shape mismatch: hn {hn.shape}, top {top.shape}, ordered_embedding {ordered_embedding.shape}")
+    if token_ordering.shape != (V,):
+        raise ValueError(f"token_ordering must be [V={V}], got {token_ordering.shape}")
+    if suppress is not None and suppress.shape != (V,):
+        raise ValueError(f"suppress must be [V={V}] (row order), got {suppress.shape}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# XLA reference
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid):
+    """(logits [T, K*R] f32, ids [T, K*R] i32) in candidate order: gather the K tiles, f32 dot, -inf where suppressed."""
+    T, Ha = hn.shape
+    V = ordered_embedding.shape[0]
+    R = rows_per_centroid
+    C = V // R
+    K = top.shape[1]
+    tiles = jnp.take(ordered_embedding.reshape(C, R, Ha), top, axis=0)  # [T, K, R, Ha]
+    dt = jnp.promote_types(hn.dtype, ordered_embedding.dtype)
+    logits = jnp.einsum(
+        "th,tkrh->tkr", hn.astype(dt), tiles.astype(dt),
+        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
+    ).astype(jnp.float32)
+    ids = jnp.take(token_ordering.reshape(C, R), top, axis=0).astype(jnp.int32)  # [T, K, R]
+    if suppress is not None:
+        sup = jnp.take(suppress.reshape(C, R), top, axis=0).astype(jnp.bool_)
+        logits = jnp.where(sup, _NEG_INF, logits)
+    return logits.reshape(T, K * R), ids.reshape(T, K * R)
+
+
+GEMMA4_VOCAB = 262144
+GEMMA4_ROWS_PER_CENTROID = 128  # E2B/E4B assistants: 262144 tokens in 2048 centroids
+
+
+def _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids):
+    V = ordered_embedding.shape[0]
+    if rows_per_centroid is None:
+        if num_centroids is not None:
+            rows_per_centroid = V // num_centroids
+        elif V == GEMMA4_VOCAB:
+            rows_per_centroid = GEMMA4_ROWS_PER_CENTROID
+        else:
+            raise ValueError(f"V={V}: pass rows_per_centroid (V/C) or num_centroids")
+    if V % rows_per_centroid:
+        raise ValueError(f"V={V} is not a multiple of rows_per_centroid={rows_per_centroid}")
+    return rows_per_centroid
+
+
+def centroid_argmax_reference(hn, top, ordered_embedding, token_ordering, suppress=None, *,
+                              rows_per_centroid=None, num_centroids=None):
+    """(token [T] int32, logit [T] float32): the greedy draft token of the centroid head, plain XLA.
+
+    `top` [T, K] are centroid indices (from `select_centroids`). R = V/C rows per centroid comes from
+    `rows_per_centroid` or `num_centroids`; left out, it is Gemma 4's 128 when V = 262144, an error otherwise
+    (`centroid_head` passes it from the centroid table). Tie rule: see the module docstring."""
+    _check_shapes(hn, top, ordered_embedding, token_ordering, suppress)
+    R = _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids)
+    logits, ids = _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, R)
+    j = jnp.argmax(logits, axis=-1)  # first occurrence of the max = the tie rule
+    tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0]
+    logit = jnp.take_along_axis(logits, j[:, None], axis=-1)[:, 0]
+    return tok.astype(jnp.int32), logit
+
+
+def centroid_sparse_logits_reference(hn, top, ordered_embedding, token_ordering, suppress=None, *,
+                                     rows_per_centroid=None, num_centroids=None):
+    """(logits [T, K*R] float32, ids [T, K*R] int32) in candidate order (top order, then row order), plain XLA.
+    Suppressed rows have logit -inf."""
+    _check_shapes(hn, top, ordered_embedding, token_ordering, suppress)
+    R = _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids)
+    return _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, R)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pallas kernels (Triton lowering)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def default_config(T: int, K: int, R: int, Ha: int, itemsize: int) -> dict:
+    """Launch config {block_rows, num_warps, num_stages} for T tokens.
+
+    Aim for >= ~2 programs per SM of an H200 (132 SMs) so that enough loads are in flight, but keep tiles >= 16
+    rows; tiles of more than 16 KiB get 8 warps (fewer registers per thread for the [BP, Ha] tile).
+    Tuned by benchmarks/bench_centroid_head.py (its sweep prints the best config per T)."""
+    target_programs = 264
+    bp = R
+    while bp > 16 and T * K * (R // bp) < target_programs:
+        bp //= 2
+    bp = max(1, min(bp, R))
+    tile_bytes = bp * Ha * itemsize
+    num_warps = 4 if tile_bytes <= 16384 else 8
+    return dict(block_rows=bp, num_warps=num_warps, num_stages=1)
+
+
+def pallas_supported(hn, ordered_embedding, rows_per_centroid, block_rows=None) -> bool:
+    """Whether the Pallas kernels take these shapes (Triton needs power-of-two tiles)."""
+    Ha = hn.shape[-1]
+    R = rows_per_centroid
+    bp = R if block_rows is None else block_rows
+    return _is_pow2(Ha) and _is_pow2(R) and _is_pow2(bp) and bp <= R and R % bp == 0
+
+
+def _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, *, R, BP):
+    """Shared body: (logits [BP] f32, ids [BP] i32) of program (t, p)'s chunk."""
+    t = pl.program_id(0)
+    p = pl.program_id(1)
+    chunks_per_centroid = R // BP
+    k = p // chunks_per_centroid
+    r0 = (p % chunks_per_centroid) * BP
+    c = top_ref[t, k]  # scalar load: the centroid of this chunk
+    base = c * R + r0  # first row of the chunk in ordered_embedding
+    rows = emb_ref[pl.ds(base, BP), :].astype(jnp.float32)  # [BP, Ha]: one contiguous tile load
+    ids = ord_ref[pl.ds(base, BP)]  # [BP]
+    h = hn_ref[...].astype(jnp.float32)  # [Ha]
+    logits = jnp.sum(rows * h[None, :], axis=1)  # [BP] f32
+    if sup_ref is not None:
+        sup = sup_ref[pl.ds(base, BP)]
+        logits = jnp.where(sup != 0, _NEG_INF, logits)
+    return logits, ids
+
+
+def _argmax_kernel(hn_ref, top_ref, emb_ref, ord_ref, *rest, R, BP, has_suppress):
+    if has_suppress:
+        sup_ref, m_ref, tok_ref = rest
+    else:
+        sup_ref = None
+        m_ref, tok_ref = rest
+    logits, ids = _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, R=R, BP=BP)
+    m = jnp.max(logits)
+    iota = jax.lax.broadcasted_iota(jnp.int32, (BP,), 0)
+    first = jnp.min(jnp.where(logits == m, iota, BP))  # first row of the chunk holding the max
+    tok = jnp.max(jnp.where(iota == first, ids, jnp.iinfo(jnp.int32).min))
+    m_ref[...] = m
+    tok_ref[...] = tok
+
+
+def _sparse_kernel(hn_ref, top_ref, emb_ref, ord_ref, *rest, R, BP, has_suppress):
+    if has_suppress:
+        sup_ref, lg_ref, id_ref = rest
+    else:
+        sup_ref = None
+        lg_ref, id_ref = rest
+    logits, ids = _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, R=R, BP=BP)
+    lg_ref[...] = logits
+    id_ref[...] = ids
+
+
+def _compiler_params(num_warps, num_stages):
+    if _pl_triton is None:
+        return None
+    return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid, num_centroids,
+                   block_rows, num_warps, num_stages):
+    _check_shapes(hn, top, ordered_embedding, token_ordering, suppress)
+    R = _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids)
+    T, Ha = hn.shape
+    K = top.shape[1]
+    cfg = default_config(T, K, R, Ha, jnp.dtype(ordered_embedding.dtype).itemsize)
+    BP = cfg["block_rows"] if block_rows is None else block_rows
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    if not pallas_supported(hn, ordered_embedding, R, BP):
+        raise ValueError(f"Pallas centroid head needs power-of-two Ha ({Ha}), R=V/C ({R}) and block_rows ({BP}) "
+                         f"with block_rows | R; use impl='xla'")
+    NP = K * (R // BP)
+    in_specs = [
+        pl.BlockSpec((None, Ha), lambda t, p: (t, 0)),  # hn row t
+        pl.BlockSpec(top.shape, lambda t, p: (0, 0)),  # top: whole [T, K] (scalar reads)
+        pl.BlockSpec(ordered_embedding.shape, lambda t, p: (0, 0)),  # whole table (dynamic row slices)
+        pl.BlockSpec(token_ordering.shape, lambda t, p: (0,)),
+    ]
+    args = [hn, top.astype(jnp.int32), ordered_embedding, token_ordering.astype(jnp.int32)]
+    if suppress is not None:
+        in_specs.append(pl.BlockSpec(suppress.shape, lambda t, p: (0,)))
+        args.append(suppress)
+    return dict(T=T, K=K, R=R, BP=BP, NP=NP, in_specs=in_specs, args=args,
+                compiler_params=_compiler_params(num_warps, num_stages))
+
+
+@functools.partial(jax.jit, static_argnames=("rows_per_centroid", "num_centroids", "interpret", "block_rows",
+                                             "num_warps", "num_stages"))
+def centroid_argmax(hn, top, ordered_embedding, token_ordering, suppress=None, *, rows_per_centroid=None,
+                    num_centroids=None, interpret=False, block_rows=None, num_warps=None, num_stages=None):
+    """(token [T] int32, logit [T] float32): Pallas version of `centroid_argmax_reference` (same tie rule).
+
+    Partial argmaxes per (token, chunk of `block_rows` rows) from the kernel, combined by a first-occurrence
+    argmax over chunks (XLA). Launch knobs default to `default_config`."""
+    c = _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid, num_centroids,
+                       block_rows, num_warps, num_stages)
+    T, NP = c["T"], c["NP"]
+    kernel = functools.partial(_argmax_kernel, R=c["R"], BP=c["BP"], has_suppress=suppress is not None)
+    m, tok = pl.pallas_call(
+        kernel,
+        grid=(T, NP),
+        in_specs=c["in_specs"],
+        out_specs=[pl.BlockSpec((None, None), lambda t, p: (t, p)),
+                   pl.BlockSpec((None, None), lambda t, p: (t, p))],
+        out_shape=[jax.ShapeDtypeStruct((T, NP), jnp.float32), jax.ShapeDtypeStruct((T, NP), jnp.int32)],
+        compiler_params=c["compiler_params"],
+        interpret=interpret,
+        name="centroid_argmax",
+    )(*c["args"])
+    j = jnp.argmax(m, axis=-1)  # first chunk holding the max = first candidate (chunks are in candidate order)
+    token = jnp.take_along_axis(tok, j[:, None], axis=-1)[:, 0]
+    logit = jnp.take_along_axis(m, j[:, None], axis=-1)[:, 0]
+    return token, logit
+
+
+@functools.partial(jax.jit, static_argnames=("rows_per_centroid", "num_centroids", "interpret", "block_rows",
+                                             "num_warps", "num_stages"))
+def centroid_sparse_logits(hn, top, ordered_embedding, token_ordering, suppress=None, *, rows_per_centroid=None,
+                           num_centroids=None, interpret=False, block_rows=None, num_warps=None, num_stages=None):
+    """(logits [T, K*R] float32, ids [T, K*R] int32) in candidate order: Pallas version of
+    `centroid_sparse_logits_reference`."""
+    c = _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid, num_centroids,
+                       block_rows, num_warps, num_stages)
+    T, K, R, BP, NP = c["T"], c["K"], c["R"], c["BP"], c["NP"]
+    kernel = functools.partial(_sparse_kernel, R=R, BP=BP, has_suppress=suppress is not None)
+    logits, ids = pl.pallas_call(
+        kernel,
+        grid=(T, NP),
+        in_specs=c["in_specs"],
+        out_specs=[pl.BlockSpec((None, BP), lambda t, p: (t, p)),
+                   pl.BlockSpec((None, BP), lambda t, p: (t, p))],
+        out_shape=[jax.ShapeDtypeStruct((T, K * R), jnp.float32), jax.ShapeDtypeStruct((T, K * R), jnp.int32)],
+        compiler_params=c["compiler_params"],
+        interpret=interpret,
+        name="centroid_sparse_logits",
+    )(*c["args"])
+    return logits, ids
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _on_gpu(x) -> bool:
+    try:
+        devs = x.devices()  # a concrete array
+        return all(d.platform in ("gpu", "cuda", "rocm") for d in devs)
+    except Exception:  # a tracer: decide by the default backend
+        return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppress=None, *, mode="argmax",
+                  impl="auto", interpret=False, **launch):
+    """The whole centroid head: select_centroids -> argmax (greedy drafting) or sparse logits (sampled drafting).
+
+    hn [T, Ha]; centroids [C, Ha]; ordered_embedding [V, Ha] (rows permuted by token_ordering); token_ordering [V];
+    suppress: optional [V] bool in row order. mode "argmax" -> (token [T] i32, logit [T] f32);
+    mode "sparse" -> (logits [T, top_k*V/C] f32, ids [T, top_k*V/C] i32).
+    impl "auto": Pallas on GPU (when the shapes suit Triton), XLA elsewhere; "pallas" forces the kernel
+    (with `interpret=True` it runs anywhere); "xla" the reference. `launch` (block_rows, num_warps, num_stages)
+    goes to the kernel."""
+    if mode not in ("argmax", "sparse"):
+        raise ValueError(f"mode must be 'argmax' or 'sparse', got {mode!r}")
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    C = centroids.shape[0]
+    R = ordered_embedding.shape[0] // C
+    top = select_centroids(hn, centroids, top_k)
+    if impl == "auto":
+        use_pallas = (interpret or _on_gpu(hn)) and pallas_supported(hn, ordered_embedding, R,
+                                                                       launch.get("block_rows"))
+    else:
+        use_pallas = impl == "pallas"
+    if use_pallas:
+        fn = centroid_argmax if mode == "argmax" else centroid_sparse_logits
+        return fn(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid=R, interpret=interpret,
+                  **launch)
+    fn = centroid_argmax_reference if mode == "argmax" else centroid_sparse_logits_reference
+    return fn(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid=R)

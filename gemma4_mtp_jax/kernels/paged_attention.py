@@ -1,0 +1,384 @@
+"""Paged attention for decode / verify: a few query tokens per sequence against K/V kept in pages.
+
+Layout (one layer's pool): `k_pages`, `v_pages` are [nKV, num_pages, page_size, D]; `page_table` [B, W] names the
+pages of each sequence. Key position p of sequence b lives in page `page_table[b, p // page_size]` at offset
+`p % page_size`; with a ring of R pages (sliding layers), logical page j lives in `page_table[b, j % R]`, so
+a ring holds the newest N = R * page_size positions (position p in slot p mod N).
+
+Query row t of sequence b (mask position `q_positions[b, t]`, -1 = padding) sees key p iff
+`p <= q_positions[b, t]` and (window is None or `p > q_positions[b, t] - window`); with a ring, additionally
+`p > max_t q_positions[b, t] - N` (older positions have been overwritten; the caller sizes the ring so that this
+never hides a key the window wants: N >= window + Tq + 1). Padding rows give exact zeros.
+
+Two implementations with the same signature:
+
+- `paged_attention_reference`: plain XLA. Gathers each sequence's pages into a dense [B, S, nKV, D] and calls
+  `model.attention.dot_product_attention`. CPU fallback and the test oracle.
+- `paged_attention`: a Pallas kernel (Triton lowering) that reads the pages in place. Grid
+  (batch, kv head, row block, key split). A program holds the Tq*G query rows of the G query heads that share
+  its KV head (rows padded to a power of two >= 16 for the tensor-core dots), walks only the key blocks the rows
+  can see -- [max(0, min_q - window + 1), max_q], a dynamic trip count -- gathers each block's K/V rows through
+  the page table with masked loads (keys outside the visible range are never read), and runs an online softmax
+  in float32. Long contexts split the key range over several programs (flash-decoding), merged afterwards in
+  XLA. Sequences whose rows are all padding run zero iterations.
+
+`attend_paged(..., impl="auto")` picks the kernel on GPU and the reference elsewhere.
+
+Backend notes. The kernel is lowered through Pallas' Triton backend (selected by passing Triton `CompilerParams`;
+deprecated since JAX 0.11 but present in 0.11.2). Everything backend-specific sits in `_triton_compiler_params`,
+`_masked_load` (a predicated gather: the page-table entry and the K/V rows of each key) and `_dot`; the loop
+bounds, masking and online softmax are plain jnp. A Mosaic GPU variant would keep those and replace the
+per-key gather by one `copy_gmem_to_smem` per page (H200 has no TMA gather) feeding 64-row wgmma tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from gemma4_mtp_jax.model.attention import causal_window_mask, dot_product_attention
+
+Array = jax.Array
+
+_NEG = -1e30  # finite "minus infinity" for masked scores (exp(_NEG - m) underflows to 0 for any real m)
+_SQUEEZED = getattr(pl, "squeezed", None)  # pl.squeezed (newer JAX) == None in a block shape (older JAX)
+_H100_SMS = 132  # H100 / H200 streaming multiprocessors: the split heuristic aims at ~2 programs per SM
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (plain XLA)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages):
+    B, Tq, nH, D = q.shape
+    nKV, _, _, Dk = k_pages.shape
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    if Dk != D:
+        raise ValueError(f"head_dim of q ({D}) and of the pages ({Dk}) differ")
+    if nH % nKV:
+        raise ValueError(f"{nH} query heads are not a multiple of {nKV} KV heads")
+    if page_table.ndim != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table {page_table.shape} does not match batch {B}")
+    if q_positions.shape != (B, Tq):
+        raise ValueError(f"q_positions {q_positions.shape} != {(B, Tq)}")
+    if ring_pages is not None and not 0 < ring_pages <= page_table.shape[1]:
+        raise ValueError(f"ring_pages={ring_pages} must be in 1..{page_table.shape[1]} (the page-table width)")
+
+
+def slot_positions(q_positions: Array, num_slots: int, ring: bool) -> Array:
+    """Key position held by each of a sequence's `num_slots` slots: [B, S] (-1 or less: holds nothing visible).
+
+    Without a ring, slot s holds position s. A ring of N slots holds the newest N positions up to the sequence's
+    highest query position hi: slot s holds the largest p <= hi with p = s (mod N).
+    """
+    B = q_positions.shape[0]
+    slot = jnp.arange(num_slots, dtype=jnp.int32)[None, :]
+    if not ring:
+        return jnp.broadcast_to(slot, (B, num_slots))
+    hi = jnp.max(q_positions, axis=1, keepdims=True).astype(jnp.int32)
+    return hi - jnp.mod(hi - slot, num_slots)
+
+
+def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
+                              *, window: int | None = None, ring_pages: int | None = None) -> Array:
+    """Plain-XLA paged attention (see the module docstring). Gathers each sequence's pages into a dense copy."""
+    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages)
+    B, Tq, nH, D = q.shape
+    nKV, num_pages, page_size, _ = k_pages.shape
+    width = page_table.shape[1] if ring_pages is None else ring_pages
+    S = width * page_size
+    table = jnp.clip(page_table[:, :width].astype(jnp.int32), 0, num_pages - 1)  # garbage entries stay in bounds
+
+    def dense(pages):  # [nKV, P, ps, D] -> [B, S, nKV, D]
+        g = jnp.take(pages, table, axis=1, mode="clip")  # [nKV, B, width, ps, D]
+        return jnp.moveaxis(g.reshape(nKV, B, S, D), 0, 2)
+
+    q_positions = q_positions.astype(jnp.int32)
+    k_pos = slot_positions(q_positions, S, ring_pages is not None)
+    allowed = causal_window_mask(q_positions, k_pos, window)
+    allowed &= (k_pos >= 0)[:, None, :] & (q_positions >= 0)[:, :, None]
+    # Slots no query row can see may hold anything (stale pages, NaN): zero them so 0 * garbage stays 0.
+    seen = jnp.any(allowed, axis=1)[:, :, None, None]
+    k = jnp.where(seen, dense(k_pages), 0).astype(q.dtype)
+    v = jnp.where(seen, dense(v_pages), 0).astype(q.dtype)
+    out = dot_product_attention(q, k, v, allowed)
+    has_key = jnp.any(allowed, axis=2)[:, :, None, None]
+    return jnp.where(has_key, out, 0).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tiling of the kernel (resolved from the shapes by `kernel_config`)."""
+
+    block_rows: int  # query rows (t, g) per program: a power of two >= 16
+    block_k: int  # keys per loop iteration: a power of two >= 16
+    k_splits: int  # programs splitting one sequence's key range (flash-decoding); 1 = no split
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kernel_supported(q_shape, k_pages_shape) -> bool:
+    """Whether the Triton kernel can take these shapes (power-of-two head dim and page size, head dim >= 16)."""
+    D = q_shape[-1]
+    page_size = k_pages_shape[2]
+    return _is_pow2(D) and D >= 16 and _is_pow2(page_size)
+
+
+def kernel_config(q_shape, k_pages_shape, page_table_shape, *, window=None, ring_pages=None, block_rows=None,
+                  block_k=None, k_splits=None, num_warps=None, num_stages=None) -> KernelConfig:
+    """Default tiling; any argument given explicitly wins."""
+    B, Tq, nH, D = q_shape
+    nKV, _, page_size, _ = k_pages_shape
+    rows = Tq * (nH // nKV)
+    if block_rows is None:
+        # The float32 accumulator is block_rows x D: keep it <= 64 x 256 (16K floats) per program.
+        block_rows = min(_next_pow2(max(16, rows)), max(16, 16384 // D))
+    if block_k is None:
+        block_k = 64 if D <= 256 else 32
+    if not (_is_pow2(block_rows) and block_rows >= 16 and _is_pow2(block_k) and block_k >= 16):
+        raise ValueError(f"block_rows={block_rows} and block_k={block_k} must be powers of two >= 16")
+    n_row_blocks = -(-rows // block_rows)
+    if k_splits is None:
+        # Static bound on the keys one sequence's rows can see: the window (+ the query span), or the page table.
+        width = page_table_shape[1] if ring_pages is None else ring_pages
+        max_keys = width * page_size
+        if window is not None:
+            max_keys = min(max_keys, window + Tq - 1)
+        max_blocks = -(-max_keys // block_k) + 1
+        programs = B * nKV * n_row_blocks
+        if programs >= _H100_SMS:
+            k_splits = 1
+        else:
+            # ~2 programs per SM; >= 2 key blocks per split; the partial outputs the merge reads back
+            # (k_splits x rows x D) at most ~1/8 of the K/V bytes (max_keys x 2 x D); at most 64 splits.
+            rows_padded = n_row_blocks * block_rows
+            k_splits = max(1, min(-(-2 * _H100_SMS // programs), max_blocks // 2,
+                                  max_keys // (4 * rows_padded), 64))
+    if num_warps is None:
+        num_warps = 4 if block_rows * D <= 8192 else 8
+    if num_stages is None:
+        num_stages = 2
+    return KernelConfig(int(block_rows), int(block_k), int(k_splits), int(num_warps), int(num_stages))
+
+
+def _triton_compiler_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _masked_load(ref, mask, other):
+    """ref[...] with lanes where `mask` is False never read (they give `other`)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.load(ref, mask=mask, other=other)
+
+
+def _dot(a, b, trans_b=False):
+    """a @ b (or a @ b.T) with float32 accumulation."""
+    from jax.experimental.pallas import triton as pltriton
+
+    dot = getattr(pltriton, "dot", None) or pl.dot
+    return dot(a, b, trans_b=trans_b, precision=_precision(a.dtype))
+
+
+def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int, block_k: int,
+                            window: int | None, ring_slots: int | None, ring_pages: int | None,
+                            table_width: int, k_splits: int):
+    """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
+
+    pos_ref [R] int32 row mask positions (-1 = padding); table_ref [table_width] int32 this sequence's pages;
+    q_ref [R, D]; k_ref, v_ref [num_pages * page_size, D] (this KV head's pool, rows = page * page_size + offset).
+    Outputs: o_ref [R, D] (normalized over this program's keys), and with k_splits > 1 also m_ref, l_ref [R]
+    float32 (running max and softmax denominator of the split).
+    """
+    pos = pos_ref[...]
+    q = q_ref[...]
+    rows, D = q.shape
+
+    # Visible key range of the block's rows: [lo, hi]. All-padding blocks get an empty range.
+    hi = jnp.max(pos)
+    valid = pos >= 0
+    lo_q = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
+    lo = jnp.int32(0)
+    if window is not None:
+        lo = jnp.maximum(lo, lo_q - (window - 1))
+    if ring_slots is not None:
+        lo = jnp.maximum(lo, hi - (ring_slots - 1))  # older positions were overwritten in the ring
+    first_blk = lo // block_k
+    n_blk = jnp.where(hi >= 0, hi // block_k - first_blk + 1, 0)
+    if k_splits > 1:
+        per_split = (n_blk + (k_splits - 1)) // k_splits
+        start = first_blk + pl.program_id(3) * per_split
+        trip = jnp.clip(first_blk + n_blk - start, 0, per_split)
+    else:
+        start, trip = first_blk, n_blk
+
+    offs = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (1, D), 1)
+    lo_win = None if window is None else pos - window  # [R]: key must be > this
+
+    def body(i, carry):
+        acc, m, l = carry
+        kpos = (start + i) * block_k + offs  # [bk] logical key positions
+        live = (kpos >= lo) & (kpos <= hi)
+        logical_page = kpos // page_size
+        if ring_pages is not None:
+            slot = logical_page % ring_pages
+        else:
+            slot = jnp.minimum(logical_page, table_width - 1)
+        page = _masked_load(table_ref.at[slot], live, 0)
+        kv_row = (page * page_size + kpos % page_size)[:, None]
+        # Gather [bk, D] through two integer indexers (rows, columns): the interpreter cannot mix an integer
+        # array with a slice, the Triton lowering turns either form into the same pointer arithmetic.
+        k = _masked_load(k_ref.at[kv_row, cols], live[:, None], 0)
+        v = _masked_load(v_ref.at[kv_row, cols], live[:, None], 0)
+        s = _dot(q, k, trans_b=True)  # [R, bk] f32
+        vis = (kpos[None, :] <= pos[:, None]) & live[None, :]
+        if lo_win is not None:
+            vis &= kpos[None, :] > lo_win[:, None]
+        s = jnp.where(vis, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = _dot(p.astype(v.dtype), v)  # [R, D] f32
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l
+
+    acc = jnp.zeros((rows, D), jnp.float32)
+    m = jnp.full((rows,), _NEG, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, trip, body, (acc, m, l))
+
+    o_ref, *stat_refs = out_refs
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    if stat_refs:  # split: this split's normalized output plus its softmax statistics, merged in XLA
+        m_ref, l_ref = stat_refs
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _merge_splits(o: Array, m: Array, l: Array) -> Array:
+    """Per-split normalized outputs o [S, ..., D] with running max m and sum l [S, ...] -> the softmax over all
+    splits [..., D] in float32 (0 where no split saw a key)."""
+    w = jnp.exp(m - jnp.max(m, axis=0)[None]) * l  # each split's share of the total softmax mass (unnormalized)
+    total = jnp.sum(w, axis=0)
+    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=0)
+    return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config"))
+def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, window, ring_pages, interpret,
+                            config: KernelConfig):
+    B, Tq, nH, D = q.shape
+    nKV, num_pages, page_size, _ = k_pages.shape
+    G = nH // nKV
+    rows = Tq * G
+    br = config.block_rows
+    n_rb = -(-rows // br)
+    R = n_rb * br
+    width = page_table.shape[1]
+    S = config.k_splits
+
+    # Rows ordered (t, g): [B, nKV, R, D]; row positions [B, R] (-1 on the padding rows).
+    qr = q.astype(k_pages.dtype).reshape(B, Tq, nKV, G, D).transpose(0, 2, 1, 3, 4).reshape(B, nKV, rows, D)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - rows), (0, 0)))
+    pos = jnp.repeat(q_positions.astype(jnp.int32), G, axis=1)
+    pos = jnp.pad(pos, ((0, 0), (0, R - rows)), constant_values=-1)
+    kf = k_pages.reshape(nKV, num_pages * page_size, D)  # free: pages are contiguous rows
+    vf = v_pages.reshape(nKV, num_pages * page_size, D)
+    table = page_table.astype(jnp.int32)
+
+    sq = _SQUEEZED
+    kernel = functools.partial(
+        _paged_attention_kernel, page_size=page_size, block_k=config.block_k, window=window,
+        ring_slots=None if ring_pages is None else ring_pages * page_size, ring_pages=ring_pages,
+        table_width=width, k_splits=S)
+    in_specs = [
+        pl.BlockSpec((sq, br), lambda b, h, r, s: (b, r)),  # row positions
+        pl.BlockSpec((sq, width), lambda b, h, r, s: (b, 0)),  # page table row
+        pl.BlockSpec((sq, sq, br, D), lambda b, h, r, s: (b, h, r, 0)),  # q rows
+        pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # K pool of head h
+        pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # V pool of head h
+    ]
+    if S == 1:
+        out_shape = jax.ShapeDtypeStruct((B, nKV, R, D), k_pages.dtype)
+        out_specs = pl.BlockSpec((sq, sq, br, D), lambda b, h, r, s: (b, h, r, 0))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((S, B, nKV, R, D), k_pages.dtype),
+                     jax.ShapeDtypeStruct((S, B, nKV, R), jnp.float32),
+                     jax.ShapeDtypeStruct((S, B, nKV, R), jnp.float32))
+        out_specs = (pl.BlockSpec((sq, sq, sq, br, D), lambda b, h, r, s: (s, b, h, r, 0)),
+                     pl.BlockSpec((sq, sq, sq, br), lambda b, h, r, s: (s, b, h, r)),
+                     pl.BlockSpec((sq, sq, sq, br), lambda b, h, r, s: (s, b, h, r)))
+    res = pl.pallas_call(
+        kernel,
+        grid=(B, nKV, n_rb, S),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_triton_compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name=f"paged_attention_r{br}_k{config.block_k}_s{S}",
+    )(pos, table, qr, kf, vf)
+    o = res if S == 1 else _merge_splits(*res)
+
+    o = o[:, :, :rows].reshape(B, nKV, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, nH, D)
+    return o.astype(q.dtype)
+
+
+def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
+                    window: int | None = None, ring_pages: int | None = None, interpret: bool = False,
+                    block_rows: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> Array:
+    """Pallas paged attention (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
+    `paged_attention_reference`; the keyword-only tiling arguments override `kernel_config`'s defaults."""
+    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages)
+    if not kernel_supported(q.shape, k_pages.shape):
+        raise ValueError(f"kernel needs a power-of-two head dim >= 16 and page size; got q {q.shape}, "
+                         f"pages {k_pages.shape}")
+    config = kernel_config(q.shape, k_pages.shape, page_table.shape, window=window, ring_pages=ring_pages,
+                           block_rows=block_rows, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                           num_stages=num_stages)
+    return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, window=window,
+                                   ring_pages=ring_pages, interpret=interpret, config=config)
+
+
+def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
+                 window: int | None = None, ring_pages: int | None = None, impl: str = "auto") -> Array:
+    """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel on GPU
+    when it supports the shapes, the reference elsewhere."""
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and kernel_supported(q.shape, k_pages.shape) else "xla"
+    if impl == "pallas":
+        return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages)
+    if impl == "xla":
+        return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, window=window,
+                                         ring_pages=ring_pages)
+    raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
