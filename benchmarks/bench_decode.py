@@ -1,0 +1,137 @@
+"""Decode-step time of the target at real Gemma 4 shapes (random bf16 weights) next to the HBM roofline.
+
+For each model and batch size: the compiled decode program (one token per sequence, KV pages donated, paged
+attention kernel on GPU) runs over a context of --context tokens per sequence, K/V filled with random data.
+Roofline = bytes that must cross HBM per step (every weight once, the LM head included, the PLE rows gathered,
+the K/V each attention layer reads) over the copy bandwidth measured in the same run.
+
+    python benchmarks/bench_decode.py --models e2b 31b --batch 1 16 --context 4096
+    python benchmarks/bench_decode.py --smoke            # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import TARGETS, copy_bandwidth, environment, random_params, write_json  # noqa: E402
+from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
+from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.kv_state import abstract_pages, make_layout  # noqa: E402
+from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+
+SMOKE = dict(model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             layer_types=["sliding_attention", "full_attention"] * 2, num_attention_heads=4, num_key_value_heads=1,
+             head_dim=16, global_head_dim=32, sliding_window=32, hidden_size_per_layer_input=16,
+             vocab_size_per_layer_input=512, num_kv_shared_layers=1, final_logit_softcapping=30.0)
+
+
+def bytes_per_step(cfg, params, batch: int, context: int, dtype_bytes: int = 2) -> dict[str, int]:
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    weights = 0
+    for path, leaf in leaves:
+        name = ".".join(str(k.key) for k in path)
+        if name.startswith("embed_tokens_per_layer"):
+            continue  # PLE: only the rows of the batch's tokens are read
+        weights += leaf.size * leaf.dtype.itemsize
+    if cfg.hidden_size_per_layer_input:
+        weights += batch * cfg.num_layers * cfg.hidden_size_per_layer_input * dtype_bytes
+    kv = 0
+    for lc in cfg.layers:  # every attention layer (KV-shared ones included) reads its visible K and V
+        keys = min(context, cfg.sliding_window) if lc.layer_type == SLIDING else context
+        kv += batch * keys * lc.num_kv_heads * lc.head_dim * 2 * dtype_bytes
+    return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def time_decode(fn, params, pages, args, repeats: int, warmup: int = 3) -> tuple[float, Any]:
+    """Median seconds per step; the donated pages are threaded from call to call."""
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        pages, tok = fn(params, pages, *args)
+        tok.block_until_ready()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), pages
+
+
+def random_pages(cfg, layout, dtype, seed=1):
+    abstract = abstract_pages(cfg, layout, dtype)
+    return jax.tree_util.tree_map(
+        lambda a: jax.jit(lambda k: jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype))(
+            jax.random.PRNGKey(hash(a.shape) % 1000 + seed)), abstract)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS))
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--attention", default="auto", choices=["auto", "pallas", "xla"])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
+    args = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+    bw = copy_bandwidth(0.05 if args.smoke else 2.0)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    models = ["smoke"] if args.smoke else args.models
+    for name in models:
+        cfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
+        dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
+        t0 = time.perf_counter()
+        params = random_params(abstract_target_params(cfg, dtype))
+        print(f"[{name}] random weights in {time.perf_counter() - t0:.1f}s", flush=True)
+        context = 64 if name == "smoke" else args.context
+        max_b = max(args.batch)
+        layout0 = make_layout(cfg, page_size=args.page_size, max_model_len=context + 16,
+                              num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")})
+        num_pages = {g: max_b * layout0.table_width(g) + 1 for g, _ in layout0.pages_per_seq}
+        layout = make_layout(cfg, page_size=args.page_size, max_model_len=context + 16, num_pages=num_pages)
+        target = Target(cfg, params, dtype, None, {})
+        steps = CompiledSteps(target, layout, dtype, args.attention)
+        pages = random_pages(cfg, layout, dtype)
+        rng = np.random.default_rng(0)
+        for B in args.batch:
+            t0 = time.perf_counter()
+            fn = steps.compile_decode(B)
+            compile_s = time.perf_counter() - t0
+            tables = {}
+            for g, w in layout.pages_per_seq:  # each sequence its own shuffled pages
+                perm = rng.permutation(np.arange(1, layout.pages(g)))[: B * w]
+                tables[g] = perm.reshape(B, w).astype(np.int32)
+            tokens = rng.integers(0, cfg.vocab_size, B).astype(np.int32)
+            positions = np.full(B, context - 1, np.int32)
+            sampling = SamplingBatch.from_params([], B)
+            t, pages = time_decode(fn, params, pages, (tokens, positions, tables, sampling), args.repeats)
+            need = bytes_per_step(cfg, params, B, context)
+            floor = need["total"] / bw
+            row = {"model": name, "batch": B, "context": context, "step_ms": t * 1e3, "roofline_ms": floor * 1e3,
+                   "roofline_fraction": floor / t, "weights_GB": need["weights"] / 1e9, "kv_GB": need["kv"] / 1e9,
+                   "achieved_TBps": need["total"] / t / 1e12, "compile_s": compile_s}
+            rows.append(row)
+            print(row, flush=True)
+        del params, pages, steps
+    write_json("bench_decode.json", {"env": env, "copy_TBps": bw / 1e12, "rows": rows})
+    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; attention={args.attention}; page_size={args.page_size}")
+    print(f"{'model':6} {'B':>3} {'ctx':>6} {'step ms':>9} {'roofline ms':>11} {'ratio':>6} {'TB/s':>6} {'compile s':>9}")
+    for r in rows:
+        print(f"{r['model']:6} {r['batch']:3d} {r['context']:6d} {r['step_ms']:9.3f} {r['roofline_ms']:11.3f} "
+              f"{r['roofline_fraction']:6.2f} {r['achieved_TBps']:6.2f} {r['compile_s']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Shared pieces of the GPU benchmarks: real Gemma 4 shapes, random weights made on the device, the measured
+HBM copy bandwidth, and a timer (warm-up, then the median over repeats)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_S, _F = "sliding_attention", "full_attention"
+
+# Text configs of the released checkpoints (gemma4_architecture.md §6), as HF config.json dicts.
+TARGETS: dict[str, dict] = {
+    "e2b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=1536, intermediate_size=6144,
+                num_hidden_layers=35, layer_types=([_S] * 4 + [_F]) * 7, num_attention_heads=8,
+                num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512,
+                hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=20,
+                use_double_wide_mlp=True, final_logit_softcapping=30.0),
+    "e4b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240,
+                num_hidden_layers=42, layer_types=([_S] * 5 + [_F]) * 7, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512,
+                hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+                final_logit_softcapping=30.0),
+    "26b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=2816, intermediate_size=2112,
+                num_hidden_layers=30, layer_types=([_S] * 5 + [_F]) * 5, num_attention_heads=16,
+                num_key_value_heads=8, num_global_key_value_heads=2, attention_k_eq_v=True, head_dim=256,
+                global_head_dim=512, sliding_window=1024, hidden_size_per_layer_input=0, enable_moe_block=True,
+                num_experts=128, top_k_experts=8, moe_intermediate_size=704, final_logit_softcapping=30.0),
+    "31b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504,
+                num_hidden_layers=60, layer_types=([_S] * 5 + [_F]) * 10, num_attention_heads=32,
+                num_key_value_heads=16, num_global_key_value_heads=4, attention_k_eq_v=True, head_dim=256,
+                global_head_dim=512, sliding_window=1024, hidden_size_per_layer_input=0,
+                final_logit_softcapping=30.0),
+}
+
+
+def _assistant(backbone: str, hidden: int, inter: int, heads: int, kv: int, gkv: int | None, k_eq_v: bool,
+               window: int, centroids: bool) -> dict:
+    text = dict(model_type="gemma4_text", vocab_size=262144, hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=4, layer_types=[_S, _S, _S, _F], num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=256, global_head_dim=512, attention_k_eq_v=k_eq_v,
+                sliding_window=window, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                num_kv_shared_layers=4, final_logit_softcapping=None)
+    if gkv is not None:
+        text["num_global_key_value_heads"] = gkv
+    return dict(model_type="gemma4_assistant", backbone_hidden_size=TARGETS[backbone]["hidden_size"],
+                use_ordered_embeddings=centroids, num_centroids=2048, centroid_intermediate_top_k=32,
+                text_config=text)
+
+
+ASSISTANTS: dict[str, dict] = {
+    "e2b": _assistant("e2b", 256, 2048, 4, 1, None, False, 512, True),
+    "e4b": _assistant("e4b", 256, 2048, 4, 2, None, False, 512, True),
+    "26b": _assistant("26b", 1024, 8192, 16, 8, 2, True, 1024, False),
+    "31b": _assistant("31b", 1024, 8192, 32, 16, 4, True, 1024, False),
+}
+
+
+def random_params(abstract: Any, seed: int = 0) -> Any:
+    """Random weights with the abstract tree's shapes/dtypes, made on the default device leaf by leaf (never
+    zeros: zeros run faster than real data). Norm-like vectors ~1, matrices ~N(0, 0.02), int leaves a permutation."""
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, leaf in enumerate(leaves):
+        k = jax.random.fold_in(key, i)
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            out.append(jax.random.permutation(k, leaf.shape[0]).astype(leaf.dtype))
+        elif len(leaf.shape) <= 1:
+            out.append(jax.jit(lambda k, s=leaf.shape, d=leaf.dtype: (1 + 0.1 * jax.random.normal(k, s)).astype(d))(k))
+        else:
+            out.append(jax.jit(lambda k, s=leaf.shape, d=leaf.dtype: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(d))(k))
+        out[-1].block_until_ready()
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written) through a jitted elementwise op."""
+    n = int(gib * (1 << 30) / 2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
+    t = median_time(f, (x,), repeats=repeats)
+    return 2 * x.nbytes / t
+
+
+def median_time(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3) -> float:
+    """Seconds per call: median over `repeats` timed calls after `warmup` calls, each synchronised."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    info = {"jax": jax.__version__, "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        check=False).stdout.strip() or os.environ.get("GIT_COMMIT", "unknown")
+    except OSError:
+        info["commit"] = os.environ.get("GIT_COMMIT", "unknown")
+    return info
+
+
+def write_json(name: str, data: Any) -> None:
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(data, f, indent=2, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))

@@ -1,0 +1,229 @@
+"""Paged attention for decode/verify: the XLA reference against a dense oracle, the Pallas kernel (interpret mode)
+against the reference.
+
+Every case scatters one dense K/V history per sequence into randomly permuted (non-contiguous) pages of a pool
+whose every other slot is NaN: unwritten pages, the tail of the last page, positions older than the window or
+overwritten in the ring, and unused page-table entries (pointing out of the pool). A NaN read into V would
+surface in the output (0 * NaN = NaN), so finite outputs prove those slots are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4_mtp_jax.kernels import paged_attention as pa
+
+
+@dataclasses.dataclass
+class Case:
+    q: np.ndarray  # [B, Tq, nH, D]
+    k_pages: np.ndarray  # [nKV, P, ps, D]
+    v_pages: np.ndarray
+    page_table: np.ndarray  # [B, width] int32
+    q_positions: np.ndarray  # [B, Tq] int32
+    k_hist: list  # per sequence: [hi+1, nKV, D] float64 (the unpaged K/V)
+    v_hist: list
+    window: int | None
+    ring_pages: int | None
+
+    def args(self, dtype=jnp.float32):
+        return (jnp.asarray(self.q, dtype), jnp.asarray(self.k_pages, dtype), jnp.asarray(self.v_pages, dtype),
+                jnp.asarray(self.page_table), jnp.asarray(self.q_positions))
+
+
+def build_case(seed: int, *, Tq: int, nH: int, nKV: int, D: int, page_size: int, starts, n_valid,
+               window=None, ring_pages=None, same_position=False, extra_width=2, extra_pages=3) -> Case:
+    """starts[b]: mask position of sequence b's first query row; n_valid[b]: its non-padding rows (0 = all padding).
+    Keys 0..hi_b are written (hi_b = its last query position); with `same_position` all rows share starts[b]."""
+    rng = np.random.default_rng(seed)
+    B = len(starts)
+    qpos = np.full((B, Tq), -1, np.int32)
+    for b in range(B):
+        n = n_valid[b]
+        qpos[b, :n] = starts[b] if same_position else starts[b] + np.arange(n)
+    hi = qpos.max(axis=1)
+    lo_q = np.where(qpos >= 0, qpos, np.iinfo(np.int32).max).min(axis=1)
+
+    if ring_pages is None:
+        need = [0 if hi[b] < 0 else hi[b] // page_size + 1 for b in range(B)]
+        width = max(need) + extra_width
+    else:
+        assert ring_pages * page_size >= (window or 0) + Tq + 1, "ring too small for the contract"
+        need = [0 if hi[b] < 0 else ring_pages for b in range(B)]
+        width = ring_pages + extra_width
+    P = sum(need) + extra_pages
+    perm = rng.permutation(P)
+    table = np.full((B, width), P + 1000, np.int32)  # unused entries point far outside the pool
+    nxt = 0
+    for b in range(B):
+        table[b, :need[b]] = perm[nxt:nxt + need[b]]
+        nxt += need[b]
+
+    k_pages = np.full((nKV, P, page_size, D), np.nan, np.float64)
+    v_pages = np.full((nKV, P, page_size, D), np.nan, np.float64)
+    k_hist, v_hist = [], []
+    for b in range(B):
+        L = hi[b] + 1
+        kh = rng.standard_normal((L, nKV, D))
+        vh = rng.standard_normal((L, nKV, D))
+        k_hist.append(kh)
+        v_hist.append(vh)
+        if L == 0:
+            continue
+        # First visible position of any row: older slots are poisoned after writing (never needed).
+        lo = 0 if window is None else max(0, lo_q[b] - window + 1)
+        for p in range(L):  # in order, so later positions overwrite earlier ones in a ring
+            j = p // page_size
+            page = table[b, j if ring_pages is None else j % ring_pages]
+            poison = p < lo
+            k_pages[:, page, p % page_size] = np.nan if poison else kh[p]
+            v_pages[:, page, p % page_size] = np.nan if poison else vh[p]
+    q = rng.standard_normal((B, Tq, nH, D)) * D ** -0.5
+    return Case(q, k_pages, v_pages, table, qpos, k_hist, v_hist, window, ring_pages)
+
+
+def dense_oracle(c: Case) -> np.ndarray:
+    """Straightforward attention over the unpaged history, float64."""
+    B, Tq, nH, D = c.q.shape
+    nKV = c.k_pages.shape[0]
+    G = nH // nKV
+    out = np.zeros((B, Tq, nH, D))
+    for b in range(B):
+        for t in range(Tq):
+            qp = c.q_positions[b, t]
+            if qp < 0:
+                continue
+            lo = 0 if c.window is None else max(0, qp - c.window + 1)
+            for h in range(nH):
+                k = c.k_hist[b][lo:qp + 1, h // G]
+                v = c.v_hist[b][lo:qp + 1, h // G]
+                s = k @ c.q[b, t, h]
+                w = np.exp(s - s.max())
+                out[b, t, h] = (w / w.sum()) @ v
+    return out
+
+
+def run_kernel(c: Case, dtype=jnp.float32, **kw):
+    return pa.paged_attention(*c.args(dtype), window=c.window, ring_pages=c.ring_pages, interpret=True, **kw)
+
+
+def run_reference(c: Case, dtype=jnp.float32):
+    return pa.paged_attention_reference(*c.args(dtype), window=c.window, ring_pages=c.ring_pages)
+
+
+def assert_padding_zero(c: Case, out):
+    out = np.asarray(out, np.float32)
+    assert np.all(np.isfinite(out))
+    assert np.all(out[c.q_positions < 0] == 0)
+
+
+# Sequences: 0 full rows across several pages, 1 partly padded, 2 all padding, 3 short.
+STARTS = [37, 21, 0, 2]
+
+
+def _valid(Tq):
+    return [Tq, max(1, Tq - 2), 0, Tq]
+
+
+REF_CASES = [
+    # (Tq, nH, nKV, D, page_size, window, ring_pages)
+    (1, 4, 4, 16, 8, None, None),
+    (5, 4, 2, 16, 8, None, None),
+    (5, 8, 2, 32, 4, 7, None),
+    (1, 2, 1, 16, 8, 9, None),
+    (5, 4, 1, 32, 8, 10, 2),  # ring of 16 slots, contexts up to 42
+    (1, 8, 2, 16, 4, 6, 2),
+]
+
+
+@pytest.mark.parametrize("Tq,nH,nKV,D,ps,window,ring", REF_CASES)
+def test_reference_matches_dense_oracle(Tq, nH, nKV, D, ps, window, ring):
+    c = build_case(1, Tq=Tq, nH=nH, nKV=nKV, D=D, page_size=ps, starts=STARTS, n_valid=_valid(Tq), window=window,
+                   ring_pages=ring)
+    out = run_reference(c)
+    assert_padding_zero(c, out)
+    np.testing.assert_allclose(np.asarray(out), dense_oracle(c), atol=1e-5, rtol=1e-5)
+
+
+KERNEL_CASES = {
+    # name: (Tq, nH, nKV, D, page_size, window, ring_pages, starts, extra kernel kwargs)
+    "q5_gqa4_d32_full": (5, 4, 1, 32, 8, None, None, STARTS, {}),
+    "q1_mha_d16_full": (1, 2, 2, 16, 16, None, None, STARTS, {}),
+    "q5_gqa2_d16_window": (5, 4, 2, 16, 8, 12, None, STARTS, {}),
+    "q5_gqa4_d32_ring": (5, 4, 1, 32, 8, 10, 2, [45, 29, 0, 3], {}),
+    "q1_gqa2_d16_ring_small_pages": (1, 4, 2, 16, 4, 9, 3, [50, 13, 0, 6], {}),
+    "q5_gqa2_d32_splits": (5, 4, 2, 32, 8, None, None, [70, 33, 0, 2], {"k_splits": 3}),
+    "q5_gqa4_d16_window_splits_rowblocks": (5, 8, 2, 16, 8, 11, None, [61, 30, 0, 1],
+                                            {"k_splits": 2, "block_rows": 16}),
+    "q5_gqa4_d16_ring_splits": (5, 4, 1, 16, 4, 10, 4, [77, 19, 0, 8], {"k_splits": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_kernel_matches_reference_f32(name):
+    Tq, nH, nKV, D, ps, window, ring, starts, kw = KERNEL_CASES[name]
+    c = build_case(2, Tq=Tq, nH=nH, nKV=nKV, D=D, page_size=ps, starts=starts, n_valid=_valid(Tq),
+                   window=window, ring_pages=ring)
+    out = run_kernel(c, **kw)
+    assert out.shape == c.q.shape and out.dtype == jnp.float32
+    assert_padding_zero(c, out)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(run_reference(c)), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_drafter_pattern_same_positions_under_jit():
+    """The drafter: all k rows at the same position P-1 with window W+1; called inside an outer jit."""
+    c = build_case(3, Tq=4, nH=4, nKV=2, D=16, page_size=8, starts=[40, 9, 0, 1], n_valid=[4, 4, 0, 2],
+                   window=9, ring_pages=3, same_position=True)
+    f = jax.jit(lambda *a: pa.paged_attention(*a, window=c.window, ring_pages=c.ring_pages, interpret=True))
+    out = f(*c.args())
+    assert_padding_zero(c, out)
+    np.testing.assert_allclose(np.asarray(out), dense_oracle(c), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,ring,splits", [(None, None, None), (None, None, 3), (10, 2, None)])
+def test_kernel_bf16(window, ring, splits):
+    c = build_case(4, Tq=5, nH=8, nKV=2, D=32, page_size=8, starts=[44, 17, 0, 3], n_valid=_valid(5),
+                   window=window, ring_pages=ring)
+    out = run_kernel(c, jnp.bfloat16, k_splits=splits)
+    assert out.dtype == jnp.bfloat16
+    assert_padding_zero(c, out)
+    ref = run_reference(c, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), dense_oracle(c), atol=3e-2, rtol=3e-2)
+
+
+def test_all_padding_batch_is_zero():
+    c = build_case(5, Tq=2, nH=2, nKV=1, D=16, page_size=8, starts=[0, 0], n_valid=[0, 0])
+    c.k_pages[:] = np.nan
+    c.v_pages[:] = np.nan
+    for out in (run_kernel(c), run_reference(c)):
+        assert np.all(np.asarray(out) == 0)
+
+
+def test_attend_paged_dispatch():
+    c = build_case(6, Tq=1, nH=2, nKV=1, D=16, page_size=8, starts=[9, 3], n_valid=[1, 1], window=5)
+    ref = np.asarray(run_reference(c))
+    kw = dict(window=c.window, ring_pages=c.ring_pages)
+    np.testing.assert_array_equal(np.asarray(pa.attend_paged(*c.args(), impl="xla", **kw)), ref)
+    if jax.default_backend() != "gpu":
+        np.testing.assert_array_equal(np.asarray(pa.attend_paged(*c.args(), impl="auto", **kw)), ref)
+    with pytest.raises(ValueError):
+        pa.attend_paged(*c.args(), impl="cuda", **kw)
+
+
+def test_kernel_config_defaults():
+    # E2B sliding, verify k=4: 5 * 8 = 40 rows -> one block of 64; D=512 keeps the accumulator at 32 x 512.
+    cfg = pa.kernel_config((1, 5, 8, 256), (1, 100, 64, 256), (1, 9), window=512, ring_pages=9)
+    assert (cfg.block_rows, cfg.block_k) == (64, 64) and cfg.k_splits >= 1
+    cfg = pa.kernel_config((16, 5, 8, 512), (1, 9000, 64, 512), (16, 512))
+    assert (cfg.block_rows, cfg.block_k) == (32, 32)
+    # Batch 1, long full context: the key range is split to fill the GPU; batch 16 x 16 heads needs no split.
+    assert pa.kernel_config((1, 1, 8, 512), (1, 600, 64, 512), (1, 512)).k_splits > 8
+    assert pa.kernel_config((16, 1, 32, 256), (16, 600, 64, 256), (16, 9), window=1024,
+                            ring_pages=17).k_splits <= 2
+    assert not pa.kernel_supported((1, 1, 8, 96), (1, 10, 16, 96))
