@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
-from gemma4_mtp_jax.api import Target
+from gemma4_mtp_jax.api import Assistant, Target
+from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
 from gemma4_mtp_jax.step import CompiledSteps
@@ -52,6 +53,10 @@ class EngineConfig:
     cache_dtype: str | None = None  # default: the target's parameter dtype
     attention_impl: str = "auto"  # "auto" | "pallas" | "xla"
     compile_at_start: bool = True
+    # Drafts per round when an assistant is given (k); None: the assistant's num_assistant_tokens, else 4.
+    num_speculative_tokens: int | None = None
+    # Test-only: request id -> the token sequence the drafts are forced to follow (proves acceptance plumbing).
+    _forced_drafts: dict[str, list[int]] | None = None
 
     def batch_buckets(self) -> list[int]:
         return powers_of_two_upto(self.max_num_seqs)
@@ -67,6 +72,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
+    speculative: bool = True  # draft with the assistant (when the engine has one)
     output: list[int] = dataclasses.field(default_factory=list)
     status: str = "waiting"  # waiting -> running -> finished
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
@@ -80,6 +86,7 @@ class Request:
     num_accepted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,6 +102,14 @@ class Request:
             "ttft_s": None if self.first_token_at is None else self.first_token_at - self.arrival,
             "latency_s": end - self.arrival,
             "mean_inter_token_s": float(gaps.mean()) if gaps.size else None,
+            **({} if not self.accepted_per_round else {
+                "drafted": self.num_drafted,
+                "accepted": self.num_accepted,
+                "rounds": len(self.accepted_per_round),
+                "mean_acceptance_length": (self.num_accepted + len(self.accepted_per_round)) / len(self.accepted_per_round),
+                "accepted_per_position": list(self.accepted_per_position),
+                "accepted_per_round": list(self.accepted_per_round),
+            }),
         }
 
 
@@ -106,29 +121,50 @@ class StepEvent:
 
 
 class Engine:
+    """Serves a target, and speculates with `assistant` when one is given (DESIGN.md, "The runtime")."""
+
     def __init__(self, target: Target, config: EngineConfig | None = None,
-                 progress: Callable[[str, float], None] | None = None):
+                 progress: Callable[[str, float], None] | None = None, assistant: Assistant | None = None):
         self.target = target
+        self.assistant = assistant
         self.config = cfg = config or EngineConfig()
         tc = target.config
         if cfg.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
+        self.k = 0
+        if assistant is not None:
+            check_pair(tc, assistant.config)
+            k = cfg.num_speculative_tokens
+            if k is None:
+                k = int(assistant.generation_config.get("num_assistant_tokens") or 4)
+            if not 1 <= k <= 16:
+                raise ValueError(f"num_speculative_tokens must be in 1..16, got {k}")
+            self.k = k
+        elif cfg.num_speculative_tokens:
+            raise ValueError("num_speculative_tokens needs an assistant")
         groups = sorted({tc.layers[i].layer_type for i in tc.store_layers.values()})
+        geometry = dict(page_size=cfg.page_size, max_model_len=cfg.max_model_len, prefill_chunk=cfg.prefill_chunk,
+                        num_speculative_tokens=self.k,
+                        assistant_window=assistant.config.text.sliding_window if assistant else 0)
         num_pages = cfg.num_pages
         if num_pages is None:
-            probe = make_layout(tc, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
-                                num_pages={g: 1 << 30 for g in groups}, prefill_chunk=cfg.prefill_chunk)
+            probe = make_layout(tc, num_pages={g: 1 << 30 for g in groups}, **geometry)
             num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + 1 for g in groups}
-        self.layout: KVLayout = make_layout(tc, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
-                                            num_pages=num_pages, prefill_chunk=cfg.prefill_chunk)
+        self.layout: KVLayout = make_layout(tc, num_pages=num_pages, **geometry)
         self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
         self.pages = init_pages(tc, self.layout, self.cache_dtype)
-        self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl)
+        self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, assistant=assistant,
+                                   k=self.k, num_slots=cfg.max_num_seqs, forced=cfg._forced_drafts is not None)
+        # Each running sequence owns a slot: its row of the device-side buffer of hidden states the drafter reads.
+        self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self.hidden = (jnp.zeros((cfg.max_num_seqs + 1, tc.hidden_size), self.cache_dtype)
+                       if assistant is not None else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
+        self.metrics = {"drafted": 0, "accepted": 0, "rounds": 0, "accepted_per_position": [0] * self.k}
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
@@ -141,7 +177,8 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                    stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> Request:
+                    stop_ids: frozenset[int] | None = None, request_id: str | None = None,
+                    speculative: bool = True) -> Request:
         V = self.target.config.vocab_size
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -160,7 +197,7 @@ class Engine:
                 raise RequestError(f"request needs {self.layout.pages_needed(g, total)} '{g}' pages; the pool has "
                                    f"{alloc.capacity}")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling or SamplingParams(),
-                      self.eos_ids if stop_ids is None else frozenset(stop_ids))
+                      self.eos_ids if stop_ids is None else frozenset(stop_ids), speculative=speculative)
         self.waiting.append(req)
         return req
 
@@ -183,6 +220,9 @@ class Engine:
         for g, pages in req.pages.items():
             self.allocators[g].free(pages)
         req.pages = {}
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
         if req in self.running:
             self.running.remove(req)
 
@@ -196,6 +236,7 @@ class Engine:
                 break  # first come, first served: wait for pages to free up
             self.waiting.popleft()
             req.pages = {g: self.allocators[g].allocate(n) for g, n in need.items()}
+            req.slot = self._free_slots.pop()
             req.status = "running"
             self.running.append(req)
             admitted.append(req)
@@ -232,8 +273,10 @@ class Engine:
             tokens[0, : len(piece)] = piece
             positions[0, : len(piece)] = np.arange(start, start + len(piece))
             fn = self.steps.compile_prefill(1, T)
-            self.pages, token, _ = fn(self.target.params, self.pages, tokens, positions, tables,
-                                      np.array([len(piece) - 1], np.int32), sampling)
+            self.pages, token, h_last = fn(self.target.params, self.pages, tokens, positions, tables,
+                                           np.array([len(piece) - 1], np.int32), sampling)
+        if self.hidden is not None:  # the drafter's first h: the target's post-norm hidden at P-1
+            self.hidden = self.steps.write_hidden(self.hidden, np.array([req.slot], np.int32), h_last)
         return int(np.asarray(token)[0])
 
     def _decode(self, reqs: list[Request]) -> list[int]:
@@ -247,6 +290,48 @@ class Engine:
         self.pages, nxt = fn(self.target.params, self.pages, tokens, positions, self._tables(reqs, B),
                              SamplingBatch.from_params([r.sampling for r in reqs], B))
         return [int(t) for t in np.asarray(nxt)[: len(reqs)]]
+
+    def _speculate(self, reqs: list[Request]) -> list[list[int]]:
+        """One draft-and-verify round for `reqs`; returns each row's emitted tokens (accepted drafts + bonus)."""
+        k = self.k
+        B = self._bucket(self.config.batch_buckets(), len(reqs))
+        tokens = np.zeros((B,), np.int32)
+        lengths = np.full((B,), -1, np.int32)
+        slots = np.full((B,), self.config.max_num_seqs, np.int32)  # padding rows use the spare last row
+        spec_on = np.zeros((B,), bool)
+        for r, req in enumerate(reqs):
+            tokens[r] = req.output[-1]
+            lengths[r] = len(req.prompt) + len(req.output) - 1
+            slots[r] = req.slot
+            spec_on[r] = req.speculative
+        args = [self.target.params, self.assistant.params, self.steps.draft_head, self.pages, self.hidden, slots,
+                tokens, lengths, self._tables(reqs, B), SamplingBatch.from_params([r.sampling for r in reqs], B),
+                spec_on]
+        if self.config._forced_drafts is not None:
+            forced = np.zeros((B, k), np.int32)
+            for r, req in enumerate(reqs):
+                ref = self.config._forced_drafts.get(req.id, [])[len(req.output):len(req.output) + k]
+                forced[r, : len(ref)] = ref
+            args.append(forced)
+        self.pages, self.hidden, packed = self.steps.compile_speculative(B)(*args)
+        packed = np.asarray(packed)  # the one host read of the step
+        out = []
+        for r, req in enumerate(reqs):
+            n = int(packed[r, k + 1])
+            out.append([int(t) for t in packed[r, : n + 1]])
+            if req.speculative:
+                req.num_drafted += k
+                req.num_accepted += n
+                req.accepted_per_round.append(n)
+                if len(req.accepted_per_position) < k:
+                    req.accepted_per_position = [0] * k
+                for j in range(n):
+                    req.accepted_per_position[j] += 1
+                    self.metrics["accepted_per_position"][j] += 1
+                self.metrics["drafted"] += k
+                self.metrics["accepted"] += n
+                self.metrics["rounds"] += 1
+        return out
 
     def _append(self, req: Request, tokens: list[int], now: float) -> list[int]:
         kept = []
@@ -272,10 +357,13 @@ class Engine:
             token = self._prefill(req)
             events.append(StepEvent(req, self._append(req, [token], time.perf_counter()), req.finished))
         if decoding:
-            new = self._decode(decoding)
+            if self.assistant is not None:
+                new = self._speculate(decoding)
+            else:
+                new = [[t] for t in self._decode(decoding)]
             now = time.perf_counter()
-            for req, t in zip(decoding, new):
-                events.append(StepEvent(req, self._append(req, [t], now), req.finished))
+            for req, toks in zip(decoding, new):
+                events.append(StepEvent(req, self._append(req, toks, now), req.finished))
         return events
 
     def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:

@@ -37,6 +37,7 @@ class KVLayout:
     num_pages: tuple[tuple[str, int], ...]  # group -> pages in its pool (page 0 included, never allocated)
     pages_per_seq: tuple[tuple[str, int], ...]  # group -> page-table width (ring length R for sliding)
     max_model_len: int
+    num_speculative_tokens: int = 0
 
     def pages(self, group: str) -> int:
         return dict(self.num_pages)[group]
@@ -48,31 +49,35 @@ class KVLayout:
         return self.table_width(group) if group == SLIDING else None
 
     def pages_needed(self, group: str, num_tokens: int) -> int:
-        """Pages a sequence of `num_tokens` positions needs in `group` (the whole ring for sliding)."""
+        """Pages a sequence of `num_tokens` tokens needs in `group` (the whole ring for sliding; for full layers,
+        room for the k drafts verified past its last token too)."""
         if group == SLIDING:
             return self.table_width(group)
-        return math.ceil(num_tokens / self.page_size)
+        return math.ceil((num_tokens + self.num_speculative_tokens) / self.page_size)
 
 
 def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_pages: dict[str, int],
-                num_speculative_tokens: int = 0, prefill_chunk: int = 1) -> KVLayout:
+                num_speculative_tokens: int = 0, prefill_chunk: int = 1, assistant_window: int = 0) -> KVLayout:
     groups = sorted({cfg.layers[i].layer_type for i in cfg.store_layers.values()})
+    # The verify step writes K/V up to k positions past the last token a sequence keeps.
+    max_positions = max_model_len + num_speculative_tokens
     widths = {}
     for g in groups:
         if g == SLIDING:
             # The drafter reads P-1-W..P-1 while the verify step writes up to P+k: W + k + 2 slots; a prefill
             # chunk of T tokens is written before its first query reads back W-1 keys: W + T slots.
-            slots = cfg.sliding_window + max(num_speculative_tokens + 2, prefill_chunk)
-            widths[g] = min(math.ceil(slots / page_size), math.ceil(max_model_len / page_size))
+            slots = max(cfg.sliding_window, assistant_window) + max(num_speculative_tokens + 2, prefill_chunk)
+            widths[g] = min(math.ceil(slots / page_size), math.ceil(max_positions / page_size))
         else:
-            widths[g] = math.ceil(max_model_len / page_size)
+            widths[g] = math.ceil(max_positions / page_size)
     for g in groups:
         if num_pages.get(g, 0) < widths[g] + 1:
             raise ValueError(
                 f"num_pages['{g}']={num_pages.get(g, 0)} cannot hold even one sequence of max_model_len={max_model_len} "
                 f"({widths[g]} pages of {page_size} tokens, plus the reserved page 0)"
             )
-    return KVLayout(page_size, tuple((g, num_pages[g]) for g in groups), tuple(widths.items()), max_model_len)
+    return KVLayout(page_size, tuple((g, num_pages[g]) for g in groups), tuple(widths.items()), max_model_len,
+                    num_speculative_tokens)
 
 
 def owning_layers(cfg: TextConfig) -> list[int]:
@@ -145,3 +150,33 @@ class PagedKV:
         kp, vp = self.pages[layer]
         return attend_paged(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
                             impl=self.attention_impl)
+
+
+@flax.struct.dataclass
+class PagedDraftKV:
+    """The assistant's view of the target's pages (DESIGN.md conventions 1-2), read-only.
+
+    Assistant layer i attends to the pages of the target's store layer of its type through that group's page
+    table. The query sits at P = `lengths` (RoPE), and sees only committed keys: full layers 0..P-1, sliding
+    layers P-1-W..P-1 (W = the assistant's window), i.e. mask position P-1 with a window of W+1 keys.
+    """
+
+    pages: dict[int, tuple[Array, Array]]  # target pages, keyed by target layer
+    tables: dict[str, Array]
+    lengths: Array  # [B] committed tokens; 0 for padding rows (nothing visible)
+    source: dict[int, int] = flax.struct.field(pytree_node=False)  # assistant layer -> target store layer
+    layer_group: dict[int, str] = flax.struct.field(pytree_node=False)  # assistant layer -> group
+    ring_pages: int | None = flax.struct.field(pytree_node=False)
+    attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
+
+    def store(self, layer: int, k: Array, v: Array) -> "PagedDraftKV":
+        raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
+
+    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
+        from gemma4_mtp_jax.kernels.paged_attention import attend_paged
+
+        group = self.layer_group[layer]
+        kp, vp = self.pages[self.source[layer]]
+        newest = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)
+        return attend_paged(q, kp, vp, self.tables[group], newest, window=None if window is None else window + 1,
+                            ring_pages=self.ring_pages if group == SLIDING else None, impl=self.attention_impl)

@@ -80,8 +80,20 @@ class CompiledSteps:
     layout: KVLayout
     cache_dtype: Any
     attention_impl: str = "auto"
+    assistant: Any = None  # with an assistant, decoding is the speculative step (gemma4_mtp_jax.speculative)
+    k: int = 0
+    num_slots: int = 1
+    forced: bool = False  # test-only: the speculative step takes its drafts as an input
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[int, Any] = dataclasses.field(default_factory=dict)
+    speculative: dict[int, Any] = dataclasses.field(default_factory=dict)
+    _write_hidden: Any = None
+
+    def __post_init__(self):
+        if self.assistant is not None:
+            from gemma4_mtp_jax.speculative import make_draft_head
+
+            self.draft_head = make_draft_head(self.assistant)
 
     def _abstract(self, batch: int, tokens: int | None):
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
@@ -113,18 +125,43 @@ class CompiledSteps:
             self.decode[batch] = self._compile(fn, self._abstract(batch, None))
         return self.decode[batch]
 
+    def compile_speculative(self, batch: int) -> Any:
+        if batch not in self.speculative:
+            from gemma4_mtp_jax.speculative import abstract_inputs, speculative_step
+
+            fn = lambda *a: speculative_step(self.target, self.assistant, self.layout, self.k,  # noqa: E731
+                                             self.attention_impl, *a)
+            args = abstract_inputs(self.target, self.assistant, self.layout, self.cache_dtype, self.num_slots, batch,
+                                   self.k, self.draft_head, self.forced)
+            self.speculative[batch] = jax.jit(fn, donate_argnums=(3, 4)).lower(*args).compile()
+        return self.speculative[batch]
+
+    def write_hidden(self, hidden_buf, slot, h):
+        """hidden_buf[slot] = h (after a prefill: the drafter's first h), in place."""
+        if self._write_hidden is None:
+            fn = lambda buf, s, v: buf.at[s].set(v.astype(buf.dtype))  # noqa: E731
+            H = self.target.config.hidden_size
+            self._write_hidden = jax.jit(fn, donate_argnums=(0,)).lower(
+                jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype),
+                jax.ShapeDtypeStruct((1,), jnp.int32),
+                jax.ShapeDtypeStruct((1, H), self.target.dtype),
+            ).compile()
+        return self._write_hidden(hidden_buf, slot, h)
+
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None) -> dict[str, float]:
         """Compile every bucket now (start-up), so that serving never compiles. Returns seconds per program."""
         times = {}
-        jobs = [("prefill", 1, t) for t in prefill_buckets] + [("decode", b, None) for b in batch_buckets]
-        for kind, b, t in jobs:
+        jobs = [(f"prefill[1x{t}]", lambda t=t: self.compile_prefill(1, t)) for t in prefill_buckets]
+        if self.assistant is None:
+            jobs += [(f"decode[{b}]", lambda b=b: self.compile_decode(b)) for b in batch_buckets]
+        else:
+            jobs += [(f"speculative[{b}x{self.k}]", lambda b=b: self.compile_speculative(b)) for b in batch_buckets]
+            jobs += [("write_hidden", lambda: self.write_hidden(
+                jnp.zeros((self.num_slots + 1, self.target.config.hidden_size), self.cache_dtype),
+                jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.target.config.hidden_size), self.target.dtype)))]
+        for name, job in jobs:
             t0 = time.perf_counter()
-            if kind == "prefill":
-                self.compile_prefill(b, t)
-                name = f"prefill[1x{t}]"
-            else:
-                self.compile_decode(b)
-                name = f"decode[{b}]"
+            job()
             times[name] = time.perf_counter() - t0
             if progress:
                 progress(name, times[name])

@@ -1,0 +1,203 @@
+"""The speculative step: k draft steps of the assistant, the target's verify forward on k+1 tokens, exact
+acceptance, and the bookkeeping for the next round — one XLA program per batch bucket.
+
+Per sequence the step starts from P committed tokens (K/V of positions 0..P-1 in the pages), the newest token
+t (position P, not yet written) and h, the target's post-norm hidden at P-1. The assistant drafts d_1..d_k at
+the constant query position P from the committed K/V only (DESIGN.md conventions 1-2); the target runs on
+[t, d_1..d_k] at positions P..P+k, writing their K/V. With n drafts accepted, the sequence gains d_1..d_n and a
+bonus token; the next round starts from P' = P+n+1 and h' = the target hidden at P+n. Nothing depends on n
+but data (convention 4): K/V written for rejected drafts lies beyond P' and is overwritten later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from gemma4_mtp_jax.api import Assistant, Target
+from gemma4_mtp_jax.config import SLIDING
+from gemma4_mtp_jax.kernels.centroid_head import centroid_head
+from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV
+from gemma4_mtp_jax.model.assistant import Gemma4Assistant
+from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
+from gemma4_mtp_jax.step import forward_paged, lm_logits
+
+Array = jax.Array
+_NEG = -jnp.inf
+
+
+@flax.struct.dataclass
+class DraftHead:
+    """What the draft loop needs of the assistant's head beyond its parameters: the suppressed tokens."""
+
+    suppress: Array | None  # [V] bool: canonical order (dense head) or row order (centroid head)
+
+
+def make_draft_head(assistant: Assistant) -> DraftHead:
+    ids = assistant.generation_config.get("suppress_tokens") or []
+    if not ids:
+        return DraftHead(None)
+    V = assistant.config.text.vocab_size
+    mask = jnp.zeros((V,), bool).at[jnp.asarray(ids, jnp.int32)].set(True)
+    if assistant.config.use_ordered_embeddings:
+        mask = mask[assistant.params["masked_embedding"]["token_ordering"]]  # row order
+    return DraftHead(mask)
+
+
+def _key_for(seed: Array, position: Array, stream: int) -> Array:
+    """Per-row keys from (request seed, round position, stream): independent of the batch's composition."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(seed, position)
+
+
+def _draft_distribution(assistant: Assistant, params_a, head: DraftHead, hn: Array, sampling: SamplingBatch,
+                        sampled_rows: Array, attention_impl: str) -> tuple[Array, Array, Array]:
+    """From the normed draft hidden hn [B, Ha]: (greedy token [B], filtered draft logits over candidate ids
+    [B, N], the candidates' canonical ids [B, N]). The dense head's candidates are the whole vocabulary."""
+    cfg = assistant.config
+    if cfg.use_ordered_embeddings:
+        me = params_a["masked_embedding"]
+        impl = "xla" if attention_impl == "xla" else "auto"
+        logits, ids = centroid_head(hn, me["centroids"]["weight"], me["ordered_embedding"], me["token_ordering"],
+                                    cfg.centroid_top_k, head.suppress, mode="sparse", impl=impl)
+    else:
+        logits = assistant.module.apply({"params": params_a}, hn, method=Gemma4Assistant.logits)
+        if head.suppress is not None:
+            logits = jnp.where(head.suppress, _NEG, logits)
+        ids = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.take_along_axis(ids, jnp.argmax(logits, -1)[:, None], 1)[:, 0]
+    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    filtered = jax.lax.cond(
+        jnp.any(sampled_rows),
+        lambda: filter_logits(logits / temp[:, None], sampling.top_k, sampling.top_p),
+        lambda: logits,
+    )
+    return greedy, filtered, ids
+
+
+def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, params_a, head: DraftHead, pages,
+          tables, tokens: Array, hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
+          attention_impl: str = "auto", forced: Array | None = None):
+    """k draft steps. Returns drafts [B, k], q [B, k, V] (the draft distribution each draft was sampled from;
+    zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha]."""
+    acfg = assistant.config
+    V = acfg.text.vocab_size
+    source = {i: target.config.store_layers[t] for i, t in enumerate(acfg.text.layer_types)}
+    kv = PagedDraftKV(pages=pages, tables=tables, lengths=lengths, source=source,
+                      layer_group=dict(enumerate(acfg.text.layer_types)),
+                      ring_pages=layout.ring_pages(SLIDING) if SLIDING in dict(layout.pages_per_seq) else None,
+                      attention_impl=attention_impl)
+    sampled_rows = sampling.temperature > 0
+    tok, h = tokens, hidden
+    drafts, qs, hns = [], [], []
+    for s in range(k):
+        emb = target.module.apply({"params": params_t}, tok, method=Gemma4Target.embed)
+        hn, h = assistant.module.apply({"params": params_a}, emb, h, kv)
+        greedy, logits, ids = _draft_distribution(assistant, params_a, head, hn, sampling, sampled_rows,
+                                                  attention_impl)
+        keys = _key_for(sampling.seed, lengths, 1 + s)
+        pick = jax.vmap(jax.random.categorical)(keys, logits)
+        sampled = jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
+        d = jnp.where(sampled_rows, sampled, greedy).astype(jnp.int32)
+        if forced is not None:  # test-only: drafts given from outside
+            d = forced[:, s]
+        q_sparse = jax.nn.softmax(logits, -1)
+        q = jnp.zeros((tok.shape[0], V), jnp.float32).at[jnp.arange(tok.shape[0])[:, None], ids].set(q_sparse)
+        qs.append(jnp.where(sampled_rows[:, None], q, 0.0))
+        drafts.append(d)
+        hns.append(hn)
+        tok = d
+    return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(hns, 1)
+
+
+def accept(drafts: Array, q: Array, target_logits: Array, sampling: SamplingBatch, spec_on: Array,
+           positions: Array) -> tuple[Array, Array]:
+    """Exact verification (DESIGN.md convention 3). drafts [B, k], q [B, k, V], target_logits [B, k+1, V].
+
+    Greedy rows: the longest prefix of drafts equal to the target's argmax, then the target's token there.
+    Sampled rows: accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
+    normalize(max(p_j - q_j, 0)); if all are accepted draw the bonus from p_k. p is the target's distribution
+    at the request's temperature/top-k/top-p, the same filter the drafts were sampled under. Rows with
+    spec_on = False accept nothing. Returns (emitted tokens [B, k+1], -1 after the bonus; n accepted [B]).
+    """
+    B, k = drafts.shape
+    logits = target_logits.astype(jnp.float32)
+    greedy_rows = sampling.temperature <= 0
+    argmax = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, k+1]
+    n_greedy = jnp.sum(jnp.cumprod(drafts == argmax[:, :k], axis=1), axis=1)
+
+    def sampled_path():
+        temp = jnp.where(greedy_rows, 1.0, sampling.temperature)
+        flat = logits.reshape(B * (k + 1), -1) / jnp.repeat(temp, k + 1)[:, None]
+        flat = filter_logits(flat, jnp.repeat(sampling.top_k, k + 1), jnp.repeat(sampling.top_p, k + 1))
+        p = jax.nn.softmax(flat, -1).reshape(B, k + 1, -1)
+        p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
+        q_d = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+        u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(_key_for(sampling.seed, positions, 100))
+        ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 for a draft sampled from q
+        n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
+        n = jnp.where(spec_on, n, 0)
+        rows = jnp.arange(B)
+        p_n = p[rows, n]
+        q_n = jnp.where((spec_on & (n < k))[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
+        residual = jnp.maximum(p_n - q_n, 0.0)
+        residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
+        bonus = jax.vmap(jax.random.categorical)(_key_for(sampling.seed, positions, 101), jnp.log(residual))
+        return n, bonus.astype(jnp.int32)
+
+    n_s, bonus_s = jax.lax.cond(jnp.any(~greedy_rows), sampled_path,
+                                lambda: (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)))
+    n = jnp.where(spec_on, jnp.where(greedy_rows, n_greedy, n_s), 0).astype(jnp.int32)
+    bonus = jnp.where(greedy_rows, argmax[jnp.arange(B), n], bonus_s)
+    j = jnp.arange(k + 1)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
+    emitted = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], bonus[:, None], -1))
+    return emitted, n
+
+
+def speculative_step(target: Target, assistant: Assistant, layout: KVLayout, k: int, attention_impl: str,
+                     params_t, params_a, head: DraftHead, pages, hidden_buf: Array, slots: Array, tokens: Array,
+                     lengths: Array, tables, sampling: SamplingBatch, spec_on: Array, forced: Array | None = None):
+    """One round for B sequences (rows with lengths < 0 are padding). `hidden_buf` [slots+1, H] holds each
+    sequence's h by slot; both it and the pages are donated and updated in place.
+
+    Returns (pages, hidden_buf, packed [B, k+2] int32: the emitted tokens then n accepted)."""
+    valid = lengths >= 0
+    P = jnp.where(valid, lengths, 0)
+    hidden = hidden_buf[slots]
+    drafts, q, _ = draft(target, assistant, layout, params_t, params_a, head, pages, tables, tokens, hidden,
+                         jnp.where(valid, P, 0), sampling, k, attention_impl, forced)
+    verify_tokens = jnp.concatenate([tokens[:, None], drafts], 1)  # [B, k+1]
+    positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
+    h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables, prefill=False,
+                                 attention_impl=attention_impl)
+    logits = lm_logits(target, params_t, h_all)  # [B, k+1, V]
+    emitted, n = accept(drafts, q, logits, sampling, spec_on & valid, P)
+    h_next = h_all[jnp.arange(h_all.shape[0]), n]
+    hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
+    packed = jnp.concatenate([emitted, n[:, None]], 1).astype(jnp.int32)
+    return pages, hidden_buf, packed
+
+
+def abstract_inputs(target: Target, assistant: Assistant, layout: KVLayout, cache_dtype, num_slots: int,
+                    batch: int, k: int, head: DraftHead, forced: bool) -> tuple[Any, ...]:
+    from gemma4_mtp_jax.kv_state import abstract_pages
+
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    tables = {g: i32(batch, w) for g, w in layout.pages_per_seq}
+    sampling = SamplingBatch(jax.ShapeDtypeStruct((batch,), jnp.float32), i32(batch),
+                             jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.uint32))
+    args = (
+        jax.tree_util.tree_map(sds, target.params),
+        jax.tree_util.tree_map(sds, assistant.params),
+        jax.tree_util.tree_map(sds, head),
+        abstract_pages(target.config, layout, cache_dtype),
+        jax.ShapeDtypeStruct((num_slots + 1, target.config.hidden_size), cache_dtype),
+        i32(batch), i32(batch), i32(batch), tables, sampling, jax.ShapeDtypeStruct((batch,), jnp.bool_),
+    )
+    return args + ((i32(batch, k),) if forced else ())
