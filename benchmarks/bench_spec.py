@@ -1,0 +1,158 @@
+"""Speculative step vs plain decode at real Gemma 4 shapes (random bf16 weights), in one run.
+
+For each model and batch size, over a context of --context tokens per sequence (K/V random): the decode step
+(1 token), the verify step (the target's forward on k+1 tokens + logits), and the whole speculative step (k
+draft steps of the assistant, verify, acceptance, bookkeeping: one program). Reports the ratio
+speculative / decode and the projected speedup at a mean acceptance length L (tokens per round):
+L * t_decode / t_spec. Acceptance itself is not measured here (random weights accept nothing); the step's
+time does not depend on it (shapes never do).
+
+    python benchmarks/bench_spec.py --models e2b 31b --batch 1 16 --k 4
+    python benchmarks/bench_spec.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
+from benchmarks.common import ASSISTANTS, TARGETS, copy_bandwidth, environment, random_params, write_json  # noqa: E402
+from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
+from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
+from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps, forward_paged, lm_logits  # noqa: E402
+
+SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
+                       num_centroids=16, centroid_intermediate_top_k=4,
+                       text_config=dict(model_type="gemma4_text", vocab_size=512, hidden_size=32,
+                                        intermediate_size=64, num_hidden_layers=4,
+                                        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        global_head_dim=32, sliding_window=32, num_kv_shared_layers=4,
+                                        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0))
+
+
+def timed(fn, state, rest, repeats, warmup=3):
+    """Median seconds per call of fn(*state, *rest) -> (*state, out); the donated state is threaded through."""
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        res = fn(*state, *rest)
+        state, out = res[:-1], res[-1]
+        jax.block_until_ready(out)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), state
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS))
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--acceptance-length", type=float, default=3.9,
+                    help="mean tokens per round for the projected speedup (vLLM's 31B figure at k=4)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+    bw = copy_bandwidth(0.05 if args.smoke else 2.0)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    k = args.k
+    for name in (["smoke"] if args.smoke else args.models):
+        tcfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
+        acfg = parse_assistant_config(SMOKE_ASSISTANT if name == "smoke" else ASSISTANTS[name])
+        dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
+        t0 = time.perf_counter()
+        target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0), dtype, None, {})
+        assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype, None, {})
+        print(f"[{name}] random weights in {time.perf_counter() - t0:.1f}s", flush=True)
+        context = 64 if name == "smoke" else args.context
+        max_b = max(args.batch)
+        geometry = dict(page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
+                        assistant_window=acfg.text.sliding_window)
+        probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
+        layout = make_layout(tcfg, num_pages={g: max_b * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
+                             **geometry)
+        steps = CompiledSteps(target, layout, dtype, "auto", assistant=assistant, k=k, num_slots=max_b)
+        plain = CompiledSteps(target, layout, dtype, "auto")
+        pages = random_pages(tcfg, layout, dtype)
+        hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
+        rng = np.random.default_rng(0)
+        for B in args.batch:
+            tables = {}
+            for g, w in layout.pages_per_seq:
+                tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
+            tokens = rng.integers(0, tcfg.vocab_size, B).astype(np.int32)
+            P = np.full(B, context - k - 2, np.int32)
+            sampling = SamplingBatch.from_params([], B)
+            row = {"model": name, "batch": B, "k": k, "context": context}
+
+            t0 = time.perf_counter()
+            dec = plain.compile_decode(B)
+            row["compile_decode_s"] = time.perf_counter() - t0
+            t, (pages,) = timed(lambda p, *r: dec(target.params, p, *r), (pages,), (tokens, P, tables, sampling),
+                                args.repeats)
+            row["decode_ms"] = t * 1e3
+
+            def verify(params, pages, tokens, positions, tables):
+                h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, prefill=False,
+                                         attention_impl="auto")
+                return pages, jnp.argmax(lm_logits(target, params, h), -1)
+
+            vt = np.tile(tokens[:, None], (1, k + 1))
+            vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
+            t0 = time.perf_counter()
+            ver = jax.jit(verify, donate_argnums=(1,)).lower(target.params, pages, vt, vp, tables).compile()
+            row["compile_verify_s"] = time.perf_counter() - t0
+            t, (pages,) = timed(lambda p, *r: ver(target.params, p, *r), (pages,), (vt, vp, tables), args.repeats)
+            row["verify_ms"] = t * 1e3
+
+            t0 = time.perf_counter()
+            spec = steps.compile_speculative(B)
+            row["compile_spec_s"] = time.perf_counter() - t0
+            slots = np.arange(B, dtype=np.int32)
+            spec_on = np.ones(B, bool)
+            t, (pages, hidden) = timed(
+                lambda p, h, *r: spec(target.params, assistant.params, steps.draft_head, p, h, *r),
+                (pages, hidden), (slots, tokens, P, tables, sampling, spec_on), args.repeats)
+            row["spec_ms"] = t * 1e3
+            need = bytes_per_step(tcfg, target.params, B, context)
+            row["decode_roofline_ms"] = need["total"] / bw * 1e3
+            row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["decode_ms"]
+            row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
+            row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
+            row["draft_ms_est"] = row["spec_ms"] - row["verify_ms"]
+            row["projected_speedup"] = args.acceptance_length * row["decode_ms"] / row["spec_ms"]
+            rows.append(row)
+            print(row, flush=True)
+        del target, assistant, pages, steps, plain, hidden
+    write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "acceptance_length": args.acceptance_length,
+                                   "rows": rows})
+    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; k={k}; projected speedup at mean acceptance length "
+          f"{args.acceptance_length}")
+    print(f"{'model':6} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
+          f"{'spec/dec':>8} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['model']:6} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
+              f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:8.3f} {r['spec_ms']:8.3f} "
+              f"{r['draft_ms_est']:8.3f} {r['spec_over_decode']:8.2f} {r['projected_speedup']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
