@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gemma4_mtp_jax.api import Target, load_target
+from gemma4_mtp_jax.api import Assistant, Target, load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
 from gemma4_mtp_jax.sampling import SamplingParams
 
@@ -38,25 +38,29 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
+    assistant: Assistant | None = None,
     engine: Engine | None = None,
     engine_config: EngineConfig | None = None,
     stop_ids: frozenset[int] | None = None,
+    speculative: bool = True,
 ) -> list[GenerationResult]:
     """Generate for a list of tokenised prompts, all batched together by the engine.
 
-    sampling: one SamplingParams for all prompts or one per prompt (default greedy). Pass an `engine` to reuse
-    its compiled programs across calls; otherwise one is built (and compiled) for this call.
+    sampling: one SamplingParams for all prompts or one per prompt (default greedy). With an `assistant`,
+    decoding is speculative (`speculative=False` turns it off for these prompts). Pass an `engine` to reuse its
+    compiled programs across calls; otherwise one is built (and compiled) for this call.
     """
     if engine is None:
         longest = max((len(p) for p in prompts), default=1) + max_new_tokens
         cfg = engine_config or EngineConfig(max_num_seqs=max(1, len(prompts)), max_model_len=max(longest, 2))
-        engine = Engine(target, cfg)
+        engine = Engine(target, cfg, assistant=assistant)
     if sampling is None or isinstance(sampling, SamplingParams):
         sampling = [sampling or SamplingParams()] * len(prompts)
     if len(sampling) != len(prompts):
         raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
     t0 = time.perf_counter()
-    reqs = [engine.add_request(list(p), max_new_tokens, s, stop_ids) for p, s in zip(prompts, sampling)]
+    reqs = [engine.add_request(list(p), max_new_tokens, s, stop_ids, speculative=speculative)
+            for p, s in zip(prompts, sampling)]
     engine.run()
     wall = time.perf_counter() - t0
     out = []
@@ -82,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ckpt", default="demo",
                     help="target checkpoint: HF directory, converted Orbax directory, hub id, or 'demo' (default): "
                          "a small random-weight pair the project builds itself")
+    ap.add_argument("--assistant", default=None,
+                    help="MTP assistant checkpoint for speculative decoding (HF dir, Orbax dir, hub id, or 'demo')")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="drafts per round with --assistant (default: the assistant's num_assistant_tokens, else 4)")
     ap.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     ap.add_argument("--prompt-ids", action="append", type=_parse_ids, default=[],
                     help="a prompt as comma-separated token ids, e.g. 2,651,1234 (repeat for a batch)")
@@ -104,13 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.prompt and not args.prompt_ids:
             raise RequestError("give at least one --prompt or --prompt-ids")
         t0 = time.perf_counter()
-        ckpt = args.ckpt
-        if ckpt == "demo":
+        ckpt, assistant_ckpt = args.ckpt, args.assistant
+        if "demo" in (ckpt, assistant_ckpt):
             from gemma4_mtp_jax.demo import build_demo
 
-            ckpt = build_demo()[0]
-            info(f"demo checkpoint (random weights): {ckpt}")
+            demo_target, demo_assistant = build_demo()
+            ckpt = demo_target if ckpt == "demo" else ckpt
+            assistant_ckpt = demo_assistant if assistant_ckpt == "demo" else assistant_ckpt
+            info(f"demo checkpoint (random weights): {demo_target.parent}")
         target = load_target(ckpt, args.dtype)
+        assistant = load_assistant(assistant_ckpt, args.dtype) if assistant_ckpt else None
         info(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s")
         tok = load_tokenizer(target.path)
         prompts = [list(p) for p in args.prompt_ids]
@@ -124,9 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         longest = max(len(p) for p in prompts) + args.max_new_tokens
         cfg = EngineConfig(max_num_seqs=len(prompts), max_model_len=args.max_model_len or longest,
-                           page_size=args.page_size)
+                           page_size=args.page_size, num_speculative_tokens=args.num_speculative_tokens)
         t0 = time.perf_counter()
-        engine = Engine(target, cfg, progress=lambda name, s: info(f"compiled {name} in {s:.1f}s"))
+        engine = Engine(target, cfg, progress=lambda name, s: info(f"compiled {name} in {s:.1f}s"),
+                        assistant=assistant)
         info(f"compiled {len(engine.compile_times)} programs in {time.perf_counter() - t0:.1f}s")
         results = generate(target, prompts, args.max_new_tokens, sampling, engine=engine)
     except (RequestError, ValueError, OSError) as e:

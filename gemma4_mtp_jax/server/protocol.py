@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any, Callable
 
-from gemma4_mtp_jax.server.errors import APIError, bad_request
+from gemma4_mtp_jax.server.errors import bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

@@ -1,0 +1,14 @@
+"""The OpenAI-compatible server (`python -m gemma4_mtp_jax.serve`).
+
+app.py           the ASGI app: endpoints, SSE streaming, disconnect handling
+async_engine.py  the engine thread and the queues between it and the event loop
+protocol.py      request validation (OpenAI-style 4xx errors, errors.py)
+detokenize.py    incremental, UTF-8-safe detokenization with stop strings
+chat.py          tokenizer + chat template (jinja2, sandboxed)
+metrics.py       Prometheus metrics
+cli.py           flags, start-up (load, check, compile), uvicorn with a graceful SIGTERM
+"""
+
+from gemma4_mtp_jax.server.cli import build_parser, create_server, main
+
+__all__ = ["build_parser", "create_server", "main"]

@@ -1,0 +1,486 @@
+"""The HTTP layer: an ASGI (Starlette) app with the OpenAI-compatible endpoints, /health and /metrics.
+
+    POST /v1/completions        POST /v1/chat/completions     (JSON or SSE streams)
+    GET  /v1/models             GET  /health                  GET /metrics (Prometheus)
+
+Generation responses are raw ASGI callables that watch the connection while they run: when the client goes
+away (mid-stream, or while waiting for a non-streamed answer) the request is cancelled in the engine and its KV
+pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gemma4_mtp_jax.engine import RequestError
+from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.server.async_engine import AsyncEngine, Delta, QueueFull, RequestStream, ShuttingDown
+from gemma4_mtp_jax.server.chat import TextTokenizer
+from gemma4_mtp_jax.server.detokenize import TextStream
+from gemma4_mtp_jax.server.errors import APIError, bad_request
+from gemma4_mtp_jax.server.metrics import Metrics
+from gemma4_mtp_jax.server.protocol import GenerationParams, parse_chat, parse_completion, parse_json
+
+log = logging.getLogger("gemma4_mtp_jax.server")
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+_OFFLOAD_CHARS = 16384  # tokenize longer texts in a worker thread, not on the event loop
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    aliases: tuple[str, ...] = ()  # other names accepted in "model" (e.g. the checkpoint path)
+    default_temperature: float = 1.0
+    default_top_k: int = 0
+    default_top_p: float = 1.0
+    default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat: up to max_model_len
+    max_request_bytes: int = 16 * 2**20
+    num_speculative_tokens: int = 0
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, tokenizer: TextTokenizer | None, settings: ServerSettings,
+                 metrics: Metrics, eos_ids: frozenset[int] = frozenset()):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.metrics = metrics
+        self.eos_ids = frozenset(eos_ids)
+        metrics.spec_tokens.set(settings.num_speculative_tokens)
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={HTTPException: self._http_exception},
+            lifespan=self._lifespan,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    @asynccontextmanager
+    async def _lifespan(self, app):
+        self.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Refuse new requests (503); abort those still running after `grace_s` seconds. Signal-handler safe."""
+        self.engine.begin_drain(grace_s)
+
+    # ------------------------------------------------------------------ small endpoints
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            e = APIError(404, f"No route for {request.method} {request.url.path}", code="not_found")
+        elif exc.status_code == 405:
+            e = APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                         code="method_not_allowed", headers=dict(exc.headers or {}))
+        else:
+            e = APIError(exc.status_code, str(exc.detail))
+        return _error_response(e)
+
+    async def health(self, request: Request) -> Response:
+        snap = self.engine.snapshot
+        if not self.engine.alive:
+            status = "dead"
+        elif self.engine.draining:
+            status = "draining"
+        elif self.engine.last_error:
+            status = "degraded"
+        else:
+            status = "ok"
+        body = {"status": status, "model": self.settings.model_name, **snap,
+                "num_speculative_tokens": self.settings.num_speculative_tokens,
+                "last_error": self.engine.last_error}
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as e:
+            self.metrics.requests.labels("models", str(e.status)).inc()
+            return _error_response(e)
+        self.metrics.requests.labels("models", "200").inc()
+        card = {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
+                "owned_by": "gemma4_mtp_jax", "max_model_len": self.settings.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # ------------------------------------------------------------------ generation endpoints
+    async def completions(self, request: Request):
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "chat")
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_request_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"The request body is larger than {limit} bytes", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"The request body is larger than {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is None or model == self.settings.model_name or model in self.settings.aliases:
+            return
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.settings.model_name}'",
+                       param="model", code="model_not_found")
+
+    async def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer (tokenizer.json): send the prompt as token ids", "prompt")
+        if len(text) > _OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text)
+        return self.tokenizer.encode(text)
+
+    async def _prompt_ids(self, p: GenerationParams) -> list[int]:
+        if p.kind == "chat":
+            if self.tokenizer is None:
+                raise bad_request("this model has no tokenizer (tokenizer.json): chat is not available", "messages")
+            ids = await self._encode(self.tokenizer.render_chat(p.messages))
+            where = "messages"
+        elif isinstance(p.prompt, str):
+            ids, where = await self._encode(p.prompt), "prompt"
+        else:
+            ids, where = list(p.prompt), "prompt"
+            V = self.settings.vocab_size
+            bad = next((t for t in ids if not 0 <= t < V), None)
+            if bad is not None:
+                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {V})", "prompt")
+        if not ids:
+            raise bad_request("the prompt is empty after tokenization", where)
+        L = self.settings.max_model_len
+        if len(ids) >= L:
+            raise bad_request(f"This model's maximum context length is {L} tokens; the prompt has {len(ids)} tokens "
+                              f"(at least one token must be left to generate)", where, "context_length_exceeded")
+        return ids
+
+    def _max_tokens(self, p: GenerationParams, prompt_len: int) -> int:
+        L = self.settings.max_model_len
+        room = L - prompt_len
+        if p.max_tokens is None:
+            return room if p.kind == "chat" else min(self.settings.default_completion_max_tokens, room)
+        if p.max_tokens > room:
+            param = "max_tokens"
+            raise bad_request(f"This model's maximum context length is {L} tokens; you asked for "
+                              f"{prompt_len + p.max_tokens} ({prompt_len} in the prompt, {p.max_tokens} to generate)",
+                              param, "context_length_exceeded")
+        return p.max_tokens
+
+    def _sampling(self, p: GenerationParams) -> SamplingParams:
+        s = self.settings
+        temperature = s.default_temperature if p.temperature is None else p.temperature
+        seed = p.seed if p.seed is not None else secrets.randbits(32)
+        try:
+            return SamplingParams(temperature, s.default_top_k if p.top_k is None else p.top_k,
+                                  s.default_top_p if p.top_p is None else p.top_p, seed)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def _rejected(self, endpoint: str, e: APIError) -> JSONResponse:
+        self.metrics.requests.labels(endpoint, str(e.status)).inc()
+        if e.status >= 500:
+            log.warning("%s -> %d: %s", endpoint, e.status, e.message)
+        return _error_response(e)
+
+    async def _generate(self, request: Request, kind: str):
+        endpoint = "completions" if kind == "completion" else "chat.completions"
+        arrival = time.perf_counter()
+        try:
+            self._authorize(request)
+            if self.engine.draining:
+                raise APIError(503, "The server is shutting down", code="shutting_down")
+            body = parse_json(await self._read_body(request))
+            params = parse_completion(body) if kind == "completion" else parse_chat(body)
+            self._check_model(params.model)
+            prompt_ids = await self._prompt_ids(params)
+            max_tokens = self._max_tokens(params, len(prompt_ids))
+            sampling = self._sampling(params)
+            rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+            stream = await self.engine.submit(prompt_ids, max_tokens, sampling, None, rid)
+        except APIError as e:
+            return self._rejected(endpoint, e)
+        except QueueFull as e:
+            return self._rejected(endpoint, APIError(
+                429, f"The server is at capacity ({e}); retry after {e.retry_after}s", code="server_overloaded",
+                headers={"Retry-After": str(e.retry_after)}))
+        except ShuttingDown as e:
+            return self._rejected(endpoint, APIError(503, str(e), code="shutting_down"))
+        except RequestError as e:
+            return self._rejected(endpoint, bad_request(str(e), code="invalid_prompt"))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception:
+            log.exception("unexpected error while admitting a request")
+            return self._rejected(endpoint, APIError(500, "Internal server error", code="internal_error"))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        gen = _Generation(self, stream, params, prompt_ids, arrival, endpoint)
+        return _GenerationResponse(gen)
+
+
+@dataclasses.dataclass
+class _Output:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class _Generation:
+    """One accepted request: engine deltas -> detokenized text outputs, metrics, usage, and clean cancellation."""
+
+    def __init__(self, server: OpenAIServer, stream: RequestStream, params: GenerationParams, prompt_ids: list[int],
+                 arrival: float, endpoint: str):
+        self.server = server
+        self.stream = stream
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.arrival = arrival
+        self.endpoint = endpoint
+        self.created = int(time.time())
+        self.text = TextStream(server.tokenizer, prompt_ids, params.stop)
+        self.finish_reason: str | None = None
+        self._last_token_time: float | None = None
+        self.closed = False
+
+    @property
+    def usage(self) -> dict[str, int]:
+        n = self.text.num_tokens
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, "total_tokens": len(self.prompt_ids) + n}
+
+    def _observe(self, d: Delta, n_new: int) -> None:
+        m = self.server.metrics
+        if n_new:
+            if self._last_token_time is None:
+                m.ttft.observe(max(0.0, d.time - self.arrival))  # the other tokens of this step: no gap to measure
+            else:
+                gap = max(0.0, d.time - self._last_token_time) / n_new
+                for _ in range(n_new):
+                    m.itl.observe(gap)
+            self._last_token_time = d.time
+            m.generation_tokens.inc(n_new)
+
+    async def outputs(self) -> AsyncIterator[_Output]:
+        """Text as it becomes final; the last output carries finish_reason. Raises APIError if the request failed."""
+        try:
+            async for d in self.stream.deltas():
+                before = self.text.num_tokens
+                skip = ()
+                if d.finished and d.finish_reason == "stop" and d.tokens and d.tokens[-1] in self._stop_ids():
+                    skip = (d.tokens[-1],)  # the EOS that ended generation: counted, not shown
+                text = self.text.push(d.tokens, skip_text=skip)
+                new_ids = self.text.token_ids[before:]
+                self._observe(d, len(new_ids))
+                if self.text.stopped:  # a stop string: done, whatever the engine would still produce
+                    if not d.finished:
+                        self.server.engine.cancel(self.stream)
+                    self._finish("stop")
+                    yield _Output(text, new_ids, "stop")
+                    return
+                if d.finished:
+                    if d.finish_reason in ("abort", "error"):
+                        self._finish(d.finish_reason)
+                        status = 503 if d.finish_reason == "abort" else 500
+                        raise APIError(status, d.error or "the request failed", code=d.finish_reason)
+                    if d.finish_reason == "cancelled":  # not asked by us: treat as an abort
+                        self._finish("cancelled")
+                        raise APIError(503, "the request was cancelled by the server", code="cancelled")
+                    text += self.text.finish()
+                    reason = "stop" if self.text.stopped else (d.finish_reason or "stop")
+                    self._finish(reason)
+                    yield _Output(text, new_ids, reason)
+                    return
+                if text or new_ids:
+                    yield _Output(text, new_ids)
+        finally:
+            if not self.closed:  # the consumer went away (disconnect, task cancelled)
+                self.server.engine.cancel(self.stream)
+                self._finish("cancelled")
+
+    def _stop_ids(self) -> frozenset[int]:
+        req = self.stream.request
+        return req.stop_ids if req is not None else self.server.eos_ids
+
+    def _finish(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.finish_reason = reason
+        m = self.server.metrics
+        m.finished.labels(finish_reason=reason).inc()
+        if reason in ("stop", "length") and self._last_token_time is not None:
+            m.e2e.observe(max(0.0, self._last_token_time - self.arrival))
+
+    def cancel(self) -> None:
+        if not self.closed:
+            self.server.engine.cancel(self.stream)
+            self._finish("cancelled")
+
+    # ------------------------------------------------------------------ response bodies
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.stream.id, "object": obj, "created": self.created, "model": self.server.settings.model_name}
+
+    async def full_response(self) -> dict[str, Any]:
+        texts, ids, reason = [], [], None
+        async for out in self.outputs():
+            texts.append(out.text)
+            ids += out.token_ids
+            reason = out.finish_reason or reason
+        text = "".join(texts)
+        if self.params.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            body = self._base("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            body = self._base("text_completion")
+        if self.params.return_token_ids:
+            choice["token_ids"] = ids
+            body["prompt_token_ids"] = self.prompt_ids
+        body.update(choices=[choice], usage=self.usage, system_fingerprint=None)
+        return body
+
+    def _chunk(self, text: str | None, ids: list[int] | None, finish_reason: str | None,
+               role: bool = False) -> bytes:
+        if self.params.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._base("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._base("text_completion")
+        if self.params.return_token_ids and ids is not None:
+            choice["token_ids"] = ids
+        body["choices"] = [choice]
+        if self.params.include_usage:
+            body["usage"] = None
+        return b"data: " + _json_bytes(body) + b"\n\n"
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        p = self.params
+        try:
+            if p.kind == "chat":
+                yield self._chunk("", [] if p.return_token_ids else None, None, role=True)
+            if p.return_token_ids:
+                first = self._base("chat.completion.chunk" if p.kind == "chat" else "text_completion")
+                first.update(choices=[], prompt_token_ids=self.prompt_ids)
+                yield b"data: " + _json_bytes(first) + b"\n\n"
+            async for out in self.outputs():
+                if out.text or (p.return_token_ids and out.token_ids):
+                    yield self._chunk(out.text, out.token_ids, None)
+                if out.finish_reason is not None:
+                    yield self._chunk("" if p.kind == "completion" else None, [] if p.return_token_ids else None,
+                                      out.finish_reason)
+        except APIError as e:
+            yield b"data: " + _json_bytes(e.body()) + b"\n\n"
+        if p.include_usage:
+            body = self._base("chat.completion.chunk" if p.kind == "chat" else "text_completion")
+            body.update(choices=[], usage=self.usage)
+            yield b"data: " + _json_bytes(body) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+class _GenerationResponse:
+    """ASGI response that runs a generation while watching for the client going away (then: cancel it)."""
+
+    def __init__(self, gen: _Generation):
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        gen = self.gen
+        producer = asyncio.ensure_future(self._stream(send) if gen.params.stream else self._json(send))
+        listener = asyncio.ensure_future(self._wait_disconnect(receive))
+        try:
+            await asyncio.wait({producer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (producer, listener):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(producer, listener, return_exceptions=True)
+            gen.cancel()  # no-op when it finished normally
+        if producer.done() and not producer.cancelled() and producer.exception() is not None:
+            exc = producer.exception()
+            if not isinstance(exc, OSError):
+                log.error("response for %s failed", gen.stream.id, exc_info=exc)
+
+    @staticmethod
+    async def _wait_disconnect(receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    def _count(self, status: int) -> None:
+        self.gen.server.metrics.requests.labels(self.gen.endpoint, str(status)).inc()
+
+    async def _json(self, send) -> None:
+        try:
+            body, status, headers = _json_bytes(await self.gen.full_response()), 200, []
+        except APIError as e:
+            body, status, headers = _json_bytes(e.body()), e.status, list(e.headers.items())
+        self._count(status)
+        raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in headers]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _stream(self, send) -> None:
+        self._count(200)
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        async for chunk in self.gen.sse():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,338 @@
+"""The engine thread: one thread owns the (not thread-safe) Engine; asyncio handlers talk to it through queues.
+
+    handler (event loop) --submit/cancel/drain/stop--> command queue --> engine thread: engine.add_request /
+    cancel / step --> Delta --loop.call_soon_threadsafe--> the request's asyncio queue --> handler
+
+Every request the server accepted ends with exactly one final Delta (finished=True) whose finish_reason is the
+engine's ("stop", "length"), "cancelled" (the handler asked: client gone, stop string reached), "abort" (the
+shutdown grace period ran out) or "error" (an engine step raised: its requests fail, the engine thread lives on).
+
+Admission is bounded: at most `max_num_seqs + max_queue_len` requests are in flight; past that `submit` raises
+QueueFull with a Retry-After estimate, so nothing already accepted is ever dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from gemma4_mtp_jax.engine import Engine, Request, RequestError
+from gemma4_mtp_jax.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int, in_flight: int):
+        super().__init__(f"server at capacity ({in_flight} requests in flight)")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Delta:
+    """New tokens of one request from one engine step (several per step is normal with speculative decoding)."""
+
+    tokens: list[int]
+    time: float  # time.perf_counter() in the engine thread when the step finished
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "abort" | "error"
+    error: str | None = None
+
+    def merge(self, later: "Delta") -> "Delta":
+        return dataclasses.replace(later, tokens=self.tokens + later.tokens)
+
+
+class RequestStream:
+    """The handler's side of one request: `async for delta in stream.deltas()` until the final one."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
+                 sampling: SamplingParams, stop_ids: frozenset[int] | None):
+        self.id = request_id
+        self.loop = loop
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.arrival = time.perf_counter()
+        self.request: Request | None = None  # the engine's Request, once added (engine thread)
+        self.accepted: asyncio.Future = loop.create_future()
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._closed = False  # engine thread: the final Delta was sent
+        self._spec_seen = (0, 0, (), 0)  # engine thread: drafted, accepted, per position, rounds already counted
+        self.done = False  # handler: the final Delta was received
+
+    # engine thread -> loop
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        def set_():
+            if not self.accepted.done():
+                if error is not None:
+                    self.accepted.set_exception(error)
+                else:
+                    self.accepted.set_result(result)
+        self._post(set_)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while not self.done:
+            d = await self._queue.get()
+            while not d.finished and not self._queue.empty():  # the client lags: send what piled up at once
+                d = d.merge(self._queue.get_nowait())
+            self.done = d.finished
+            yield d
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue_len: int = 256, metrics=None):
+        self.engine = engine
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.max_queue_len = max_queue_len
+        self.metrics = metrics
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._active: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._deadline: float | None = None  # engine thread: abort what is left at this time.monotonic()
+        self.draining = False
+        self.alive = False
+        self.last_error: str | None = None
+        self._latency_ema: float | None = None
+        self.snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_pages_in_use": engine.pages_in_use(),
+                                         "kv_pages_total": self._pages_total()}
+        self._publish()
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.alive = True
+        self._thread = threading.Thread(target=self._main, name="gemma4-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is left and end the engine thread."""
+        self.draining = True
+        if self._thread is None:
+            return
+        self._cmds.put(("stop", None))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %.0fs", timeout)
+        self._thread = None
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop admitting; requests still in flight `grace_s` seconds from now are aborted. Signal-handler safe."""
+        self.draining = True
+        self._cmds.put(("drain", time.monotonic() + max(0.0, grace_s)))
+
+    def cancel(self, stream: RequestStream) -> None:
+        if not stream.done:
+            self._cmds.put(("cancel", stream))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: queued requests x mean latency / running slots (1..60)."""
+        ema = self._latency_ema or 1.0
+        queued = max(1, self.in_flight - self.max_num_seqs + 1)
+        return int(min(60, max(1, math.ceil(ema * queued / self.max_num_seqs))))
+
+    # ------------------------------------------------------------------ event loop
+    async def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns once the engine took it. Raises QueueFull, ShuttingDown, RequestError."""
+        if self.draining or not self.alive:
+            raise ShuttingDown("the server is shutting down" if self.draining else "the engine is not running")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            n = len(self._active)
+            if n >= self.max_num_seqs + self.max_queue_len:
+                raise QueueFull(self.retry_after(), n)
+            stream = RequestStream(request_id or f"req-{id(loop)}-{time.perf_counter_ns()}", loop, prompt,
+                                   max_tokens, sampling, stop_ids)
+            self._active[stream.id] = stream
+        self._cmds.put(("add", stream))
+        try:
+            await asyncio.shield(stream.accepted)
+        except asyncio.CancelledError:
+            self._cmds.put(("cancel", stream))
+            raise
+        return stream
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # pragma: no cover - a bug in this file; fail every request rather than hang
+            log.exception("the engine thread died")
+            self.last_error = f"engine thread died: {e!r}"
+            self._close_all("error", self.last_error)
+        finally:
+            self.alive = False
+            self._publish()
+
+    def _take_commands(self) -> list[tuple[str, Any]]:
+        cmds = []
+        if not self.engine.has_work:
+            timeout = IDLE_POLL_S
+            if self._deadline is not None:
+                timeout = min(timeout, max(0.0, self._deadline - time.monotonic()))
+            try:
+                cmds.append(self._cmds.get(timeout=timeout))
+            except queue.Empty:
+                return cmds
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _loop(self) -> None:
+        while True:
+            for kind, arg in self._take_commands():
+                if kind == "add":
+                    self._add(arg)
+                elif kind == "cancel":
+                    self._cancel(arg, "cancelled")
+                elif kind == "drain":
+                    self._deadline = arg if self._deadline is None else min(self._deadline, arg)
+                elif kind == "stop":
+                    self._close_all("abort", "the server is shutting down")
+                    return
+            if self._deadline is not None and time.monotonic() >= self._deadline and self._active:
+                log.warning("shutdown grace period over: aborting %d request(s)", len(self._active))
+                self._close_all("abort", "the server shut down before this request finished")
+            if self.engine.has_work:
+                self._step()
+            self._publish()
+
+    def _add(self, stream: RequestStream) -> None:
+        if stream._closed:
+            return
+        try:
+            req = self.engine.add_request(stream.prompt, stream.max_tokens, stream.sampling, stream.stop_ids,
+                                          request_id=stream.id)
+        except (RequestError, ValueError) as e:
+            self._forget(stream)
+            stream._closed = True
+            stream._resolve(error=RequestError(str(e)))
+            return
+        except Exception as e:
+            log.exception("engine.add_request failed")
+            self._forget(stream)
+            stream._closed = True
+            stream._resolve(error=e)
+            return
+        stream.request = req
+        stream._resolve(req)
+
+    def _cancel(self, stream: RequestStream, reason: str, error: str | None = None) -> None:
+        req = stream.request
+        if req is not None and not req.finished:
+            try:
+                self.engine.cancel(req)
+            except Exception:  # pragma: no cover
+                log.exception("engine.cancel failed for %s", stream.id)
+        self._close(stream, Delta([], time.perf_counter(), True, reason, error))
+
+    def _close(self, stream: RequestStream, delta: Delta) -> None:
+        self._forget(stream)
+        if stream._closed:
+            return
+        stream._closed = True
+        if not stream.accepted.done():
+            stream._resolve(stream.request)
+        stream._post(stream._queue.put_nowait, delta)
+        if delta.finish_reason in ("stop", "length"):
+            lat = delta.time - stream.arrival
+            self._latency_ema = lat if self._latency_ema is None else 0.8 * self._latency_ema + 0.2 * lat
+
+    def _forget(self, stream: RequestStream) -> None:
+        with self._lock:
+            self._active.pop(stream.id, None)
+
+    def _close_all(self, reason: str, error: str) -> None:
+        for stream in list(self._active.values()):
+            self._cancel(stream, reason, error)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed: failing its %d request(s)", len(self._active))
+            self.last_error = f"{type(e).__name__}: {e}"
+            if self.metrics:
+                self.metrics.engine_errors.inc()
+            self._close_all("error", "the engine failed while serving this request")
+            return
+        self.last_error = None
+        if self.metrics:
+            self.metrics.engine_steps.inc()
+        now = time.perf_counter()
+        for ev in events:
+            req = ev.request
+            stream = self._active.get(req.id)
+            if stream is None or stream._closed:
+                continue
+            if self.metrics:
+                self._count_speculation(stream, req)
+            d = Delta(list(ev.new_tokens), now, ev.finished, req.finish_reason if ev.finished else None)
+            if ev.finished:
+                self._close(stream, d)
+            else:
+                stream._post(stream._queue.put_nowait, d)
+
+    def _count_speculation(self, stream: RequestStream, req: Request) -> None:
+        """Add this step's drafted / accepted tokens (the request keeps running totals) to the metrics."""
+        drafted, accepted, per_pos, rounds = stream._spec_seen
+        m = self.metrics
+        if req.num_drafted > drafted:
+            m.draft_tokens.inc(req.num_drafted - drafted)
+        if req.num_accepted > accepted:
+            m.accepted_tokens.inc(req.num_accepted - accepted)
+        pos = tuple(req.accepted_per_position)
+        for i, n in enumerate(pos):
+            prev = per_pos[i] if i < len(per_pos) else 0
+            if n > prev:
+                m.accepted_per_position.labels(position=str(i)).inc(n - prev)
+        new_rounds = req.accepted_per_round[rounds:]
+        for n in new_rounds:
+            m.accepted_per_round.observe(n)
+        stream._spec_seen = (req.num_drafted, req.num_accepted, pos, rounds + len(new_rounds))
+
+    def _pages_total(self) -> dict[str, int]:
+        allocs = getattr(self.engine, "allocators", None) or {}
+        return {g: int(getattr(a, "capacity", 0)) for g, a in allocs.items()}
+
+    def _publish(self) -> None:
+        eng = self.engine
+        snap = {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_in_use": eng.pages_in_use(),
+                "kv_pages_total": self.snapshot["kv_pages_total"],
+                "in_flight": len(self._active)}
+        self.snapshot = snap
+        m = self.metrics
+        if m:
+            m.waiting.set(snap["waiting"])
+            m.running.set(snap["running"])
+            for g, n in snap["kv_pages_in_use"].items():
+                m.kv_pages_in_use.labels(group=g).set(n)
+            for g, n in snap["kv_pages_total"].items():
+                m.kv_pages_total.labels(group=g).set(n)

@@ -1,0 +1,347 @@
+"""`python -m gemma4_mtp_jax.serve`: load, compile, then serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger("gemma4_mtp_jax.serve")
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+API_KEY_ENV = "GEMMA4_MTP_JAX_API_KEY"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" where the help text doesn't already explain the default."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return h
+        return h + " (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m gemma4_mtp_jax.serve",
+        description="Serve a Gemma 4 checkpoint over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /metrics), with MTP speculative decoding when an "
+                    "assistant is given. Loads the model, compiles every program, then listens.",
+        formatter_class=_HelpFormatter,
+    )
+    m = ap.add_argument_group("model")
+    m.add_argument("--ckpt", default="demo",
+                   help="target checkpoint: a Hugging Face directory, a converted Orbax directory, a hub id, or "
+                        "'demo': a small random-weight pair (byte-level tokenizer, chat template) that the project "
+                        "builds deterministically on first use under ~/.cache/gemma4_mtp_jax; no download, "
+                        "gibberish text")
+    m.add_argument("--assistant", default=None,
+                   help="MTP assistant (drafter) checkpoint: directory, Orbax directory or hub id; 'none' to serve "
+                        "the target alone. Default: the demo assistant with --ckpt demo, none otherwise")
+    m.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per speculative round (default: the assistant's num_assistant_tokens, or 4)")
+    m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="parameter dtype; auto: the checkpoint's")
+    m.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the checkpoint's directory name, "
+                        "or 'gemma4-demo')")
+    e = ap.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (largest batch bucket)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help=f"max prompt + generated tokens per request (default: the model's max_position_embeddings, "
+                        f"capped at {DEFAULT_MAX_MODEL_LEN_CAP})")
+    e.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+    e.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per program call "
+                                                                   "(largest prefill bucket)")
+    e.add_argument("--attention-impl", choices=["auto", "pallas", "xla"], default="auto",
+                   help="paged attention implementation")
+    e.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache, so restarts skip compiling (default: "
+                        "~/.cache/gemma4_mtp_jax/jax_cache, or $JAX_COMPILATION_CACHE_DIR; 'none' disables it)")
+    s = ap.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; use 0.0.0.0 to accept connections from other machines")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the log says which)")
+    s.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; unset: no auth)")
+    s.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests that may wait beyond the --max-num-seqs running ones; past that: 429 with "
+                        "Retry-After")
+    s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop accepting, let in-flight requests finish for this long, then "
+                        "cancel what is left and exit 0")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="log verbosity")
+    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    return ap
+
+
+def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for name in ("max_num_seqs", "page_size", "prefill_chunk"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.max_model_len is not None and a.max_model_len < 2:
+        ap.error("--max-model-len must be >= 2")
+    if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
+        ap.error("--num-speculative-tokens must be >= 1")
+    if a.max_queue_len < 0:
+        ap.error("--max-queue-len must be >= 0")
+    if a.shutdown_grace_seconds < 0:
+        ap.error("--shutdown-grace-seconds must be >= 0")
+    if not 0 <= a.port < 65536:
+        ap.error("--port must be in [0, 65535]")
+
+
+def _setup_compilation_cache(arg: str | None) -> None:
+    import jax
+
+    if arg is not None and arg.lower() == "none":
+        return
+    if jax.config.jax_compilation_cache_dir and arg is None:
+        log.info("JAX compilation cache: %s", jax.config.jax_compilation_cache_dir)
+        return
+    path = arg or os.path.join(os.path.expanduser("~"), ".cache", "gemma4_mtp_jax", "jax_cache")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    log.info("JAX compilation cache: %s", path)
+
+
+def _max_position_embeddings(path: Path) -> int | None:
+    from gemma4_mtp_jax.config import read_config_json
+
+    try:
+        cfg = read_config_json(path)
+    except Exception:
+        return None
+    v = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+    return int(v) if isinstance(v, int) and v > 1 else None
+
+
+class _Timer:
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        log.info("%s ...", self.what)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            log.info("%s: done in %.1fs", self.what, time.perf_counter() - self.t0)
+
+
+def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | None = None):
+    """Load, check, compile; returns (OpenAIServer, args). Raises on a bad checkpoint or configuration."""
+    import jax
+
+    from gemma4_mtp_jax.api import load_assistant, load_target
+    from gemma4_mtp_jax.config import check_pair
+    from gemma4_mtp_jax.engine import Engine, EngineConfig
+    from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
+    from gemma4_mtp_jax.server.async_engine import AsyncEngine
+    from gemma4_mtp_jax.server.chat import TextTokenizer
+    from gemma4_mtp_jax.server.metrics import Metrics
+
+    ap = build_parser()
+    if args is None:
+        args = ap.parse_args(argv)
+    _check_args(ap, args)
+    t_start = time.perf_counter()
+    log.info("JAX %s on %s", jax.__version__, ", ".join(sorted({str(d.platform) for d in jax.devices()})))
+    _setup_compilation_cache(args.compilation_cache_dir)
+
+    ckpt, assistant_path, name = args.ckpt, args.assistant, args.served_model_name
+    if ckpt == "demo":
+        from gemma4_mtp_jax.demo import build_demo
+
+        with _Timer("demo pair (random weights, built on first use)"):
+            tdir, adir = build_demo()
+        log.info("demo target: %s; demo assistant: %s", tdir, adir)
+        ckpt = str(tdir)
+        if assistant_path is None:
+            assistant_path = str(adir)
+        name = name or "gemma4-demo"
+    if assistant_path is not None and assistant_path.lower() == "none":
+        assistant_path = None
+    dtype = None if args.dtype == "auto" else args.dtype
+
+    with _Timer(f"loading target {ckpt}"):
+        target = load_target(ckpt, dtype)
+    name = name or Path(str(target.path)).name or str(args.ckpt)
+    assistant = None
+    if assistant_path is not None:
+        with _Timer(f"loading assistant {assistant_path}"):
+            assistant = load_assistant(assistant_path, dtype)
+        check_pair(target.config, assistant.config)
+        log.info("assistant matches the target (K/V geometry, vocabulary, hidden size)")
+
+    tokenizer = None
+    if (Path(target.path) / "tokenizer.json").is_file():
+        with _Timer("loading tokenizer"):
+            tokenizer = TextTokenizer(target.path)
+        if tokenizer.chat_template is None:
+            log.warning("%s has no chat template: /v1/chat/completions will answer 400", target.path)
+    else:
+        log.warning("%s has no tokenizer.json: prompts must be token ids, chat is unavailable", target.path)
+
+    max_len = args.max_model_len
+    if max_len is None:
+        mpe = _max_position_embeddings(Path(target.path))
+        max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
+    cfg_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl)
+    engine_kwargs = {}
+    spec_k = 0
+    if assistant is not None:
+        k = args.num_speculative_tokens or int(assistant.generation_config.get("num_assistant_tokens") or 4)
+        if "assistant" in inspect.signature(Engine).parameters:
+            engine_kwargs["assistant"] = assistant
+            if "num_speculative_tokens" in cfg_fields:
+                cfg_kwargs["num_speculative_tokens"] = k
+            spec_k = k
+        else:
+            log.warning("speculative decoding is not available in this engine yet: the assistant was loaded and "
+                        "checked, but the target decodes alone")
+    elif args.num_speculative_tokens:
+        log.warning("--num-speculative-tokens has no effect without --assistant")
+    config = EngineConfig(**cfg_kwargs)
+    log.info("engine: max_num_seqs=%d max_model_len=%d page_size=%d batch buckets %s, prefill buckets %s",
+             config.max_num_seqs, config.max_model_len, config.page_size, config.batch_buckets(),
+             config.prefill_buckets())
+    done = [0]
+
+    def progress(prog: str, seconds: float) -> None:
+        done[0] += 1
+        log.info("compiled %s in %.2fs (%d)", prog, seconds, done[0])
+
+    with _Timer("compiling all programs"):
+        engine = Engine(target, config, progress=progress, **engine_kwargs)
+    if spec_k:
+        spec_k = int(getattr(engine, "k", spec_k))
+        log.info("speculative decoding: on, %d draft tokens per round", spec_k)
+
+    gen = target.generation_config or {}
+    settings = ServerSettings(
+        model_name=name,
+        max_model_len=max_len,
+        vocab_size=target.config.vocab_size,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        aliases=tuple({str(args.ckpt), str(target.path)} - {name}),
+        default_temperature=(1.0 if gen.get("temperature") is None else float(gen["temperature"]))
+        if gen.get("do_sample", True) else 0.0,
+        default_top_k=int(gen.get("top_k") or 0),
+        default_top_p=float(gen.get("top_p") or 1.0),
+        num_speculative_tokens=spec_k,
+    )
+    metrics = Metrics(name)
+    aengine = AsyncEngine(engine, max_queue_len=args.max_queue_len, metrics=metrics)
+    server = OpenAIServer(aengine, tokenizer, settings, metrics, eos_ids=getattr(engine, "eos_ids", frozenset()))
+    log.info("ready in %.1fs", time.perf_counter() - t_start)
+    return server, args
+
+
+def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, socktype, proto, _, addr = infos[0]
+    sock = socket.socket(family, socktype, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(addr)
+    if listen:
+        sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _is_loopback(sock: socket.socket) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def make_uvicorn_server(server, args: argparse.Namespace):
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn, with our shutdown: the first SIGTERM/SIGINT drains (grace period), the process exits 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                if sig == signal.SIGINT:
+                    self.force_exit = True
+                return
+            self.should_exit = True
+            log.info("received %s: not accepting new requests; %d in-flight request(s) have %.0fs to finish",
+                     signal.Signals(sig).name, server.engine.in_flight, args.shutdown_grace_seconds)
+            server.begin_drain(args.shutdown_grace_seconds)
+
+    config = uvicorn.Config(
+        server.app,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=args.shutdown_grace_seconds + 10.0,
+        timeout_keep_alive=5,
+        lifespan="on",
+        loop="asyncio",
+    )
+    return _Server(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+
+    def _stop_during_startup(sig, frame):
+        log.info("received %s during start-up: exiting", signal.Signals(sig).name)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _stop_during_startup)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend 'tpu'"
+    from gemma4_mtp_jax.config import ConfigError
+    from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
+
+    try:  # claim the address first (a busy port fails now, not after minutes of compiling); listen when ready
+        sock = bind_socket(args.host, args.port, listen=False)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        return 2
+    try:
+        server, args = create_server(args=args)
+    except (ConfigError, CheckpointError, OSError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    sock.listen(2048)
+    url = _url(sock)
+    log.info("serving '%s' on %s (OpenAI API: %s/v1, health: %s/health, metrics: %s/metrics)%s",
+             server.settings.model_name, url, url, url, url, " [API key required]" if server.settings.api_key else "")
+    if not server.settings.api_key and not _is_loopback(sock):
+        log.warning("listening beyond this machine without --api-key: anyone who can reach %s can use it", url)
+    uv = make_uvicorn_server(server, args)
+    uv.run(sockets=[sock])
+    log.info("stopped")
+    return 0

@@ -1,0 +1,121 @@
+"""Incremental detokenization with stop strings.
+
+`IncrementalDetokenizer` turns token ids into text as they arrive without ever splitting a UTF-8 character: it
+decodes a small sliding window of ids and holds text back while the window's decoding ends in U+FFFD (an
+incomplete multi-byte character, whose remaining bytes are still to come). The window starts a few tokens
+before the new ones, so tokenizers whose decoding of a token depends on its left neighbour (SentencePiece's
+leading-space handling) give the same text as decoding everything at once.
+
+`StopStringMatcher` never lets text past a stop string out, and holds back the tail of the text that could still
+become the start of a stop string until the next piece decides it.
+
+`TextStream` combines both: tokens in, (text, stopped) out.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class _Tokenizer(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: _Tokenizer, prompt_ids: Sequence[int] = (), context: int = 6,
+                 skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-context:]) if context else []
+        # ids[_prefix:_read] is text already emitted, kept as left context; ids[_read:] is not yet emitted.
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, token: int) -> str:
+        """Add one token id; return the text that is now complete (possibly empty)."""
+        self._ids.append(int(token))
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT):
+            return ""  # nothing new yet, or a character still incomplete
+        new = text[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        return new
+
+    def flush(self) -> str:
+        """The text held back (an incomplete character at the very end decodes to U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""
+        text = self._decode(self._ids[self._prefix:])
+        new = text[len(self._prefix_text):] if len(text) > len(self._prefix_text) else ""
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        return new
+
+
+class StopStringMatcher:
+    def __init__(self, stops: Iterable[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was reached). After a stop, emit nothing more."""
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        # Text emitted earlier never ends with the start of a stop string, so a match starts inside `buf`.
+        first = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if first >= 0:
+            self._held = ""
+            return buf[:first], True
+        keep = 0
+        for k in range(min(len(buf), max(len(s) for s in self.stops) - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = k
+                break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out
+
+
+class TextStream:
+    """Tokens in, text out, stopping at stop strings. `num_tokens` counts the tokens consumed (for usage)."""
+
+    def __init__(self, tokenizer: _Tokenizer | None, prompt_ids: Sequence[int] = (), stop: Iterable[str] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self._stop = StopStringMatcher(stop)
+        self.stopped = False
+        self.num_tokens = 0
+        self.token_ids: list[int] = []
+
+    def push(self, tokens: Iterable[int], skip_text: Iterable[int] = ()) -> str:
+        """Feed tokens (until a stop string is reached); `skip_text`: ids counted but not decoded (the EOS)."""
+        out = []
+        skip = set(skip_text)
+        for t in tokens:
+            if self.stopped:
+                break
+            self.num_tokens += 1
+            self.token_ids.append(int(t))
+            if self._detok is None or t in skip:
+                continue
+            text, self.stopped = self._stop.push(self._detok.push(t))
+            out.append(text)
+        return "".join(out)
+
+    def finish(self) -> str:
+        """The text still held back, once generation has ended without a stop string."""
+        if self.stopped or self._detok is None:
+            return ""
+        text, self.stopped = self._stop.push(self._detok.flush())
+        return text + ("" if self.stopped else self._stop.flush())

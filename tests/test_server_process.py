@@ -1,0 +1,190 @@
+"""`python -m gemma4_mtp_jax.serve` as users run it: a subprocess on a free port. Start-up logs, --help, the API key,
+and SIGTERM: stop accepting, finish in-flight requests within the grace period (or cancel them when it runs out),
+exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from test_server_support import MODEL, request, server_argv, session_paths, sse_events, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return session_paths(tmp_path_factory)
+
+
+class ServerProcess:
+    def __init__(self, argv: list[str], timeout: float = 120):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get(
+            "PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "gemma4_mtp_jax.serve", "--port", "0", *argv], cwd=REPO,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        t0 = time.time()
+        self.port = None
+        while self.port is None:
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                self.kill()
+                raise AssertionError("server did not start:\n" + self.log)
+            for line in list(self.lines):
+                m = re.search(r"serving '.*' on http://127\.0\.0\.1:(\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+            time.sleep(0.05)
+        self.start_s = time.time() - t0
+        wait_healthy("127.0.0.1", self.port, 30)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _stream(port: int, body: dict, headers: dict, out: list, first_event: threading.Event):
+    """A streaming completion over a raw connection; appends (status, events) to out."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", **headers})
+        r = conn.getresponse()
+        raw = b""
+        while True:
+            chunk = r.read1(65536) if hasattr(r, "read1") else r.read(65536)
+            if not chunk:
+                break
+            raw += chunk
+            if b"data: " in raw:
+                first_event.set()
+        out.append((r.status, sse_events(raw) if r.status == 200 else json.loads(raw)))
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        out.append(("exception", repr(e)))
+    finally:
+        first_event.set()
+        conn.close()
+
+
+def test_help_lists_every_flag():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "gemma4_mtp_jax.serve", "--help"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    for flag in ["--ckpt", "--assistant", "--num-speculative-tokens", "--host", "--port", "--max-num-seqs",
+                 "--max-model-len", "--dtype", "--api-key", "--max-queue-len", "--shutdown-grace-seconds"]:
+        assert flag in r.stdout
+    assert "127.0.0.1" in r.stdout and "demo" in r.stdout
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(paths):
+    tdir, adir, cache = paths
+    key = "sekret-key"
+    srv = ServerProcess(server_argv(tdir, adir, cache, "--api-key", key, "--shutdown-grace-seconds", "60"))
+    try:
+        log = srv.log
+        # start-up shows progress and timings
+        assert re.search(r"loading target .*: done in [\d.]+s", log), log
+        assert len(re.findall(r"compiled \S+ in [\d.]+s", log)) >= 4, log  # one line per program
+        assert re.search(r"compiling all programs: done in [\d.]+s", log), log
+        assert "speculative decoding: on, 4 draft tokens per round" in log
+        print(f"\n[test_server_process] started in {srv.start_s:.1f}s")
+
+        # API key: required on /v1, not on /health
+        status, _, body = request("127.0.0.1", srv.port, "GET", "/v1/models")
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        auth = {"Authorization": f"Bearer {key}"}
+        status, _, body = request("127.0.0.1", srv.port, "GET", "/v1/models", headers=auth)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == MODEL
+        status, _, _ = request("127.0.0.1", srv.port, "POST", "/v1/completions", {"prompt": "x"},
+                               headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+
+        # 24 long streams on 4 slots; SIGTERM as soon as tokens flow. Requests in flight at that moment must all
+        # complete; later ones are refused (503 while draining, or no connection once the socket is closed).
+        n = 24
+        out, first = [], threading.Event()
+        threads = [threading.Thread(target=_stream, args=(srv.port, {"prompt": f"story {i}", "max_tokens": 100,
+                                                                     "temperature": 0, "stream": True}, auth, out,
+                                                           first)) for i in range(n)]
+        for t in threads:
+            t.start()
+        assert first.wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert srv.proc.wait(60) == 0, srv.log
+        assert len(out) == n
+        completed = 0
+        for status, events in out:
+            if status == 200:
+                assert events[-1] == "[DONE]"
+                assert events[-2]["choices"][0]["finish_reason"] in ("length", "stop"), events[-2]
+                completed += 1
+            elif status == 503:
+                assert events["error"]["code"] == "shutting_down"
+            else:
+                assert status == "exception" and ("Refused" in events or "Reset" in events), events
+        m = re.search(r"received SIGTERM: not accepting new requests; (\d+) in-flight", srv.log)
+        assert m and int(m.group(1)) > 0, srv.log  # the signal did arrive while requests were in flight
+        assert completed >= int(m.group(1))
+        print(f"[test_server_process] SIGTERM with {m.group(1)} requests in flight; {completed}/{n} completed")
+        # and nothing listens any more
+        with pytest.raises(OSError):
+            request("127.0.0.1", srv.port, "GET", "/health", timeout=2)
+    finally:
+        srv.kill()
+
+
+def test_sigterm_grace_over_cancels_and_exits_0(paths):
+    tdir, adir, cache = paths
+    srv = ServerProcess(server_argv(tdir, adir, cache, "--shutdown-grace-seconds", "0"))
+    try:
+        out, first = [], threading.Event()
+        threads = [threading.Thread(target=_stream, args=(srv.port, {"prompt": f"tale {i}", "max_tokens": 120,
+                                                                     "temperature": 0, "stream": True}, {}, out,
+                                                           first)) for i in range(8)]
+        for t in threads:
+            t.start()
+        assert first.wait(60)
+        t0 = time.time()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log
+        print(f"\n[test_server_process] exited {time.time() - t0:.2f}s after SIGTERM (grace 0)")
+        for t in threads:
+            t.join(30)
+        assert len(out) == 8
+        aborted = 0
+        for status, events in out:
+            if status == "exception":  # connection closed by the exiting server before the response started
+                continue
+            assert status == 200 and events[-1] == "[DONE]", events
+            if "error" in events[-2]:
+                assert events[-2]["error"]["code"] == "abort"
+                aborted += 1
+        assert aborted >= 1, out
+        assert "aborting" in srv.log
+    finally:
+        srv.kill()
