@@ -56,6 +56,79 @@ def timed(fn, state, rest, repeats, warmup=3):
     return statistics.median(times), state
 
 
+def bench_model(name: str, args, bw: float) -> list[dict]:
+    """Decode, verify and speculative step of one model at each batch size."""
+    rows = []
+    k = args.k
+    tcfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
+    acfg = parse_assistant_config(SMOKE_ASSISTANT if name == "smoke" else ASSISTANTS[name])
+    dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
+    t0 = time.perf_counter()
+    target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0), dtype, None, {})
+    assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype, None, {})
+    print(f"[{name}] random weights in {time.perf_counter() - t0:.1f}s", flush=True)
+    context = 64 if name == "smoke" else args.context
+    max_b = max(args.batch)
+    geometry = dict(page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
+                    assistant_window=acfg.text.sliding_window)
+    probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
+    layout = make_layout(tcfg, num_pages={g: max_b * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
+                         **geometry)
+    steps = CompiledSteps(target, layout, dtype, "auto", assistant=assistant, k=k, num_slots=max_b)
+    plain = CompiledSteps(target, layout, dtype, "auto")
+    pages = random_pages(tcfg, layout, dtype)
+    hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(0)
+    for B in args.batch:
+        tables = {}
+        for g, w in layout.pages_per_seq:
+            tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
+        tokens = rng.integers(0, tcfg.vocab_size, B).astype(np.int32)
+        P = np.full(B, context - k - 2, np.int32)
+        sampling = SamplingBatch.from_params([], B)
+        row = {"model": name, "batch": B, "k": k, "context": context}
+
+        t0 = time.perf_counter()
+        dec = plain.compile_decode(B)
+        row["compile_decode_s"] = time.perf_counter() - t0
+        t, (pages,) = timed(lambda p, *r: dec(target.params, p, *r), (pages,), (tokens, P, tables, sampling),
+                            args.repeats)
+        row["decode_ms"] = t * 1e3
+
+        def verify(params, pages, tokens, positions, tables):
+            h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, prefill=False,
+                                     attention_impl="auto")
+            return pages, jnp.argmax(lm_logits(target, params, h), -1)
+
+        vt = np.tile(tokens[:, None], (1, k + 1))
+        vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
+        t0 = time.perf_counter()
+        ver = jax.jit(verify, donate_argnums=(1,)).lower(target.params, pages, vt, vp, tables).compile()
+        row["compile_verify_s"] = time.perf_counter() - t0
+        t, (pages,) = timed(lambda p, *r: ver(target.params, p, *r), (pages,), (vt, vp, tables), args.repeats)
+        row["verify_ms"] = t * 1e3
+
+        t0 = time.perf_counter()
+        spec = steps.compile_speculative(B)
+        row["compile_spec_s"] = time.perf_counter() - t0
+        slots = np.arange(B, dtype=np.int32)
+        spec_on = np.ones(B, bool)
+        t, (pages, hidden) = timed(
+            lambda p, h, *r: spec(target.params, assistant.params, steps.draft_head, p, h, *r),
+            (pages, hidden), (slots, tokens, P, tables, sampling, spec_on), args.repeats)
+        row["spec_ms"] = t * 1e3
+        need = bytes_per_step(tcfg, target.params, B, context)
+        row["decode_roofline_ms"] = need["total"] / bw * 1e3
+        row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["decode_ms"]
+        row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
+        row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
+        row["draft_ms_est"] = row["spec_ms"] - row["verify_ms"]
+        row["projected_speedup"] = args.acceptance_length * row["decode_ms"] / row["spec_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS))
@@ -75,73 +148,7 @@ def main() -> None:
     rows = []
     k = args.k
     for name in (["smoke"] if args.smoke else args.models):
-        tcfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
-        acfg = parse_assistant_config(SMOKE_ASSISTANT if name == "smoke" else ASSISTANTS[name])
-        dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
-        t0 = time.perf_counter()
-        target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0), dtype, None, {})
-        assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype, None, {})
-        print(f"[{name}] random weights in {time.perf_counter() - t0:.1f}s", flush=True)
-        context = 64 if name == "smoke" else args.context
-        max_b = max(args.batch)
-        geometry = dict(page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
-                        assistant_window=acfg.text.sliding_window)
-        probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
-        layout = make_layout(tcfg, num_pages={g: max_b * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
-                             **geometry)
-        steps = CompiledSteps(target, layout, dtype, "auto", assistant=assistant, k=k, num_slots=max_b)
-        plain = CompiledSteps(target, layout, dtype, "auto")
-        pages = random_pages(tcfg, layout, dtype)
-        hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
-        rng = np.random.default_rng(0)
-        for B in args.batch:
-            tables = {}
-            for g, w in layout.pages_per_seq:
-                tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
-            tokens = rng.integers(0, tcfg.vocab_size, B).astype(np.int32)
-            P = np.full(B, context - k - 2, np.int32)
-            sampling = SamplingBatch.from_params([], B)
-            row = {"model": name, "batch": B, "k": k, "context": context}
-
-            t0 = time.perf_counter()
-            dec = plain.compile_decode(B)
-            row["compile_decode_s"] = time.perf_counter() - t0
-            t, (pages,) = timed(lambda p, *r: dec(target.params, p, *r), (pages,), (tokens, P, tables, sampling),
-                                args.repeats)
-            row["decode_ms"] = t * 1e3
-
-            def verify(params, pages, tokens, positions, tables):
-                h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, prefill=False,
-                                         attention_impl="auto")
-                return pages, jnp.argmax(lm_logits(target, params, h), -1)
-
-            vt = np.tile(tokens[:, None], (1, k + 1))
-            vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
-            t0 = time.perf_counter()
-            ver = jax.jit(verify, donate_argnums=(1,)).lower(target.params, pages, vt, vp, tables).compile()
-            row["compile_verify_s"] = time.perf_counter() - t0
-            t, (pages,) = timed(lambda p, *r: ver(target.params, p, *r), (pages,), (vt, vp, tables), args.repeats)
-            row["verify_ms"] = t * 1e3
-
-            t0 = time.perf_counter()
-            spec = steps.compile_speculative(B)
-            row["compile_spec_s"] = time.perf_counter() - t0
-            slots = np.arange(B, dtype=np.int32)
-            spec_on = np.ones(B, bool)
-            t, (pages, hidden) = timed(
-                lambda p, h, *r: spec(target.params, assistant.params, steps.draft_head, p, h, *r),
-                (pages, hidden), (slots, tokens, P, tables, sampling, spec_on), args.repeats)
-            row["spec_ms"] = t * 1e3
-            need = bytes_per_step(tcfg, target.params, B, context)
-            row["decode_roofline_ms"] = need["total"] / bw * 1e3
-            row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["decode_ms"]
-            row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
-            row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
-            row["draft_ms_est"] = row["spec_ms"] - row["verify_ms"]
-            row["projected_speedup"] = args.acceptance_length * row["decode_ms"] / row["spec_ms"]
-            rows.append(row)
-            print(row, flush=True)
-        del target, assistant, pages, steps, plain, hidden
+        rows += bench_model(name, args, bw)
     write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "acceptance_length": args.acceptance_length,
                                    "rows": rows})
     print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; k={k}; projected speedup at mean acceptance length "

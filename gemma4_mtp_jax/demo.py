@@ -12,13 +12,12 @@ import json
 import os
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.config import FULL, SLIDING
 
-DEMO_VERSION = 2
+DEMO_VERSION = 4
 _SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 _BYTE_OFFSET = len(_SPECIALS)
 VOCAB = 512  # specials, 256 bytes, unused ids up to a multiple of the centroid count
@@ -153,6 +152,28 @@ def _random_tensors(abstract: dict, seed: int, hf_name) -> dict[str, np.ndarray]
     return out
 
 
+def _align_for_acceptance(target: dict, assistant: dict, rng: np.random.Generator, alpha: float = 0.5) -> None:
+    """Random models never agree, so the demo's drafts would all be rejected. Make both lean towards the same
+    thing: shrink both models' residual branches (they then tend to continue the current token) and give the
+    assistant a pre_projection and head aligned with the target's embedding (it then predicts the token it is
+    fed). Still random everywhere else, so acceptance is partial, which is what a demo of drafting should show."""
+    for weights, scale in ((target, alpha), (assistant, 0.35)):
+        for name in list(weights):
+            if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight",
+                              "post_per_layer_input_norm.weight")):
+                weights[name] = (weights[name] * scale).astype(np.float32)
+    E = target["model.embed_tokens.weight"]  # [V, Hb]
+    Hb, Ha = E.shape[1], assistant["model.norm.weight"].shape[0]
+    M = np.linalg.qr(rng.standard_normal((Hb, Ha)))[0].T  # [Ha, Hb], orthonormal rows
+    pre = assistant["pre_projection.weight"].copy()  # [Ha, 2*Hb]: the first half reads the token embedding
+    pre[:, :Hb] = M
+    pre[:, Hb:] *= 0.25
+    assistant["pre_projection.weight"] = pre.astype(np.float32)
+    head = E @ M.T
+    assistant["model.embed_tokens.weight"] = (head / np.linalg.norm(head, axis=-1).mean()).astype(np.float32)
+    assistant["model.norm.weight"] = np.ones_like(assistant["model.norm.weight"])
+
+
 def build_demo(root: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path]:
     """Write the demo pair under `root` (default ~/.cache/gemma4_mtp_jax/demo-vN) unless already there."""
     from gemma4_mtp_jax.api import abstract_assistant_params, abstract_target_params
@@ -169,12 +190,13 @@ def build_demo(root: str | os.PathLike | None = None, force: bool = False) -> tu
 
     a_abs = abstract_assistant_params(acfg, jnp.float32)
     head = a_abs.pop("masked_embedding")["ordered_embedding"]  # stored canonical-order as embed_tokens
-    a = _random_tensors(a_abs, 5678, lambda p: ("" if p.startswith(("pre_", "post_")) else "model.") + flax_to_hf_name(p))
     rng = np.random.default_rng(91011)
+    a = _random_tensors(a_abs, 5678, lambda p: ("" if p.startswith(("pre_", "post_")) else "model.") + flax_to_hf_name(p))
     C = _ASSISTANT["num_centroids"]
     order = rng.permutation(VOCAB).astype(np.int64)
-    table = (0.2 * rng.standard_normal(head.shape)).astype(np.float32)
-    a["model.embed_tokens.weight"] = table
+    a["model.embed_tokens.weight"] = (0.2 * rng.standard_normal(head.shape)).astype(np.float32)
+    _align_for_acceptance(t, a, rng)
+    table = a["model.embed_tokens.weight"]
     # Centroids as cluster means of the head rows, as a trained k-means head would roughly be.
     a["masked_embedding.centroids.weight"] = table[order.reshape(C, -1)].mean(1).astype(np.float32)
     a["masked_embedding.token_ordering"] = order

@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
+import secrets
 import time
 from collections import deque
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -196,7 +195,10 @@ class Engine:
             if self.layout.pages_needed(g, total) > alloc.capacity:
                 raise RequestError(f"request needs {self.layout.pages_needed(g, total)} '{g}' pages; the pool has "
                                    f"{alloc.capacity}")
-        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling or SamplingParams(),
+        sampling = sampling or SamplingParams()
+        if sampling.seed is None and sampling.temperature > 0:  # unseeded: a fresh draw, not the same seed for all
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
+        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling,
                       self.eos_ids if stop_ids is None else frozenset(stop_ids), speculative=speculative)
         self.waiting.append(req)
         return req
@@ -214,6 +216,9 @@ class Engine:
 
     def pages_in_use(self) -> dict[str, int]:
         return {g: a.num_used for g, a in self.allocators.items()}
+
+    def pages_total(self) -> dict[str, int]:
+        return {g: a.capacity for g, a in self.allocators.items()}
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason, req.finished_at = "finished", reason, time.perf_counter()

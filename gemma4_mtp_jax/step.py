@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -23,6 +24,21 @@ from gemma4_mtp_jax.sampling import SamplingBatch, sample
 
 Array = jax.Array
 log = logging.getLogger(__name__)
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (start-up then reuses earlier compilations of the same
+    programs). path: a directory, "none" to leave it off, or None for an already configured directory or
+    ~/.cache/gemma4_mtp_jax/jax_cache. Returns the directory in use."""
+    if path is not None and path.lower() == "none":
+        return None
+    if path is None and jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "gemma4_mtp_jax", "jax_cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
 
 
 def _layer_groups(target: Target) -> dict[int, str]:

@@ -101,18 +101,11 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def _setup_compilation_cache(arg: str | None) -> None:
-    import jax
+    from gemma4_mtp_jax.step import enable_compilation_cache
 
-    if arg is not None and arg.lower() == "none":
-        return
-    if jax.config.jax_compilation_cache_dir and arg is None:
-        log.info("JAX compilation cache: %s", jax.config.jax_compilation_cache_dir)
-        return
-    path = arg or os.path.join(os.path.expanduser("~"), ".cache", "gemma4_mtp_jax", "jax_cache")
-    Path(path).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    log.info("JAX compilation cache: %s", path)
+    path = enable_compilation_cache(arg)
+    if path:
+        log.info("JAX compilation cache: %s", path)
 
 
 def _max_position_embeddings(path: Path) -> int | None:
