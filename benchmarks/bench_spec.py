@@ -96,7 +96,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         row["decode_ms"] = t * 1e3
 
         def verify(params, pages, tokens, positions, tables):
-            h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, prefill=False,
+            h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables,
                                      attention_impl="auto")
             return pages, jnp.argmax(lm_logits(target, params, h), -1)
 

@@ -120,11 +120,11 @@ def write_kv(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset
 class PagedKV:
     """The KV view (see model/attention.py) over the paged state, for one forward over tokens [B, T].
 
-    `store` writes the new K/V into the pages first; `attend` then reads the pages in place. Decode and verify
-    (T <= k+1) go through the paged-attention kernel on GPU; prefill chunks use its plain-XLA twin (they are
-    compute-bound, and gathering one sequence's pages is cheap next to the chunk's matmuls). Writing before
-    reading is what keeps the update in place; it is safe because a sliding ring holds W + max(k+2, chunk)
-    slots, so a forward's own writes never evict a key one of its queries still needs.
+    `store` writes the new K/V into the pages first; `attend` then reads the pages in place, through the
+    paged-attention kernel on GPU (its plain-XLA twin elsewhere) for prefill chunks, decode and verify alike.
+    Writing before reading is what keeps the update in place (reading the old pages after an in-place write
+    would force XLA to copy them); it is safe because a sliding ring holds W + max(k+2, chunk) slots, so a
+    forward's own writes never evict a key one of its queries still needs.
     """
 
     pages: dict[int, tuple[Array, Array]]

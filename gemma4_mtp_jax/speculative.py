@@ -173,7 +173,7 @@ def speculative_step(target: Target, assistant: Assistant, layout: KVLayout, k: 
                          jnp.where(valid, P, 0), sampling, k, attention_impl, forced)
     verify_tokens = jnp.concatenate([tokens[:, None], drafts], 1)  # [B, k+1]
     positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
-    h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables, prefill=False,
+    h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables,
                                  attention_impl=attention_impl)
     logits = lm_logits(target, params_t, h_all)  # [B, k+1, V]
     emitted, n = accept(drafts, q, logits, sampling, spec_on & valid, P)

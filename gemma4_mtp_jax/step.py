@@ -45,19 +45,19 @@ def _layer_groups(target: Target) -> dict[int, str]:
     return {i: target.config.layers[i].layer_type for i in owning_layers(target.config)}
 
 
-def make_kv_view(target: Target, layout: KVLayout, pages, tables, positions: Array, *, prefill: bool,
-                 attention_impl: str) -> PagedKV:
+def make_kv_view(target: Target, layout: KVLayout, pages, tables, positions: Array, *, attention_impl: str) -> PagedKV:
     groups = dict(layout.pages_per_seq)
     return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(target),
                    page_size=layout.page_size,
                    ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl="xla" if prefill else attention_impl)
+                   attention_impl=attention_impl)
 
 
 def forward_paged(target: Target, layout: KVLayout, params, pages, tokens: Array, positions: Array, tables,
-                  *, prefill: bool, attention_impl: str):
-    """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages)."""
-    kv = make_kv_view(target, layout, pages, tables, positions, prefill=prefill, attention_impl=attention_impl)
+                  *, attention_impl: str):
+    """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages).
+    Prefill chunks, decode and verify all write their K/V first, then read the pages in place."""
+    kv = make_kv_view(target, layout, pages, tables, positions, attention_impl=attention_impl)
     _, hidden, kv = target.module.apply({"params": params}, tokens, positions, kv, logits=False)
     return hidden, kv.pages
 
@@ -70,7 +70,7 @@ def prefill_step(target: Target, layout: KVLayout, attention_impl: str, params, 
                  last_index, sampling: SamplingBatch):
     """One prompt chunk per row. Writes its K/V and samples from the logits at `last_index` (the row's last
     real token; only meaningful on a prompt's final chunk). Returns (pages, token [B], hidden at last [B, H])."""
-    hidden, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, prefill=True,
+    hidden, pages = forward_paged(target, layout, params, pages, tokens, positions, tables,
                                   attention_impl=attention_impl)
     rows = jnp.arange(tokens.shape[0])
     h_last = hidden[rows, last_index]
@@ -83,7 +83,7 @@ def decode_step(target: Target, layout: KVLayout, attention_impl: str, params, p
                 sampling: SamplingBatch):
     """One token per row: tokens, positions [B] (-1 = padding row). Returns (pages, next token [B])."""
     hidden, pages = forward_paged(target, layout, params, pages, tokens[:, None], positions[:, None], tables,
-                                  prefill=False, attention_impl=attention_impl)
+                                  attention_impl=attention_impl)
     logits = lm_logits(target, params, hidden[:, 0])
     return pages, sample(logits, sampling, positions + 1)
 

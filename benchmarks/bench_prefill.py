@@ -1,0 +1,107 @@
+"""Chunked prefill at real Gemma 4 shapes (random bf16 weights): the paged-attention Pallas kernel vs its XLA
+reference for the chunks' attention. Checks both give the same last hidden state, then times a whole prompt.
+
+    python benchmarks/bench_prefill.py --models e2b 31b --prompt 2048 --chunk 256
+    python benchmarks/bench_prefill.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
+from benchmarks.common import TARGETS, environment, random_params, write_json  # noqa: E402
+from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
+from gemma4_mtp_jax.config import parse_target_config  # noqa: E402
+from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
+from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+
+
+def run_prompt(fn, params, pages, prompt, chunk, tables, sampling):
+    """Prefill `prompt` chunk by chunk; returns (pages, hidden at the last position)."""
+    h = None
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start:start + chunk]
+        toks = np.zeros((1, chunk), np.int32)
+        pos = np.full((1, chunk), -1, np.int32)
+        toks[0, :len(piece)] = piece
+        pos[0, :len(piece)] = np.arange(start, start + len(piece))
+        pages, _, h = fn(params, pages, toks, pos, tables, np.array([len(piece) - 1], np.int32), sampling)
+    return pages, h
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS))
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+    rows = []
+    for name in (["smoke"] if args.smoke else args.models):
+        cfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
+        dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
+        prompt_len, chunk = (100, 32) if name == "smoke" else (args.prompt, args.chunk)
+        target = Target(cfg, random_params(abstract_target_params(cfg, dtype)), dtype, None, {})
+        geometry = dict(page_size=args.page_size, max_model_len=prompt_len + 16, prefill_chunk=chunk)
+        probe = make_layout(cfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
+        layout = make_layout(cfg, num_pages={g: probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
+                             **geometry)
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+        tables = {g: rng.permutation(np.arange(1, layout.pages(g)))[:w][None].astype(np.int32)
+                  for g, w in layout.pages_per_seq}
+        sampling = SamplingBatch.from_params([], 1)
+        hs, times = {}, {}
+        for impl in ("pallas", "xla") if not args.smoke else ("xla",):
+            steps = CompiledSteps(target, layout, dtype, impl)
+            t0 = time.perf_counter()
+            fn = steps.compile_prefill(1, chunk)
+            compile_s = time.perf_counter() - t0
+            pages = random_pages(cfg, layout, dtype)
+            pages, h = run_prompt(fn, target.params, pages, prompt, chunk, tables, sampling)  # warm-up
+            hs[impl] = np.asarray(h, np.float32)
+            samples = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                pages, h = run_prompt(fn, target.params, pages, prompt, chunk, tables, sampling)
+                h.block_until_ready()
+                samples.append(time.perf_counter() - t0)
+            times[impl] = (statistics.median(samples), compile_s)
+            del pages, steps
+        row = {"model": name, "prompt": prompt_len, "chunk": chunk}
+        for impl, (t, c) in times.items():
+            row[f"{impl}_ms"] = t * 1e3
+            row[f"{impl}_tok_per_s"] = prompt_len / t
+            row[f"{impl}_compile_s"] = c
+        if "pallas" in hs:
+            ref = hs["xla"]
+            row["rel_err_last_hidden"] = float(np.linalg.norm(hs["pallas"] - ref) / np.linalg.norm(ref))
+        rows.append(row)
+        print(row, flush=True)
+        del target
+    write_json("bench_prefill.json", {"env": env, "rows": rows})
+    print(f"\n{'model':6} {'prompt':>6} {'chunk':>5} {'pallas ms':>10} {'xla ms':>10} {'pallas tok/s':>12} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['model']:6} {r['prompt']:6d} {r['chunk']:5d} {r.get('pallas_ms', float('nan')):10.1f} "
+              f"{r['xla_ms']:10.1f} {r.get('pallas_tok_per_s', float('nan')):12.0f} "
+              f"{r.get('rel_err_last_hidden', float('nan')):8.1e}")
+
+
+if __name__ == "__main__":
+    main()
