@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     env = environment()
@@ -55,7 +56,7 @@ def main() -> None:
     rows = []
     for name in (["smoke"] if args.smoke else args.models):
         cfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
-        dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
+        dtype = jnp.float32 if name == "smoke" else jnp.dtype(args.dtype).type
         prompt_len, chunk = (100, 32) if name == "smoke" else (args.prompt, args.chunk)
         target = Target(cfg, random_params(abstract_target_params(cfg, dtype)), dtype, None, {})
         geometry = dict(page_size=args.page_size, max_model_len=prompt_len + 16, prefill_chunk=chunk)
@@ -84,7 +85,7 @@ def main() -> None:
                 samples.append(time.perf_counter() - t0)
             times[impl] = (statistics.median(samples), compile_s)
             del pages, steps
-        row = {"model": name, "prompt": prompt_len, "chunk": chunk}
+        row = {"model": name, "dtype": jnp.dtype(dtype).name, "prompt": prompt_len, "chunk": chunk}
         for impl, (t, c) in times.items():
             row[f"{impl}_ms"] = t * 1e3
             row[f"{impl}_tok_per_s"] = prompt_len / t
