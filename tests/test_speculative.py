@@ -765,3 +765,19 @@ def test_wrong_kv_mapping_is_caught(engines, tiny_ckpts, monkeypatch):
             worst = _parity_mismatch(eng, tiny_ckpts, family, prompt, check=False, fn=_draft_fn(eng, K))
             monkeypatch.setattr(speculative, "PagedDraftKV", orig)
             assert worst > 1e-2, f"{family}: drafter reading layer {layer} for {ty} is indistinguishable"
+
+
+def test_speculative_step_updates_state_in_place(engines):
+    """The speculative program aliases the donated pages and hidden buffer to its outputs and copies no
+    cache-sized array (the same check test_engine.py makes for prefill and decode)."""
+    import re
+
+    engine = engines("e2b", 4)
+    compiled = engine.steps.compile_speculative(4)
+    donated = sum(a.nbytes for kv in engine.pages.values() for a in kv) + engine.hidden.nbytes
+    assert compiled.memory_analysis().alias_size_in_bytes >= donated
+    dt = {"float32": "f32", "bfloat16": "bf16"}[engine.cache_dtype.name]
+    shapes = {f"{dt}[{','.join(map(str, k.shape))}]" for k, _ in engine.pages.values()}
+    copies = [line for line in compiled.as_text().splitlines()
+              if (m := re.match(r"\s*(?:ROOT\s+)?%\S+ = (\S+?)\{[^}]*\} copy\(", line)) and m.group(1) in shapes]
+    assert not copies, copies[:3]
