@@ -31,6 +31,7 @@ from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abs
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.speculative import MAX_STOP_IDS  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps, forward_paged, lm_logits  # noqa: E402
 
 SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
@@ -115,7 +116,8 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         spec_on = np.ones(B, bool)
         t, (pages, hidden) = timed(
             lambda p, h, *r: spec(target.params, assistant.params, steps.draft_head, p, h, *r),
-            (pages, hidden), (slots, tokens, P, tables, sampling, spec_on), args.repeats)
+            (pages, hidden), (slots, tokens, P, tables, sampling, spec_on, np.full((B, MAX_STOP_IDS), -1, np.int32),
+                              np.full(B, 1 << 20, np.int32)), args.repeats)
         row["spec_ms"] = t * 1e3
         need = bytes_per_step(tcfg, target.params, B, context)
         row["decode_roofline_ms"] = need["total"] / bw * 1e3

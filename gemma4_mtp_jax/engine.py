@@ -23,6 +23,7 @@ from gemma4_mtp_jax.api import Assistant, Target
 from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.speculative import MAX_STOP_IDS
 from gemma4_mtp_jax.step import CompiledSteps
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
         if max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop_ids is not None and len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}")
         total = len(prompt) + max_new_tokens
         if total > self.config.max_model_len:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
@@ -297,21 +300,26 @@ class Engine:
         return [int(t) for t in np.asarray(nxt)[: len(reqs)]]
 
     def _speculate(self, reqs: list[Request]) -> list[list[int]]:
-        """One draft-and-verify round for `reqs`; returns each row's emitted tokens (accepted drafts + bonus)."""
+        """One draft-and-verify round for `reqs`; returns per row the tokens it keeps of the emitted ones (accepted
+        drafts + bonus, cut at a stop id or max_new_tokens on the device) and whether the row finished."""
         k = self.k
         B = self._bucket(self.config.batch_buckets(), len(reqs))
         tokens = np.zeros((B,), np.int32)
         lengths = np.full((B,), -1, np.int32)
         slots = np.full((B,), self.config.max_num_seqs, np.int32)  # padding rows use the spare last row
         spec_on = np.zeros((B,), bool)
+        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
+        remaining = np.zeros((B,), np.int32)
         for r, req in enumerate(reqs):
             tokens[r] = req.output[-1]
             lengths[r] = len(req.prompt) + len(req.output) - 1
             slots[r] = req.slot
             spec_on[r] = req.speculative
+            stop_ids[r, : len(req.stop_ids)] = sorted(req.stop_ids)
+            remaining[r] = req.max_new_tokens - len(req.output)
         args = [self.target.params, self.assistant.params, self.steps.draft_head, self.pages, self.hidden, slots,
                 tokens, lengths, self._tables(reqs, B), SamplingBatch.from_params([r.sampling for r in reqs], B),
-                spec_on]
+                spec_on, stop_ids, remaining]
         if self.config._forced_drafts is not None:
             forced = np.zeros((B, k), np.int32)
             for r, req in enumerate(reqs):
@@ -322,8 +330,8 @@ class Engine:
         packed = np.asarray(packed)  # the one host read of the step
         out = []
         for r, req in enumerate(reqs):
-            n = int(packed[r, k + 1])
-            out.append([int(t) for t in packed[r, : n + 1]])
+            n, keep, finished = (int(x) for x in packed[r, k + 1 : k + 4])
+            out.append(([int(t) for t in packed[r, :keep]], bool(finished)))
             if req.speculative:
                 req.num_drafted += k
                 req.num_accepted += n
@@ -365,10 +373,14 @@ class Engine:
             if self.assistant is not None:
                 new = self._speculate(decoding)
             else:
-                new = [[t] for t in self._decode(decoding)]
+                new = [([t], None) for t in self._decode(decoding)]
             now = time.perf_counter()
-            for req, toks in zip(decoding, new):
-                events.append(StepEvent(req, self._append(req, toks, now), req.finished))
+            for req, (toks, device_finished) in zip(decoding, new):
+                kept = self._append(req, toks, now)
+                if device_finished is not None and (device_finished != req.finished or kept != toks):
+                    raise AssertionError(f"{req.id}: the step's finished flag ({device_finished}) disagrees with the "
+                                         f"stop rules ({req.finished}, kept {len(kept)} of {len(toks)})")
+                events.append(StepEvent(req, kept, req.finished))
         return events
 
     def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:

@@ -402,8 +402,9 @@ def test_disconnect_mid_stream_frees_pages(srv, slow_engine):
     while b"data: " not in buf.split(b"\r\n\r\n", 1)[-1]:  # headers, then at least one event
         buf += sock.recv(65536)
     assert buf.startswith(b"HTTP/1.1 200")
-    h = health(srv.host, srv.port)
-    assert h["running"] == 1 and any(h["kv_pages_in_use"].values())
+    # /health reads counters the engine thread publishes after each step: poll rather than race it
+    _wait_for(lambda: (lambda h: h["running"] == 1 and any(h["kv_pages_in_use"].values()))(health(srv.host, srv.port)),
+              what="the streaming request running with pages")
     sock.close()
     wait_idle(srv.host, srv.port)
     after = metric_samples(srv.host, srv.port)

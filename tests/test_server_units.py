@@ -191,6 +191,9 @@ class FakeEngine:
     def has_work(self):
         return bool(self.waiting or self.running)
 
+    def pages_total(self):
+        return {"full_attention": 8}
+
     def pages_in_use(self):
         return {"full_attention": len(self.running)}
 

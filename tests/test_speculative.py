@@ -781,3 +781,18 @@ def test_speculative_step_updates_state_in_place(engines):
     copies = [line for line in compiled.as_text().splitlines()
               if (m := re.match(r"\s*(?:ROOT\s+)?%\S+ = (\S+?)\{[^}]*\} copy\(", line)) and m.group(1) in shapes]
     assert not copies, copies[:3]
+
+
+def test_device_stop_check():
+    """The step's own stop rule (packed keep / finished): first stop id kept, max tokens, padding after n+1."""
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.speculative import stop_check
+
+    emitted = jnp.array([[5, 7, 9, -1], [5, 7, 9, 2], [5, 7, 9, 2], [3, -1, -1, -1], [8, 8, 8, 8]], jnp.int32)
+    n = jnp.array([2, 3, 3, 0, 3], jnp.int32)
+    stops = jnp.array([[7, -1], [2, -1], [-1, -1], [-1, -1], [-1, 9]], jnp.int32)
+    remaining = jnp.array([10, 10, 2, 1, 10], jnp.int32)
+    keep, finished = stop_check(emitted, n, stops, remaining)
+    assert keep.tolist() == [2, 4, 2, 1, 4]
+    assert finished.tolist() == [True, True, True, True, False]

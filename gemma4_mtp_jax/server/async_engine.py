@@ -319,8 +319,7 @@ class AsyncEngine:
         stream._spec_seen = (req.num_drafted, req.num_accepted, pos, rounds + len(new_rounds))
 
     def _pages_total(self) -> dict[str, int]:
-        allocs = getattr(self.engine, "allocators", None) or {}
-        return {g: int(getattr(a, "capacity", 0)) for g, a in allocs.items()}
+        return self.engine.pages_total()
 
     def _publish(self) -> None:
         eng = self.engine
