@@ -44,6 +44,7 @@ def powers_of_two_upto(n: int, start: int = 1) -> list[int]:
 @dataclasses.dataclass
 class EngineConfig:
     max_num_seqs: int = 8
+    min_batch_bucket: int = 2
     max_model_len: int = 2048
     page_size: int = 16
     # Pages per KV group's pool; None: enough for max_num_seqs sequences of max_model_len.
@@ -59,7 +60,9 @@ class EngineConfig:
     _forced_drafts: dict[str, list[int]] | None = None
 
     def batch_buckets(self) -> list[int]:
-        return powers_of_two_upto(self.max_num_seqs)
+        # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200
+        # (31B decode 28.4 ms at 1 row, 23.8 ms at 2 rows, benchmarks/RESULTS.md run 5).
+        return powers_of_two_upto(max(self.max_num_seqs, self.min_batch_bucket), self.min_batch_bucket)
 
     def prefill_buckets(self) -> list[int]:
         return powers_of_two_upto(self.prefill_chunk, min(self.min_prefill_bucket, self.prefill_chunk))
