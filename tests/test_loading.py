@@ -1,0 +1,169 @@
+"""Config parsing (both serialised forms, derived geometry, refusals) and loader errors on bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from gemma4_mtp_jax.config import (
+    FULL,
+    SLIDING,
+    ConfigError,
+    check_pair,
+    parse_assistant_config,
+    parse_target_config,
+)
+
+_S, _F = SLIDING, FULL
+BASE = dict(model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+            layer_types=[_S, _S, _S, _F, _S, _S, _S, _F], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            sliding_window=8, hidden_size_per_layer_input=0)
+
+
+def _cfg(**kw):
+    d = dict(BASE)
+    d.update(kw)
+    return d
+
+
+def test_released_and_per_layer_config_forms_agree():
+    released = parse_target_config(_cfg(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True))
+    new = parse_target_config(_cfg(attention_k_eq_v=True,
+                                   per_layer_config={"3": {"head_dim": 32, "num_key_value_heads": 1},
+                                                     "7": {"head_dim": 32, "num_key_value_heads": 1}}))
+    assert released.layers == new.layers
+    assert [(lc.head_dim, lc.num_kv_heads, lc.k_eq_v) for lc in released.layers if lc.layer_type == _F] == [(32, 1, True)] * 2
+    wrapped = parse_target_config({"model_type": "gemma4", "text_config": _cfg(global_head_dim=32)})
+    assert wrapped.layers[3].head_dim == 32
+
+
+def test_global_kv_heads_apply_only_with_k_eq_v():
+    cfg = parse_target_config(_cfg(global_head_dim=32, num_global_key_value_heads=1))  # no attention_k_eq_v
+    assert all(lc.num_kv_heads == 2 for lc in cfg.layers)
+
+
+def test_derived_geometry_last_layer_forced_full_and_kv_sharing():
+    cfg = parse_target_config(_cfg(layer_types=[_S, _S, _S, _F, _S, _S, _S, _S], num_kv_shared_layers=3,
+                                   use_double_wide_mlp=True))
+    assert cfg.layer_types[-1] == _F  # forced, as transformers does
+    assert [lc.kv_mode for lc in cfg.layers] == [None, None, None, "store", "store", "reuse", "reuse", "reuse"]
+    assert cfg.store_layers == {_F: 3, _S: 4}
+    assert [lc.kv_source for lc in cfg.layers[5:]] == [4, 4, 3]
+    assert [lc.intermediate_size for lc in cfg.layers] == [128] * 5 + [256] * 3  # double-wide on reuse layers
+
+
+def test_default_layer_types_and_store_layers():
+    cfg = parse_target_config({k: v for k, v in _cfg(num_hidden_layers=12, num_kv_shared_layers=4).items()
+                               if k != "layer_types"})
+    assert cfg.layer_types == tuple(_S if (i + 1) % 6 else _F for i in range(12))
+    assert cfg.store_layers == {_S: 7, _F: 5}
+    assert cfg.layers[8].kv_source == 7 and cfg.layers[11].kv_source == 5
+    assert cfg.layers[8].intermediate_size == 128  # double-wide only when asked
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (dict(hidden_activation="relu"), "hidden_activation"),
+    (dict(num_kv_shared_layers=9), "num_kv_shared_layers"),
+    (dict(num_kv_shared_layers=7), "num_kv_shared_layers"),  # leaves no full-attention producer
+    (dict(layer_types=[_S] * 7), "layer_types"),
+    (dict(layer_types=[_S] * 7 + ["local"]), "layer_types"),
+    (dict(num_attention_heads=3), "num_attention_heads"),
+    (dict(per_layer_config={"1": {"head_dim": 32}}), "per_layer_config"),
+    (dict(per_layer_config={"40": {"head_dim": 32}}), "per_layer_config"),
+    (dict(enable_moe_block=True), "num_experts"),
+    (dict(tie_word_embeddings=False), "tie_word_embeddings"),
+    (dict(hidden_size=None), "hidden_size"),
+    (dict(rope_parameters={_S: {"rope_type": "yarn", "rope_theta": 1.0}}), "rope_type"),
+])
+def test_bad_configs_are_refused_naming_the_field(change, field):
+    with pytest.raises(ConfigError, match=field):
+        parse_target_config(_cfg(**change), "x/config.json")
+
+
+def _assistant(**kw):
+    d = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True, num_centroids=16,
+             centroid_intermediate_top_k=4,
+             text_config=dict(model_type="gemma4_text", vocab_size=512, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=4, layer_types=[_S, _S, _S, _F], num_attention_heads=2,
+                              num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                              hidden_size_per_layer_input=0))
+    d.update(kw)
+    return d
+
+
+def test_assistant_config_and_pair_checks():
+    a = parse_assistant_config(_assistant())
+    assert all(lc.kv_mode == "reuse" for lc in a.text.layers)  # num_kv_shared_layers 0 -> all layers
+    check_pair(parse_target_config(_cfg(global_head_dim=32)), a)
+    with pytest.raises(ConfigError, match="backbone_hidden_size"):
+        check_pair(parse_target_config(_cfg(global_head_dim=32, hidden_size=48)), a)
+    with pytest.raises(ConfigError, match="full_attention"):
+        check_pair(parse_target_config(_cfg(global_head_dim=64)), a)
+    with pytest.raises(ConfigError, match="num_centroids"):
+        parse_assistant_config(_assistant(num_centroids=15))
+    with pytest.raises(ConfigError, match="model_type"):
+        parse_assistant_config(_cfg())
+    bad = _assistant()
+    bad["text_config"] = dict(bad["text_config"], enable_moe_block=True, num_experts=4, top_k_experts=2,
+                              moe_intermediate_size=8)
+    with pytest.raises(ConfigError, match="enable_moe_block"):
+        parse_assistant_config(bad)
+
+
+# -------------------------------------------------------------------------------------------------- bad checkpoints
+def _copy_with(src, dst, edit):
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+    return dst
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_named(tiny_ckpts, tmp_path):
+    from gemma4_mtp_jax import CheckpointError, load_assistant, load_target
+
+    src = tiny_ckpts["b31b"]["target"]
+    name = "model.layers.2.mlp.up_proj.weight"
+    d = _copy_with(src, tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        load_target(d, "float32")
+
+    d = _copy_with(src, tmp_path / "extra", lambda t: t.update({"model.layers.2.mlp.extra.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.2.mlp.extra.weight'"):
+        load_target(d, "float32")
+
+    d = _copy_with(src, tmp_path / "shape", lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(CheckpointError, match=rf"'{name}' has shape"):
+        load_target(d, "float32")
+
+    asrc = tiny_ckpts["e2b"]["assistant"]
+    d = _copy_with(asrc, tmp_path / "ordering",
+                   lambda t: t.update({"masked_embedding.token_ordering": np.zeros_like(t["masked_embedding.token_ordering"])}))
+    with pytest.raises(CheckpointError, match="token_ordering is not a permutation"):
+        load_assistant(d, "float32")
+
+
+def test_wrong_model_type_and_bad_json(tiny_ckpts, tmp_path):
+    from gemma4_mtp_jax import load_assistant, load_target
+
+    d = tmp_path / "t"
+    shutil.copytree(tiny_ckpts["e2b"]["target"], d)
+    with pytest.raises(ConfigError, match="gemma4_assistant"):
+        load_assistant(d, "float32")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        load_target(d, "float32")
+    cfg = json.loads((tiny_ckpts["e2b"]["target"] / "config.json").read_text())
+    cfg["model_type"] = "gemma3_text"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="gemma3_text"):
+        load_target(d, "float32")
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        load_target(tmp_path / "nope", "float32")
