@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gemma4_mtp_jax.config import (
     AssistantConfig,
@@ -242,7 +241,3 @@ def draft_step(
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     logits, h_next, hn = assistant._step(assistant.params, embedding, jnp.asarray(hidden), by_layer, lengths)
     return DraftOutput(logits, h_next, hn)
-
-
-def as_numpy(tree: Any) -> Any:
-    return jax.tree_util.tree_map(np.asarray, tree)
