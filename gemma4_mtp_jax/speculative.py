@@ -62,15 +62,27 @@ def _draft_distribution(assistant: Assistant, params_a, head: DraftHead, hn: Arr
     if cfg.use_ordered_embeddings:
         me = params_a["masked_embedding"]
         impl = "xla" if attention_impl == "xla" else "auto"
-        logits, ids = centroid_head(hn, me["centroids"]["weight"], me["ordered_embedding"], me["token_ordering"],
-                                    cfg.centroid_top_k, head.suppress, mode="sparse", impl=impl)
+        head_args = (hn, me["centroids"]["weight"], me["ordered_embedding"], me["token_ordering"], cfg.centroid_top_k,
+                     head.suppress)
+
+        def greedy_only():  # the fused gather-dot + argmax kernel; no draft distribution is needed
+            token, _ = centroid_head(*head_args, mode="argmax", impl=impl)
+            n = cfg.centroid_top_k * (cfg.text.vocab_size // cfg.num_centroids)
+            return token, jnp.zeros((hn.shape[0], n), jnp.float32), jnp.zeros((hn.shape[0], n), jnp.int32)
+
+        def with_distribution():
+            logits, ids = centroid_head(*head_args, mode="sparse", impl=impl)
+            logits = logits.astype(jnp.float32)
+            return jnp.take_along_axis(ids, jnp.argmax(logits, -1)[:, None], 1)[:, 0], logits, ids
+
+        greedy, logits, ids = jax.lax.cond(jnp.any(sampled_rows), with_distribution, greedy_only)
     else:
         logits = assistant.module.apply({"params": params_a}, hn, method=Gemma4Assistant.logits)
         if head.suppress is not None:
             logits = jnp.where(head.suppress, _NEG, logits)
         ids = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.take_along_axis(ids, jnp.argmax(logits, -1)[:, None], 1)[:, 0]
+        logits = logits.astype(jnp.float32)
+        greedy = jnp.argmax(logits, -1).astype(jnp.int32)
     temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
     filtered = jax.lax.cond(
         jnp.any(sampled_rows),

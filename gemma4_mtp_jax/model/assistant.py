@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import AssistantConfig
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.decoder import DecoderLayer
-from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
+from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm, Weight
 
 Array = jax.Array
 
@@ -30,16 +30,15 @@ class CentroidHead(nn.Module):
     @nn.compact
     def __call__(self, hn: Array) -> tuple[Array, Array]:
         """hn [B, Ha] -> (sparse logits [B, K*V/C], their canonical token ids [B, K*V/C] int32)."""
+        from gemma4_mtp_jax.kernels.centroid_head import centroid_head
+
         C, V = self.num_centroids, self.vocab_size
         Ha = hn.shape[-1]
-        scores = Linear(C, self.param_dtype, name="centroids")(hn)  # [B, C]
+        centroids = Weight((C, Ha), self.param_dtype, name="centroids")()
         table = self.param("ordered_embedding", nn.initializers.normal(1.0), (V, Ha), self.param_dtype)
         ordering = self.param("token_ordering", lambda *_: jnp.arange(V, dtype=jnp.int32))
-        top = jax.lax.top_k(scores, self.top_k)[1]  # [B, K]
-        rows = jnp.take(table.reshape(C, V // C, Ha), top, axis=0)  # [B, K, V/C, Ha]
-        logits = jnp.einsum("bh,bkrh->bkr", hn, rows.astype(hn.dtype)).reshape(hn.shape[0], -1)
-        ids = jnp.take(ordering.reshape(C, V // C), top, axis=0).reshape(hn.shape[0], -1)
-        return logits, ids
+        # The plain-XLA path of the kernels' module is the reference semantics; the draft step picks the kernels.
+        return centroid_head(hn, centroids, table, ordering, self.top_k, mode="sparse", impl="xla")
 
 
 def scatter_sparse_logits(logits: Array, ids: Array, vocab_size: int) -> Array:
@@ -90,6 +89,3 @@ class Gemma4Assistant(nn.Module):
             sparse, ids = self.masked_embedding(hn)
             return scatter_sparse_logits(sparse, ids, self.cfg.text.vocab_size)
         return self.embed_tokens.attend(hn)
-
-    def sparse_logits(self, hn: Array) -> tuple[Array, Array]:
-        return self.masked_embedding(hn)

@@ -43,6 +43,17 @@ class RMSNorm(nn.Module):
         return y.astype(x.dtype)
 
 
+class Weight(nn.Module):
+    """A bare `weight` parameter under its own name, for checkpoint tensors used by a kernel, not a matmul here."""
+
+    shape: tuple[int, ...]
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> Array:
+        return self.param("weight", nn.initializers.normal(0.02), self.shape, self.param_dtype)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T with the PyTorch `[out, in]` weight layout (no bias anywhere in Gemma 4)."""
 
