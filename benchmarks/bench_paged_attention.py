@@ -116,7 +116,7 @@ def bench_one(name, shape, *, B, Tq, ctx, args, key, reps, interpret, seed, kern
                        k_spec=args.k_spec, n_sets=n_sets, dtype=dtype, seed=seed)
     ring = inp["ring"]
     cfg = pa.kernel_config((B, Tq, nH, D), (nKV, inp["num_pages"], args.page_size, D), (B, inp["width"]),
-                           window=window, ring_pages=ring, **kernel_kw)
+                           itemsize=jnp.dtype(dtype).itemsize, window=window, ring_pages=ring, **kernel_kw)
 
     def kernel_op(q, kp, vp, pt, qp, *, window, ring_pages):
         return pa.paged_attention(q, kp, vp, pt, qp, window=window, ring_pages=ring_pages, interpret=interpret,

@@ -2,6 +2,11 @@
 
 JAX runs on the CPU in float32 for the test-suite: JAX_PLATFORMS is set to "cpu" before anything imports jax (set
 GEMMA4_TEST_JAX_PLATFORMS to run the suite elsewhere, e.g. "cuda"), and jax_enable_x64 stays off.
+
+Float32 means float32 on every platform: matmuls run at precision HIGHEST for the whole session. On the CPU that
+is what they do anyway; on an NVIDIA GPU the default would be TF32 (10-bit mantissa), so every comparison with
+transformers or a float64 oracle would test TF32 rounding instead of our code. Pallas kernels run compiled on
+the GPU and in interpret mode elsewhere (`testenv.INTERPRET`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_enable_x64", False)
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Paged attention for decode/verify: the XLA reference against a dense oracle, the Pallas kernel (interpret mode)
-against the reference.
+"""Paged attention for decode/verify: the XLA reference against a dense oracle, the Pallas kernel (compiled on the
+GPU, interpret mode elsewhere) against the reference, and the tiling planner against the device budget.
 
 Every case scatters one dense K/V history per sequence into randomly permuted (non-contiguous) pages of a pool
 whose every other slot is NaN: unwritten pages, the tail of the last page, positions older than the window or
@@ -10,6 +10,8 @@ surface in the output (0 * NaN = NaN), so finite outputs prove those slots are n
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,8 @@ import numpy as np
 import pytest
 
 from gemma4_mtp_jax.kernels import paged_attention as pa
+from gemma4_mtp_jax.kernels.device_budget import HOPPER, GpuBudget
+from testenv import INTERPRET
 
 
 @dataclasses.dataclass
@@ -109,7 +113,7 @@ def dense_oracle(c: Case) -> np.ndarray:
 
 
 def run_kernel(c: Case, dtype=jnp.float32, **kw):
-    return pa.paged_attention(*c.args(dtype), window=c.window, ring_pages=c.ring_pages, interpret=True, **kw)
+    return pa.paged_attention(*c.args(dtype), window=c.window, ring_pages=c.ring_pages, interpret=INTERPRET, **kw)
 
 
 def run_reference(c: Case, dtype=jnp.float32):
@@ -179,7 +183,7 @@ def test_kernel_drafter_pattern_same_positions_under_jit():
     """The drafter: all k rows at the same position P-1 with window W+1; called inside an outer jit."""
     c = build_case(3, Tq=4, nH=4, nKV=2, D=16, page_size=8, starts=[40, 9, 0, 1], n_valid=[4, 4, 0, 2],
                    window=9, ring_pages=3, same_position=True)
-    f = jax.jit(lambda *a: pa.paged_attention(*a, window=c.window, ring_pages=c.ring_pages, interpret=True))
+    f = jax.jit(lambda *a: pa.paged_attention(*a, window=c.window, ring_pages=c.ring_pages, interpret=INTERPRET))
     out = f(*c.args())
     assert_padding_zero(c, out)
     np.testing.assert_allclose(np.asarray(out), dense_oracle(c), atol=1e-5, rtol=1e-5)
@@ -227,3 +231,81 @@ def test_kernel_config_defaults():
     assert pa.kernel_config((16, 1, 32, 256), (16, 600, 64, 256), (16, 9), window=1024,
                             ring_pages=17).k_splits <= 2
     assert not pa.kernel_supported((1, 1, 8, 96), (1, 10, 16, 96))
+
+
+# Attention geometries that run through the kernel: (name, query heads, KV heads, head dim). Targets' sliding and
+# full layers (benchmarks/common.py), their assistants' layers (query heads of the drafter over the target's KV
+# heads), and the demo pair (gemma4_mtp_jax/demo.py).
+GEOMETRIES = [
+    ("e2b_sliding", 8, 1, 256), ("e2b_full", 8, 1, 512), ("e2b_assistant_sliding", 4, 1, 256),
+    ("e2b_assistant_full", 4, 1, 512),
+    ("e4b_sliding", 8, 2, 256), ("e4b_full", 8, 2, 512), ("e4b_assistant_sliding", 4, 2, 256),
+    ("e4b_assistant_full", 4, 2, 512),
+    ("26b_sliding", 16, 8, 256), ("26b_full", 16, 2, 512), ("26b_assistant_sliding", 16, 8, 256),
+    ("26b_assistant_full", 16, 2, 512),
+    ("31b_sliding", 32, 16, 256), ("31b_full", 32, 4, 512), ("31b_assistant_sliding", 32, 16, 256),
+    ("31b_assistant_full", 32, 4, 512),
+    ("demo_sliding", 4, 1, 16), ("demo_full", 4, 1, 32), ("demo_assistant_sliding", 2, 1, 16),
+    ("demo_assistant_full", 2, 1, 32),
+]
+# Generic shapes: every power-of-two head dim 16..512 with 1..16 query heads per KV head.
+GEOMETRIES += [(f"d{D}_g{G}", G, 1, D) for D, G in itertools.product([16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16])]
+Q_ROWS = [1, 2, 3, 5, 9, 17, 33, 64, 128, 256, 512]  # decode, verify (k + 1), drafter rows, prefill chunks
+PAGE_SIZES = [8, 16, 32, 64]
+
+
+def _check_plan(cfg, rows, D, itemsize, budget):
+    assert cfg is not None
+    assert cfg.block_rows >= 16 and cfg.block_rows & (cfg.block_rows - 1) == 0
+    assert cfg.block_k >= 16 and cfg.block_k & (cfg.block_k - 1) == 0
+    smem = pa.smem_bytes(cfg.block_rows, cfg.block_k, D, cfg.num_stages, itemsize)
+    assert smem <= budget.smem_per_block, (smem, budget)
+    assert cfg.block_rows * (D + cfg.block_k) <= 128 * 32 * cfg.num_warps  # float32 registers per thread
+    assert 1 <= cfg.k_splits <= 64 and cfg.num_stages >= 1
+
+
+@pytest.mark.parametrize("budget", [HOPPER, GpuBudget(163 * 1024, 108, "A100"), GpuBudget(99 * 1024, 84, "L40")])
+def test_planner_fits_every_geometry(budget):
+    """The planner's tiling fits the device for every geometry x query rows x page size x dtype: no shape the
+    engine builds can ask for more shared memory than the GPU has (the first GPU run failed on the demo pair's
+    256-token prefill chunk: 1024 query rows x 64 keys in float32, 332 KiB)."""
+    n = 0
+    for (_, nH, nKV, D), Tq, ps, itemsize, window in itertools.product(GEOMETRIES, Q_ROWS, PAGE_SIZES, [2, 4],
+                                                                        [None, 512]):
+        B = 2
+        q_shape, pages_shape = (B, Tq, nH, D), (nKV, 4096, ps, D)
+        width = 8192 // ps
+        cfg = pa.kernel_config(q_shape, pages_shape, (B, width), itemsize=itemsize, window=window,
+                               ring_pages=None if window is None else -(-(window + Tq) // ps), budget=budget)
+        _check_plan(cfg, Tq * nH // nKV, D, itemsize, budget)
+        n += 1
+    assert n == len(GEOMETRIES) * len(Q_ROWS) * len(PAGE_SIZES) * 4
+
+
+def test_planner_shrinks_then_refuses():
+    """The demo pair's prefill chunk in float32 shrinks from 1024 rows to a tile that fits; a budget smaller than
+    the smallest tile gives None; explicit tiling arguments are kept."""
+    demo = pa.kernel_config((1, 256, 4, 16), (1, 600, 16, 16), (1, 20), itemsize=4)
+    assert demo.block_rows < 1024 and pa.smem_bytes(demo.block_rows, demo.block_k, 16, demo.num_stages, 4) <= \
+        HOPPER.smem_per_block
+    tiny = GpuBudget(8 * 1024, 132)
+    assert pa.kernel_config((1, 5, 8, 512), (1, 600, 16, 512), (1, 40), itemsize=4, budget=tiny) is None
+    kept = pa.kernel_config((1, 5, 8, 256), (1, 600, 16, 256), (1, 40), block_rows=16, block_k=32, num_stages=1)
+    assert (kept.block_rows, kept.block_k, kept.num_stages) == (16, 32, 1)
+    with pytest.raises(ValueError, match="no kernel tiling fits"):
+        c = build_case(7, Tq=1, nH=2, nKV=1, D=16, page_size=8, starts=[9], n_valid=[1])
+        pa.paged_attention(*c.args(), interpret=INTERPRET, block_rows=1 << 20)
+
+
+def test_auto_falls_back_to_xla_when_no_tiling_fits(monkeypatch, caplog):
+    """On a GPU whose budget no tiling fits, attend_paged(impl="auto") runs the XLA path and says so once."""
+    c = build_case(8, Tq=2, nH=4, nKV=1, D=32, page_size=8, starts=[12, 3], n_valid=[2, 1], window=7)
+    kw = dict(window=c.window, ring_pages=c.ring_pages)
+    want = np.asarray(run_reference(c))
+    monkeypatch.setattr(pa.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pa, "default_budget", lambda: GpuBudget(1024, 132, "tiny"))
+    pa._log_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=pa.__name__):
+        for _ in range(2):
+            np.testing.assert_array_equal(np.asarray(pa.attend_paged(*c.args(), impl="auto", **kw)), want)
+    assert sum("XLA path" in r.getMessage() for r in caplog.records) == 1

@@ -38,12 +38,16 @@ Pallas kernels (Triton lowering, selected by passing `jax.experimental.pallas.tr
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
+
 Array = jax.Array
+log = logging.getLogger(__name__)
 
 try:  # the Triton lowering of Pallas on GPU (deprecated in JAX 0.11, still works in 0.11.2)
     from jax.experimental.pallas import triton as _pl_triton
@@ -168,19 +172,34 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def default_config(T: int, K: int, R: int, Ha: int, itemsize: int) -> dict:
-    """Launch config {block_rows, num_warps, num_stages} for T tokens.
+_F32_PER_THREAD = 128  # float32 values of the upcast row tile per thread: more would spill registers
+_MAX_WARPS = 8
 
-    Aim for >= ~2 programs per SM of an H200 (132 SMs) so that enough loads are in flight, but keep tiles >= 16
-    rows; tiles of more than 16 KiB get 8 warps (fewer registers per thread for the [BP, Ha] tile).
-    Tuned by benchmarks/bench_centroid_head.py (its sweep prints the best config per T)."""
-    target_programs = 264
+
+def default_config(T: int, K: int, R: int, Ha: int, itemsize: int, budget: GpuBudget | None = None) -> dict | None:
+    """Launch config {block_rows, num_warps, num_stages} for T tokens, or None when no tile fits the device.
+
+    Aim for >= ~2 programs per SM (the device's SM count) so that enough loads are in flight, but keep tiles >= 16
+    rows. The [block_rows, Ha] tile is upcast to float32 in registers: the warps are chosen so that each thread
+    holds at most 128 of its values, and the tile shrinks when 8 warps are not enough; its bytes must also fit the
+    shared memory per block, should the compiler stage it there. Tuned by benchmarks/bench_centroid_head.py."""
+    budget = budget or default_budget()
+    target_programs = 2 * budget.num_sms
     bp = R
     while bp > 16 and T * K * (R // bp) < target_programs:
         bp //= 2
-    bp = max(1, min(bp, R))
-    tile_bytes = bp * Ha * itemsize
-    num_warps = 4 if tile_bytes <= 16384 else 8
+
+    def warps(bp: int) -> int | None:
+        for w in (4, _MAX_WARPS):
+            if bp * Ha <= _F32_PER_THREAD * 32 * w:
+                return w
+        return None
+
+    while bp > 1 and (warps(bp) is None or bp * Ha * itemsize > budget.smem_per_block):
+        bp //= 2
+    num_warps = warps(bp)
+    if num_warps is None or bp * Ha * itemsize > budget.smem_per_block:
+        return None
     return dict(block_rows=bp, num_warps=num_warps, num_stages=1)
 
 
@@ -250,6 +269,9 @@ def _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_pe
     T, Ha = hn.shape
     K = top.shape[1]
     cfg = default_config(T, K, R, Ha, jnp.dtype(ordered_embedding.dtype).itemsize)
+    if cfg is None and None in (block_rows, num_warps, num_stages):
+        raise ValueError(f"no centroid-head tile fits Ha={Ha} ({ordered_embedding.dtype}) on "
+                         f"{default_budget().name or 'this device'}; use impl='xla'")
     BP = cfg["block_rows"] if block_rows is None else block_rows
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
@@ -337,6 +359,12 @@ def _on_gpu(x) -> bool:
         return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+@functools.lru_cache(maxsize=None)
+def _log_fallback(hn_shape, table_shape, dtype_name: str) -> None:
+    log.warning("centroid head: no kernel tile fits hn %s, table %s %s on this GPU; these calls use the XLA path",
+                hn_shape, table_shape, dtype_name)
+
+
 def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppress=None, *, mode="argmax",
                   impl="auto", interpret=False, **launch):
     """The whole centroid head: select_centroids -> argmax (greedy drafting) or sparse logits (sampled drafting).
@@ -344,7 +372,8 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
     hn [T, Ha]; centroids [C, Ha]; ordered_embedding [V, Ha] (rows permuted by token_ordering); token_ordering [V];
     suppress: optional [V] bool in row order. mode "argmax" -> (token [T] i32, logit [T] f32);
     mode "sparse" -> (logits [T, top_k*V/C] f32, ids [T, top_k*V/C] i32).
-    impl "auto": Pallas on GPU (when the shapes suit Triton), XLA elsewhere; "pallas" forces the kernel
+    impl "auto": Pallas on GPU (when the shapes suit Triton and a tile fits the device's budget; otherwise XLA,
+    with one log line), XLA elsewhere; "pallas" forces the kernel
     (with `interpret=True` it runs anywhere); "xla" the reference. `launch` (block_rows, num_warps, num_stages)
     goes to the kernel."""
     if mode not in ("argmax", "sparse"):
@@ -357,6 +386,10 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
     if impl == "auto":
         use_pallas = (interpret or _on_gpu(hn)) and pallas_supported(hn, ordered_embedding, R,
                                                                        launch.get("block_rows"))
+        if use_pallas and "block_rows" not in launch and default_config(
+                hn.shape[0], top_k, R, hn.shape[1], jnp.dtype(ordered_embedding.dtype).itemsize) is None:
+            use_pallas = False
+            _log_fallback(tuple(hn.shape), tuple(ordered_embedding.shape), jnp.dtype(ordered_embedding.dtype).name)
     else:
         use_pallas = impl == "pallas"
     if use_pallas:

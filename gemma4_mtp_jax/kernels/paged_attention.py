@@ -22,7 +22,9 @@ Two implementations with the same signature:
   in float32. Long contexts split the key range over several programs (flash-decoding), merged afterwards in
   XLA. Sequences whose rows are all padding run zero iterations.
 
-`attend_paged(..., impl="auto")` picks the kernel on GPU and the reference elsewhere.
+`attend_paged(..., impl="auto")` picks the kernel on GPU and the reference elsewhere. The tiling comes from
+`kernel_config`: the largest blocks whose shared memory (`smem_bytes`, calibrated on the H200) and registers fit
+the device's budget (`device_budget.py`); where none fits, the XLA path runs instead, with one log line.
 
 Backend notes. The kernel is lowered through Pallas' Triton backend (selected by passing Triton `CompilerParams`;
 deprecated since JAX 0.11 but present in 0.11.2). Everything backend-specific sits in `_triton_compiler_params`,
@@ -35,19 +37,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
 from gemma4_mtp_jax.model.attention import causal_window_mask, dot_product_attention
 
 Array = jax.Array
+log = logging.getLogger(__name__)
 
 _NEG = -1e30  # finite "minus infinity" for masked scores (exp(_NEG - m) underflows to 0 for any real m)
 _SQUEEZED = getattr(pl, "squeezed", None)  # pl.squeezed (newer JAX) == None in a block shape (older JAX)
-_H100_SMS = 132  # H100 / H200 streaming multiprocessors: the split heuristic aims at ~2 programs per SM
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -120,7 +124,7 @@ def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_tab
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Static tiling of the kernel (resolved from the shapes by `kernel_config`)."""
+    """Static tiling of the kernel (planned from the shapes and the device budget by `kernel_config`)."""
 
     block_rows: int  # query rows (t, g) per program: a power of two >= 16
     block_k: int  # keys per loop iteration: a power of two >= 16
@@ -138,47 +142,86 @@ def _is_pow2(n: int) -> bool:
 
 
 def kernel_supported(q_shape, k_pages_shape) -> bool:
-    """Whether the Triton kernel can take these shapes (power-of-two head dim and page size, head dim >= 16)."""
+    """Whether the Triton kernel can take these shapes at all (power-of-two head dim >= 16 and page size)."""
     D = q_shape[-1]
     page_size = k_pages_shape[2]
     return _is_pow2(D) and D >= 16 and _is_pow2(page_size)
 
 
-def kernel_config(q_shape, k_pages_shape, page_table_shape, *, window=None, ring_pages=None, block_rows=None,
-                  block_k=None, k_splits=None, num_warps=None, num_stages=None) -> KernelConfig:
-    """Default tiling; any argument given explicitly wins."""
+def smem_bytes(block_rows: int, block_k: int, head_dim: int, num_stages: int, itemsize: int) -> int:
+    """Shared memory one program needs, an upper bound: the q tile, the probability tile fed to the second dot,
+    and `num_stages` buffers of the K and V blocks. Calibrated on the H200 (benchmarks/probe_kernel_smem.py: 364
+    tilings; Triton asked for at most this much in every tiling that failed to compile, exactly this much in
+    several)."""
+    return (block_rows * head_dim * itemsize + block_rows * block_k * itemsize
+            + max(1, num_stages) * 2 * block_k * head_dim * itemsize)
+
+
+_SMEM_RESERVE = 1024  # barriers and reduction scratch beyond the tiles
+_F32_PER_THREAD = 128  # accumulator + score tile per thread (float32 registers), leaving room for the rest
+
+
+def _num_warps(block_rows: int, head_dim: int) -> int:
+    return 4 if block_rows * head_dim <= 8192 else 8
+
+
+def _fits(cfg_rows, cfg_k, cfg_stages, cfg_warps, D, itemsize, budget: GpuBudget) -> bool:
+    smem = smem_bytes(cfg_rows, cfg_k, D, cfg_stages, itemsize)
+    regs = cfg_rows * (D + cfg_k) // (32 * cfg_warps)  # float32 values per thread: accumulator + scores
+    return smem + _SMEM_RESERVE <= budget.smem_per_block and regs <= _F32_PER_THREAD
+
+
+def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2, window=None, ring_pages=None,
+                  budget: GpuBudget | None = None, block_rows=None, block_k=None, k_splits=None, num_warps=None,
+                  num_stages=None) -> KernelConfig | None:
+    """The tiling for these shapes within the device's shared-memory and register budget, or None when no tiling
+    fits (the caller then uses the XLA path). `itemsize` is the pages' dtype size. Any tiling argument given
+    explicitly is kept; the others shrink until the tiling fits (rows per program first, then keys per
+    iteration, then pipeline stages)."""
+    budget = budget or default_budget()
+    if not kernel_supported(q_shape, k_pages_shape):
+        return None
     B, Tq, nH, D = q_shape
     nKV, _, page_size, _ = k_pages_shape
     rows = Tq * (nH // nKV)
-    if block_rows is None:
-        # The float32 accumulator is block_rows x D: keep it <= 64 x 256 (16K floats) per program.
-        block_rows = min(_next_pow2(max(16, rows)), max(16, 16384 // D))
-    if block_k is None:
-        block_k = 64 if D <= 256 else 32
-    if not (_is_pow2(block_rows) and block_rows >= 16 and _is_pow2(block_k) and block_k >= 16):
-        raise ValueError(f"block_rows={block_rows} and block_k={block_k} must be powers of two >= 16")
-    n_row_blocks = -(-rows // block_rows)
+    br = block_rows or min(_next_pow2(max(16, rows)), max(16, 16384 // D))
+    bk = block_k or (64 if D <= 256 else 32)
+    st = num_stages or 2
+    if not (_is_pow2(br) and br >= 16 and _is_pow2(bk) and bk >= 16):
+        raise ValueError(f"block_rows={br} and block_k={bk} must be powers of two >= 16")
+
+    def warps():
+        return num_warps or _num_warps(br, D)
+
+    while not _fits(br, bk, st, warps(), D, itemsize, budget):
+        if block_rows is None and br > 64:
+            br //= 2
+        elif block_k is None and bk > 16:
+            bk //= 2
+        elif num_stages is None and st > 1:
+            st -= 1
+        elif block_rows is None and br > 16:
+            br //= 2
+        else:
+            return None
+    n_row_blocks = -(-rows // br)
     if k_splits is None:
         # Static bound on the keys one sequence's rows can see: the window (+ the query span), or the page table.
         width = page_table_shape[1] if ring_pages is None else ring_pages
         max_keys = width * page_size
         if window is not None:
             max_keys = min(max_keys, window + Tq - 1)
-        max_blocks = -(-max_keys // block_k) + 1
+        max_blocks = -(-max_keys // bk) + 1
         programs = B * nKV * n_row_blocks
-        if programs >= _H100_SMS:
+        if programs >= budget.num_sms:
             k_splits = 1
         else:
             # ~2 programs per SM; >= 2 key blocks per split; the partial outputs the merge reads back
             # (k_splits x rows x D) at most ~1/8 of the K/V bytes (max_keys x 2 x D); at most 64 splits.
-            rows_padded = n_row_blocks * block_rows
-            k_splits = max(1, min(-(-2 * _H100_SMS // programs), max_blocks // 2,
+            rows_padded = n_row_blocks * br
+            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // 2,
                                   max_keys // (4 * rows_padded), 64))
-    if num_warps is None:
-        num_warps = 4 if block_rows * D <= 8192 else 8
-    if num_stages is None:
-        num_stages = 2
-    return KernelConfig(int(block_rows), int(block_k), int(k_splits), int(num_warps), int(num_stages))
+    return KernelConfig(int(br), int(bk), int(k_splits), int(warps()), int(st))
 
 
 def _triton_compiler_params(num_warps: int, num_stages: int):
@@ -358,24 +401,42 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
                     block_rows: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> Array:
     """Pallas paged attention (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
-    `paged_attention_reference`; the keyword-only tiling arguments override `kernel_config`'s defaults."""
+    `paged_attention_reference`; the keyword-only tiling arguments override `kernel_config`'s plan. Raises
+    ValueError when no tiling of these shapes fits the device (`attend_paged` falls back to XLA instead)."""
     _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages)
-    if not kernel_supported(q.shape, k_pages.shape):
-        raise ValueError(f"kernel needs a power-of-two head dim >= 16 and page size; got q {q.shape}, "
-                         f"pages {k_pages.shape}")
-    config = kernel_config(q.shape, k_pages.shape, page_table.shape, window=window, ring_pages=ring_pages,
-                           block_rows=block_rows, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                           num_stages=num_stages)
+    config = _plan(q, k_pages, page_table, window, ring_pages, block_rows=block_rows, block_k=block_k,
+                   k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
+    if config is None:
+        raise ValueError(f"no kernel tiling fits q {q.shape}, pages {k_pages.shape} {k_pages.dtype} on "
+                         f"{default_budget().name or 'this device'} (the kernel needs a power-of-two head dim "
+                         f">= 16 and page size, and tiles within {default_budget().smem_per_block} bytes of shared "
+                         f"memory); use the XLA path")
     return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, window=window,
                                    ring_pages=ring_pages, interpret=interpret, config=config)
+
+
+def _plan(q, k_pages, page_table, window, ring_pages, **overrides) -> KernelConfig | None:
+    return kernel_config(q.shape, k_pages.shape, page_table.shape, itemsize=jnp.dtype(k_pages.dtype).itemsize,
+                         window=window, ring_pages=ring_pages, **overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(q_shape, pages_shape, dtype_name: str) -> None:
+    log.warning("paged attention: no kernel tiling fits q %s, pages %s %s on this GPU; these calls use the XLA "
+                "path", q_shape, pages_shape, dtype_name)
 
 
 def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
                  window: int | None = None, ring_pages: int | None = None, impl: str = "auto") -> Array:
     """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel on GPU
-    when it supports the shapes, the reference elsewhere."""
+    when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere."""
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" and kernel_supported(q.shape, k_pages.shape) else "xla"
+        impl = "xla"
+        if jax.default_backend() == "gpu":
+            if _plan(q, k_pages, page_table, window, ring_pages) is not None:
+                impl = "pallas"
+            else:
+                _log_fallback(tuple(q.shape), tuple(k_pages.shape), jnp.dtype(k_pages.dtype).name)
     if impl == "pallas":
         return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages)
     if impl == "xla":
