@@ -7,6 +7,7 @@ back the sampled tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -126,59 +127,92 @@ class CompiledSteps:
             return params, pages, i32(batch), i32(batch), tables, sampling
         return params, pages, i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling
 
-    def _compile(self, fn: Callable, args) -> Any:
-        return jax.jit(fn, donate_argnums=(1,)).lower(*args).compile()
+    def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
+        fn = lambda *a: prefill_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
+        return jax.jit(fn, donate_argnums=(1,)).lower(*self._abstract(batch, tokens))
+
+    def _lower_decode(self, batch: int) -> jax.stages.Lowered:
+        fn = lambda *a: decode_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
+        return jax.jit(fn, donate_argnums=(1,)).lower(*self._abstract(batch, None))
+
+    def _lower_speculative(self, batch: int) -> jax.stages.Lowered:
+        from gemma4_mtp_jax.speculative import abstract_inputs, speculative_step
+
+        fn = lambda *a: speculative_step(self.target, self.assistant, self.layout, self.k,  # noqa: E731
+                                         self.attention_impl, *a)
+        args = abstract_inputs(self.target, self.assistant, self.layout, self.cache_dtype, self.num_slots, batch,
+                               self.k, self.draft_head, self.forced)
+        return jax.jit(fn, donate_argnums=(3, 4)).lower(*args)
+
+    def _lower_write_hidden(self) -> jax.stages.Lowered:
+        fn = lambda buf, s, v: buf.at[s].set(v.astype(buf.dtype))  # noqa: E731
+        H = self.target.config.hidden_size
+        return jax.jit(fn, donate_argnums=(0,)).lower(
+            jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1, H), self.target.dtype),
+        )
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
         if (batch, tokens) not in self.prefill:
-            fn = lambda *a: prefill_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
-            self.prefill[(batch, tokens)] = self._compile(fn, self._abstract(batch, tokens))
+            self.prefill[(batch, tokens)] = self._lower_prefill(batch, tokens).compile()
         return self.prefill[(batch, tokens)]
 
     def compile_decode(self, batch: int) -> Any:
         if batch not in self.decode:
-            fn = lambda *a: decode_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
-            self.decode[batch] = self._compile(fn, self._abstract(batch, None))
+            self.decode[batch] = self._lower_decode(batch).compile()
         return self.decode[batch]
 
     def compile_speculative(self, batch: int) -> Any:
         if batch not in self.speculative:
-            from gemma4_mtp_jax.speculative import abstract_inputs, speculative_step
-
-            fn = lambda *a: speculative_step(self.target, self.assistant, self.layout, self.k,  # noqa: E731
-                                             self.attention_impl, *a)
-            args = abstract_inputs(self.target, self.assistant, self.layout, self.cache_dtype, self.num_slots, batch,
-                                   self.k, self.draft_head, self.forced)
-            self.speculative[batch] = jax.jit(fn, donate_argnums=(3, 4)).lower(*args).compile()
+            self.speculative[batch] = self._lower_speculative(batch).compile()
         return self.speculative[batch]
 
     def write_hidden(self, hidden_buf, slot, h):
         """hidden_buf[slot] = h (after a prefill: the drafter's first h), in place."""
         if self._write_hidden is None:
-            fn = lambda buf, s, v: buf.at[s].set(v.astype(buf.dtype))  # noqa: E731
-            H = self.target.config.hidden_size
-            self._write_hidden = jax.jit(fn, donate_argnums=(0,)).lower(
-                jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype),
-                jax.ShapeDtypeStruct((1,), jnp.int32),
-                jax.ShapeDtypeStruct((1, H), self.target.dtype),
-            ).compile()
+            self._write_hidden = self._lower_write_hidden().compile()
         return self._write_hidden(hidden_buf, slot, h)
 
-    def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None) -> dict[str, float]:
-        """Compile every bucket now (start-up), so that serving never compiles. Returns seconds per program."""
-        times = {}
-        jobs = [(f"prefill[1x{t}]", lambda t=t: self.compile_prefill(1, t)) for t in prefill_buckets]
+    def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
+        """Every program the engine runs with these buckets: (name, lower, store)."""
+        def put(table, key):
+            return lambda compiled: table.__setitem__(key, compiled)
+
+        progs = [(f"prefill[1x{t}]", lambda t=t: self._lower_prefill(1, t), put(self.prefill, (1, t)))
+                 for t in prefill_buckets]
         if self.assistant is None:
-            jobs += [(f"decode[{b}]", lambda b=b: self.compile_decode(b)) for b in batch_buckets]
+            progs += [(f"decode[{b}]", lambda b=b: self._lower_decode(b), put(self.decode, b)) for b in batch_buckets]
         else:
-            jobs += [(f"speculative[{b}x{self.k}]", lambda b=b: self.compile_speculative(b)) for b in batch_buckets]
-            jobs += [("write_hidden", lambda: self.write_hidden(
-                jnp.zeros((self.num_slots + 1, self.target.config.hidden_size), self.cache_dtype),
-                jnp.zeros((1,), jnp.int32), jnp.zeros((1, self.target.config.hidden_size), self.target.dtype)))]
-        for name, job in jobs:
+            progs += [(f"speculative[{b}x{self.k}]", lambda b=b: self._lower_speculative(b), put(self.speculative, b))
+                      for b in batch_buckets]
+            progs += [("write_hidden", self._lower_write_hidden, lambda c: setattr(self, "_write_hidden", c))]
+        return progs
+
+    def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
+                    threads: int | None = None) -> dict[str, float]:
+        """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
+        program at a time (they hold the GIL); XLA's compilations run in parallel threads (they release it).
+        Returns seconds per program: its lowering plus its compilation (wall time in its thread)."""
+        progs = self.programs(batch_buckets, prefill_buckets)
+        lowered = []
+        for name, lower, store in progs:
             t0 = time.perf_counter()
-            job()
-            times[name] = time.perf_counter() - t0
-            if progress:
-                progress(name, times[name])
+            lowered.append((name, lower(), store, time.perf_counter() - t0))
+        threads = threads or min(len(lowered), os.cpu_count() or 1)
+        times = {}
+
+        def compile_one(low):
+            t0 = time.perf_counter()
+            return low.compile(), time.perf_counter() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            futures = {pool.submit(compile_one, low): (name, store, t_lower) for name, low, store, t_lower in lowered}
+            for fut in concurrent.futures.as_completed(futures):
+                name, store, t_lower = futures[fut]
+                compiled, t_compile = fut.result()
+                store(compiled)
+                times[name] = t_lower + t_compile
+                if progress:
+                    progress(name, times[name])
         return times
