@@ -1,0 +1,137 @@
+"""The README's main command, checked end to end: start `python -m gemma4_mtp_jax.serve` with its default flags,
+time it until /health answers, ask /v1/chat/completions (plain and streaming), send SIGTERM and expect exit 0.
+Twice: with an empty persistent compilation cache (cold) and again with the cache the first start filled (warm).
+
+    python benchmarks/serve_check.py [--runs cold warm] [-- extra serve flags]
+
+Prints one line per start (ready seconds, answers, exit code) and exits 1 if any check failed. Server logs and
+JSON go to $OUT when it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None, ready_timeout: float) -> dict:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(out_dir or tempfile.gettempdir(), f"serve_{label}.log")
+    cmd = [sys.executable, "-m", "gemma4_mtp_jax.serve", "--port", str(port), "--compilation-cache-dir", cache_dir,
+           *extra]
+    rec: dict = {"run": label, "cmd": " ".join(cmd[1:])}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    rec.update(ok=False, error=f"server exited with {proc.returncode} before it was ready")
+                    return rec
+                if time.perf_counter() - t0 > ready_timeout:
+                    rec.update(ok=False, error=f"not ready after {ready_timeout:.0f}s")
+                    return rec
+                try:
+                    status, _ = _get(base + "/health", timeout=2)
+                    if status == 200:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.2)
+            rec["ready_s"] = round(time.perf_counter() - t0, 2)
+            chat = {"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 24,
+                    "temperature": 0}
+            t1 = time.perf_counter()
+            status, body = _post(base + "/v1/chat/completions", chat)
+            rec["chat_status"], rec["chat_s"] = status, round(time.perf_counter() - t1, 3)
+            reply = json.loads(body) if status == 200 else {}
+            rec["chat_text"] = (reply.get("choices") or [{}])[0].get("message", {}).get("content")
+            rec["chat_usage"] = reply.get("usage")
+            status, body = _post(base + "/v1/chat/completions", {**chat, "stream": True})
+            events = [ln[6:] for ln in body.decode("utf-8", "replace").splitlines() if ln.startswith("data: ")]
+            rec["stream_status"], rec["stream_events"] = status, len(events)
+            streamed = "".join((json.loads(e)["choices"][0]["delta"].get("content") or "")
+                               for e in events if e != "[DONE]" and json.loads(e).get("choices"))
+            rec["stream_done"] = bool(events) and events[-1] == "[DONE]"
+            rec["stream_equals_plain"] = streamed == rec["chat_text"]
+        finally:
+            if proc.poll() is None:
+                t2 = time.perf_counter()
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    rec["exit_code"] = proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    rec["exit_code"] = "killed after 60s"
+                rec["shutdown_s"] = round(time.perf_counter() - t2, 2)
+            else:
+                rec["exit_code"] = proc.returncode
+    rec["ok"] = bool(rec.get("chat_status") == 200 and rec.get("chat_text") is not None
+                     and rec.get("stream_status") == 200 and rec.get("stream_done")
+                     and rec.get("stream_equals_plain") and rec.get("exit_code") == 0)
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("extra", nargs="*", help="flags passed to the server after --")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT")
+    cache_dir = tempfile.mkdtemp(prefix="gemma4_serve_cache_")  # empty: the first start is cold
+    results = []
+    for label in args.runs:
+        rec = check_once(label, cache_dir, args.extra, out_dir, args.ready_timeout)
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "serve_check.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"\n{'run':6} {'ready s':>8} {'chat':>5} {'stream':>7} {'exit':>5}  reply")
+    for r in results:
+        print(f"{r['run']:6} {r.get('ready_s', '-')!s:>8} {r.get('chat_status', '-')!s:>5} "
+              f"{r.get('stream_status', '-')!s:>7} {r.get('exit_code', '-')!s:>5}  {r.get('chat_text') or r.get('error')!r}")
+    ok = all(r["ok"] for r in results)
+    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
