@@ -4,6 +4,7 @@ requested N" error). The data calibrate `kernels/paged_attention.py`'s shared-me
 the script reports every failing tiling the model would have let through (there must be none).
 
     python benchmarks/probe_kernel_smem.py [--quick]      # GPU; JSON lines to $OUT/smem_probe.jsonl
+    python benchmarks/probe_kernel_smem.py --planned      # GPU; the planner's tilings of every real shape compile
 """
 
 from __future__ import annotations
@@ -40,11 +41,50 @@ def lower(D, rows, bk, stages, warps, dtype):
     return jax.jit(fn).lower(q, pages, pages, table, pos)
 
 
+# (query heads, KV heads, head dim) of every attention the engine runs on the real shapes and the demo pair: the
+# targets' sliding / full layers and their assistants' (tests/test_paged_attention.py GEOMETRIES has the names).
+REAL_GEOMETRIES = [(8, 1, 256), (8, 1, 512), (4, 1, 256), (4, 1, 512), (8, 2, 256), (8, 2, 512), (4, 2, 256),
+                   (4, 2, 512), (16, 8, 256), (16, 2, 512), (32, 16, 256), (32, 4, 512), (4, 1, 16), (4, 1, 32),
+                   (2, 1, 16), (2, 1, 32)]
+
+
+def planned(threads: int) -> int:
+    """Compile the planner's own tiling for every real geometry x query rows x dtype; returns the failures."""
+    jobs = []
+    for (nH, nKV, D), Tq, dt in itertools.product(REAL_GEOMETRIES, [1, 5, 9, 64, 256, 512], [jnp.bfloat16, jnp.float32]):
+        q = jax.ShapeDtypeStruct((2, Tq, nH, D), dt)
+        pages = jax.ShapeDtypeStruct((nKV, 256, 16, D), dt)
+        table = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+        pos = jax.ShapeDtypeStruct((2, Tq), jnp.int32)
+        fn = lambda q, k, v, t, p: pa.paged_attention(q, k, v, t, p, window=512)  # noqa: E731
+        jobs.append(((nH, nKV, D, Tq, jnp.dtype(dt).name), jax.jit(fn).lower(q, pages, pages, table, pos)))
+
+    def one(job):
+        name, low = job
+        try:
+            low.compile()
+            return name, None
+        except Exception as e:  # noqa: BLE001
+            return name, str(e)[:300]
+
+    failures = 0
+    with cf.ThreadPoolExecutor(threads) as ex:
+        for name, err in ex.map(one, jobs):
+            if err:
+                failures += 1
+                print("planned tiling FAILED", name, err)
+    print(f"planned tilings: {len(jobs) - failures}/{len(jobs)} compiled")
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--planned", action="store_true", help="only compile the planner's tilings of the real shapes")
     ap.add_argument("--threads", type=int, default=12)
     a = ap.parse_args()
+    if a.planned:
+        sys.exit(1 if planned(a.threads) else 0)
     dims = [16, 64, 256, 512]
     rows = [16, 64, 256, 1024]
     bks = [16, 32, 64, 128]
