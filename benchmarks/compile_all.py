@@ -51,7 +51,7 @@ def load_family(name: str) -> tuple[Target, Assistant, int]:
     return target, assistant, REAL_MAX_POSITIONS
 
 
-def compile_family(name: str, log) -> dict:
+def compile_family(name: str, log, engines: list[str]) -> dict:
     defaults = build_parser().parse_args([])
     target, assistant, mpe = load_family(name)
     config = dict(max_num_seqs=defaults.max_num_seqs, max_model_len=min(mpe, DEFAULT_MAX_MODEL_LEN_CAP),
@@ -59,6 +59,8 @@ def compile_family(name: str, log) -> dict:
                   attention_impl=defaults.attention_impl)
     out = {"family": name, "engine_config": config, "engines": {}}
     for mode, pair in (("speculative", assistant), ("plain", None)):
+        if mode not in engines:
+            continue
         t0 = time.perf_counter()
 
         def progress(prog: str, seconds: float) -> None:
@@ -83,6 +85,7 @@ def compile_family(name: str, log) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
+    ap.add_argument("--engines", nargs="+", default=["speculative", "plain"], choices=["speculative", "plain"])
     args = ap.parse_args()
 
     def log(msg: str) -> None:
@@ -90,7 +93,7 @@ def main() -> int:
 
     env = environment()
     log(f"JAX {env['jax']} on {env['devices']}")
-    results = [compile_family(f, log) for f in args.families]
+    results = [compile_family(f, log, args.engines) for f in args.families]
     write_json("compile_all.json", {"environment": env, "families": results})
     print(f"\n{'family':8} {'engine':12} {'programs':>8} {'wall s':>8} {'slowest program':>28}")
     ok = True
