@@ -117,19 +117,21 @@ def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dt
 _ORDERED = "masked_embedding.ordered_embedding"
 
 
+def assistant_checkpoint_name(path: str) -> str:
+    """The checkpoint name of an assistant parameter path (`layers_0.mlp.up_proj.weight` ->
+    `model.layers.0.mlp.up_proj.weight`; the projections and the centroid head sit outside `model.`)."""
+    hf = flax_to_hf_name(path)
+    return hf if path.split(".")[0] in ("pre_projection", "post_projection", "masked_embedding") else "model." + hf
+
+
 def load_assistant_params(directory: str, cfg: AssistantConfig, abstract_params: Any, dtype: jnp.dtype) -> dict:
     expected = flatten_shapes(abstract_params)
     if cfg.use_ordered_embeddings:
         # The checkpoint holds the canonical-order head `model.embed_tokens.weight`; we keep it permuted instead.
         expected["embed_tokens.weight"] = expected.pop(_ORDERED)
 
-    def to_checkpoint_name(p: str) -> str:
-        top = p.split(".")[0]
-        hf = flax_to_hf_name(p)
-        return hf if top in ("pre_projection", "post_projection", "masked_embedding") else "model." + hf
-
     with SafetensorsCheckpoint(directory) as ckpt:
-        flat = read_tensors(ckpt, expected, to_checkpoint_name, lambda n: n == "lm_head.weight", dtype,
+        flat = read_tensors(ckpt, expected, assistant_checkpoint_name, lambda n: n == "lm_head.weight", dtype,
                             f"assistant {directory}")
     if cfg.use_ordered_embeddings:
         flat[_ORDERED] = permute_head_rows(flat.pop("embed_tokens.weight"), flat["masked_embedding.token_ordering"])
