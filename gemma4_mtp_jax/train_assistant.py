@@ -1,0 +1,7 @@
+"""`python -m gemma4_mtp_jax.train_assistant --target CKPT --data FILE_OR_DIR... --out DIR`: train an MTP assistant
+for a frozen Gemma 4 target (gemma4_mtp_jax/train/); `--help` lists every option."""
+
+from gemma4_mtp_jax.train.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
