@@ -3,6 +3,11 @@
 Data flows one way: a request is admitted when its pages are free (it waits otherwise, and is refused at once
 if it could never fit), its prompt is prefilled in bucketed chunks, then it joins the decode batch, padded to
 the next batch bucket. All programs are compiled at start-up; serving never compiles.
+
+One request cannot fail another: each request's part of a step (its pages, its row of the batch's host arrays, taking
+its new tokens) is built and checked on its own, and a request whose part raises ends alone with finish reason
+"error" (its pages freed) while the step goes on with the others. Only the compiled program itself is shared: when
+it raises, `step` raises.
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ class Request:
     speculative: bool = True  # draft with the assistant (when the engine has one)
     output: list[int] = dataclasses.field(default_factory=list)
     status: str = "waiting"  # waiting -> running -> finished
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # finish_reason "error": what went wrong (for logs; clients get a generic message)
     pages: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -121,6 +127,21 @@ class StepEvent:
     request: Request
     new_tokens: list[int]
     finished: bool
+
+
+@dataclasses.dataclass
+class _Row:
+    """One request's row of a step's host arrays, built before the batch is assembled so that a request whose row
+    cannot be built (a value that does not fit its dtype, a page table longer than its width) fails alone."""
+
+    req: Request
+    tables: dict[str, np.ndarray]  # KV group -> [table width] int32
+    sampling: tuple  # SamplingParams.row()
+    token: np.int32 = np.int32(0)  # decode: the newest token, fed at `position`
+    position: np.int32 = np.int32(-1)
+    stop_ids: np.ndarray | None = None  # speculative: [MAX_STOP_IDS] int32, -1 padded
+    remaining: np.int32 = np.int32(0)  # speculative: tokens still allowed
+    forced: np.ndarray | None = None  # test-only forced drafts [k]
 
 
 class Engine:
@@ -227,17 +248,30 @@ class Engine:
         return {g: a.capacity for g, a in self.allocators.items()}
 
     def _finish(self, req: Request, reason: str) -> None:
+        # Out of the batch first: if freeing fails (broken page accounting), the request must still be gone.
         req.status, req.finish_reason, req.finished_at = "finished", reason, time.perf_counter()
-        for g, pages in req.pages.items():
-            self.allocators[g].free(pages)
-        req.pages = {}
-        if req.slot is not None:
-            self._free_slots.append(req.slot)
-            req.slot = None
         if req in self.running:
             self.running.remove(req)
+        slot, req.slot = req.slot, None
+        if slot is not None:
+            self._free_slots.append(slot)
+        pages, req.pages = req.pages, {}
+        for g, group_pages in pages.items():
+            self.allocators[g].free(group_pages)
 
-    def _admit(self) -> list[Request]:
+    def _fail(self, req: Request, stage: str, exc: Exception) -> StepEvent:
+        """`req`'s own part of the step raised: it alone ends with "error", its pages freed."""
+        log.error("request %s failed while %s; the other requests go on", req.id, stage, exc_info=exc)
+        req.error = f"{stage}: {type(exc).__name__}: {exc}"
+        try:
+            self._finish(req, "error")
+        except Exception:
+            log.exception("request %s: freeing its pages failed", req.id)
+        return StepEvent(req, [], True)
+
+    def _admit(self, events: list[StepEvent] | None = None) -> list[Request]:
+        """Move the requests that fit from `waiting` to `running` with their pages; one whose pages cannot be taken
+        fails alone (its StepEvent goes to `events`)."""
         admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -246,22 +280,67 @@ class Engine:
             if any(need[g] > a.num_free for g, a in self.allocators.items()):
                 break  # first come, first served: wait for pages to free up
             self.waiting.popleft()
-            req.pages = {g: self.allocators[g].allocate(n) for g, n in need.items()}
-            req.slot = self._free_slots.pop()
             req.status = "running"
             self.running.append(req)
+            try:
+                for g, n in need.items():  # one group at a time: _finish frees what was taken if one fails
+                    req.pages[g] = self.allocators[g].allocate(n)
+                req.slot = self._free_slots.pop()
+            except Exception as e:
+                failed = self._fail(req, "allocating its pages", e)
+                if events is not None:
+                    events.append(failed)
+                continue
             admitted.append(req)
         return admitted
 
     # ------------------------------------------------------------------ host -> device arrays
-    def _tables(self, reqs: list[Request], batch: int) -> dict[str, np.ndarray]:
+    def _page_rows(self, req: Request) -> dict[str, np.ndarray]:
+        tables = {}
+        for g, width in self.layout.pages_per_seq:
+            t = np.full((width,), NULL_PAGE, np.int32)
+            t[: len(req.pages[g])] = req.pages[g]
+            tables[g] = t
+        return tables
+
+    def _row(self, req: Request) -> _Row:
+        row = _Row(req, self._page_rows(req), req.sampling.row())
+        if req.output:
+            row.token = np.int32(req.output[-1])
+            row.position = np.int32(len(req.prompt) + len(req.output) - 1)
+            if self.assistant is not None:
+                row.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+                row.stop_ids[: len(req.stop_ids)] = sorted(req.stop_ids)
+                row.remaining = np.int32(req.max_new_tokens - len(req.output))
+                if self.config._forced_drafts is not None:
+                    ref = self.config._forced_drafts.get(req.id, [])[len(req.output):len(req.output) + self.k]
+                    row.forced = np.zeros((self.k,), np.int32)
+                    row.forced[: len(ref)] = ref
+        return row
+
+    def _rows(self, reqs: list[Request], events: list[StepEvent]) -> list[_Row]:
+        rows = []
+        for req in reqs:
+            try:
+                rows.append(self._row(req))
+            except Exception as e:
+                events.append(self._fail(req, "building its row of the batch", e))
+        return rows
+
+    def _tables(self, rows: list[_Row | Request], batch: int) -> dict[str, np.ndarray]:
+        """The batch's page tables from its rows (a Request's page rows are built here)."""
+        page_rows = [r.tables if isinstance(r, _Row) else self._page_rows(r) for r in rows]
         out = {}
         for g, width in self.layout.pages_per_seq:
             t = np.full((batch, width), NULL_PAGE, np.int32)
-            for r, req in enumerate(reqs):
-                t[r, : len(req.pages[g])] = req.pages[g]
+            for r, tables in enumerate(page_rows):
+                t[r] = tables[g]
             out[g] = t
         return out
+
+    @staticmethod
+    def _sampling(rows: list[_Row], batch: int) -> SamplingBatch:
+        return SamplingBatch.from_rows([row.sampling for row in rows], batch)
 
     def _bucket(self, buckets: list[int], n: int) -> int:
         for b in buckets:
@@ -270,11 +349,13 @@ class Engine:
         raise AssertionError(f"no bucket for {n} (buckets {buckets})")
 
     # ------------------------------------------------------------------ steps
-    def _prefill(self, req: Request) -> int:
+    def _prefill(self, req: Request, row: _Row | None = None) -> int:
+        """Prefill `req`'s prompt (`row`: its row, built here when not given); returns its first token."""
+        row = row or self._row(req)
         chunk = self.config.prefill_chunk
         buckets = self.config.prefill_buckets()
-        tables = self._tables([req], 1)
-        sampling = SamplingBatch.from_params([req.sampling], 1)
+        tables = self._tables([row], 1)
+        sampling = self._sampling([row], 1)
         token = None
         for start in range(0, len(req.prompt), chunk):
             piece = req.prompt[start : start + chunk]
@@ -290,64 +371,63 @@ class Engine:
             self.hidden = self.steps.write_hidden(self.hidden, np.array([req.slot], np.int32), h_last)
         return int(np.asarray(token)[0])
 
-    def _decode(self, reqs: list[Request]) -> list[int]:
-        B = self._bucket(self.config.batch_buckets(), len(reqs))
+    def _decode(self, rows: list[_Row]) -> np.ndarray:
+        """One decode step; returns per row the next token (a [len(rows), 1] array)."""
+        B = self._bucket(self.config.batch_buckets(), len(rows))
         tokens = np.zeros((B,), np.int32)
         positions = np.full((B,), -1, np.int32)
-        for r, req in enumerate(reqs):
-            tokens[r] = req.output[-1]
-            positions[r] = len(req.prompt) + len(req.output) - 1
+        for r, row in enumerate(rows):
+            tokens[r] = row.token
+            positions[r] = row.position
         fn = self.steps.compile_decode(B)
-        self.pages, nxt = fn(self.target.params, self.pages, tokens, positions, self._tables(reqs, B),
-                             SamplingBatch.from_params([r.sampling for r in reqs], B))
-        return [int(t) for t in np.asarray(nxt)[: len(reqs)]]
+        self.pages, nxt = fn(self.target.params, self.pages, tokens, positions, self._tables(rows, B),
+                             self._sampling(rows, B))
+        return np.asarray(nxt)[: len(rows), None]
 
-    def _speculate(self, reqs: list[Request]) -> list[list[int]]:
-        """One draft-and-verify round for `reqs`; returns per row the tokens it keeps of the emitted ones (accepted
-        drafts + bonus, cut at a stop id or max_new_tokens on the device) and whether the row finished."""
-        k = self.k
-        B = self._bucket(self.config.batch_buckets(), len(reqs))
+    def _speculate(self, rows: list[_Row]) -> np.ndarray:
+        """One draft-and-verify round; returns the packed per-row result that `_unpack` reads."""
+        B = self._bucket(self.config.batch_buckets(), len(rows))
         tokens = np.zeros((B,), np.int32)
         lengths = np.full((B,), -1, np.int32)
         slots = np.full((B,), self.config.max_num_seqs, np.int32)  # padding rows use the spare last row
         spec_on = np.zeros((B,), bool)
         stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
         remaining = np.zeros((B,), np.int32)
-        for r, req in enumerate(reqs):
-            tokens[r] = req.output[-1]
-            lengths[r] = len(req.prompt) + len(req.output) - 1
-            slots[r] = req.slot
-            spec_on[r] = req.speculative
-            stop_ids[r, : len(req.stop_ids)] = sorted(req.stop_ids)
-            remaining[r] = req.max_new_tokens - len(req.output)
+        for r, row in enumerate(rows):
+            tokens[r] = row.token
+            lengths[r] = row.position
+            slots[r] = row.req.slot
+            spec_on[r] = row.req.speculative
+            stop_ids[r] = row.stop_ids
+            remaining[r] = row.remaining
         args = [self.target.params, self.assistant.params, self.steps.draft_head, self.pages, self.hidden, slots,
-                tokens, lengths, self._tables(reqs, B), SamplingBatch.from_params([r.sampling for r in reqs], B),
-                spec_on, stop_ids, remaining]
+                tokens, lengths, self._tables(rows, B), self._sampling(rows, B), spec_on, stop_ids, remaining]
         if self.config._forced_drafts is not None:
-            forced = np.zeros((B, k), np.int32)
-            for r, req in enumerate(reqs):
-                ref = self.config._forced_drafts.get(req.id, [])[len(req.output):len(req.output) + k]
-                forced[r, : len(ref)] = ref
+            forced = np.zeros((B, self.k), np.int32)
+            for r, row in enumerate(rows):
+                forced[r] = row.forced
             args.append(forced)
         self.pages, self.hidden, packed = self.steps.compile_speculative(B)(*args)
-        packed = np.asarray(packed)  # the one host read of the step
-        out = []
-        for r, req in enumerate(reqs):
-            n, keep, finished = (int(x) for x in packed[r, k + 1 : k + 4])
-            out.append(([int(t) for t in packed[r, :keep]], bool(finished)))
-            if req.speculative:
-                req.num_drafted += k
-                req.num_accepted += n
-                req.accepted_per_round.append(n)
-                if len(req.accepted_per_position) < k:
-                    req.accepted_per_position = [0] * k
-                for j in range(n):
-                    req.accepted_per_position[j] += 1
-                    self.metrics["accepted_per_position"][j] += 1
-                self.metrics["drafted"] += k
-                self.metrics["accepted"] += n
-                self.metrics["rounds"] += 1
-        return out
+        return np.asarray(packed)[: len(rows)]  # the one host read of the step
+
+    def _unpack(self, req: Request, packed: np.ndarray) -> tuple[list[int], bool]:
+        """A row of the speculative step's result: the tokens it keeps of the emitted ones (accepted drafts + bonus,
+        cut at a stop id or max_new_tokens on the device), whether it finished; counts its drafts."""
+        k = self.k
+        n, keep, finished = (int(x) for x in packed[k + 1 : k + 4])
+        if req.speculative:
+            req.num_drafted += k
+            req.num_accepted += n
+            req.accepted_per_round.append(n)
+            if len(req.accepted_per_position) < k:
+                req.accepted_per_position = [0] * k
+            for j in range(n):
+                req.accepted_per_position[j] += 1
+                self.metrics["accepted_per_position"][j] += 1
+            self.metrics["drafted"] += k
+            self.metrics["accepted"] += n
+            self.metrics["rounds"] += 1
+        return [int(t) for t in packed[:keep]], bool(finished)
 
     def _append(self, req: Request, tokens: list[int], now: float) -> list[int]:
         kept = []
@@ -365,25 +445,34 @@ class Engine:
             req.first_token_at = now
         return kept
 
+    def _take(self, req: Request, result: np.ndarray, now: float, packed: bool = False) -> StepEvent:
+        """`req`'s new tokens from its row of the step's result (`packed`: the speculative step's), through the stop
+        rules."""
+        try:
+            toks, device_finished = self._unpack(req, result) if packed else ([int(t) for t in result], None)
+            kept = self._append(req, toks, now)
+            if device_finished is not None and (device_finished != req.finished or kept != toks):
+                raise AssertionError(f"the step's finished flag ({device_finished}) disagrees with the stop rules "
+                                     f"({req.finished}, kept {len(kept)} of {len(toks)})")
+        except Exception as e:
+            return self._fail(req, "taking its new tokens", e)
+        return StepEvent(req, kept, req.finished)
+
     def step(self) -> list[StepEvent]:
         """Admit what fits, prefill the newly admitted, then one decode step for the others."""
-        events = []
+        events: list[StepEvent] = []
         decoding = [r for r in self.running if r.output]
-        for req in self._admit():
-            token = self._prefill(req)
-            events.append(StepEvent(req, self._append(req, [token], time.perf_counter()), req.finished))
-        if decoding:
-            if self.assistant is not None:
-                new = self._speculate(decoding)
-            else:
-                new = [([t], None) for t in self._decode(decoding)]
+        for req in self._admit(events):
+            prefill = self._rows([req], events)  # empty if its row could not be built (it failed alone)
+            if prefill:
+                token = self._prefill(req, prefill[0])
+                events.append(self._take(req, np.array([token]), time.perf_counter()))
+        rows = self._rows(decoding, events)
+        if rows:
+            result = self._speculate(rows) if self.assistant is not None else self._decode(rows)
             now = time.perf_counter()
-            for req, (toks, device_finished) in zip(decoding, new):
-                kept = self._append(req, toks, now)
-                if device_finished is not None and (device_finished != req.finished or kept != toks):
-                    raise AssertionError(f"{req.id}: the step's finished flag ({device_finished}) disagrees with the "
-                                         f"stop rules ({req.finished}, kept {len(kept)} of {len(toks)})")
-                events.append(StepEvent(req, kept, req.finished))
+            for row, row_result in zip(rows, result):
+                events.append(self._take(row.req, row_result, now, packed=self.assistant is not None))
         return events
 
     def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:

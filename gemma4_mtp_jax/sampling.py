@@ -16,6 +16,9 @@ import numpy as np
 
 Array = jax.Array
 
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -27,14 +30,20 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+        # The step holds these as float32 / int32 / uint32 rows: refuse what would not survive the cast.
+        if not (0.0 <= self.temperature <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (isinstance(self.top_k, (int, np.integer)) and 0 <= self.top_k <= INT32_MAX):
+            raise ValueError(f"top_k must be an integer in [0, {INT32_MAX}], got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= int(self.seed) < 2**32:
             raise ValueError(f"seed must be in [0, 2^32), got {self.seed}")
+
+    def row(self) -> tuple[np.float32, np.int32, np.float32, np.uint32]:
+        """This request's row of a SamplingBatch (raises if a value does not fit its dtype)."""
+        return (np.float32(self.temperature), np.int32(self.top_k), np.float32(self.top_p),
+                np.uint32(0 if self.seed is None else self.seed))
 
 
 @flax.struct.dataclass
@@ -48,13 +57,18 @@ class SamplingBatch:
 
     @staticmethod
     def from_params(params: list[SamplingParams], batch: int) -> "SamplingBatch":
-        pad = batch - len(params)
-        rows = list(params) + [SamplingParams()] * pad
+        return SamplingBatch.from_rows([p.row() for p in params], batch)
+
+    @staticmethod
+    def from_rows(rows: list[tuple], batch: int) -> "SamplingBatch":
+        """From `SamplingParams.row()`s (built one request at a time, so that one bad request fails alone)."""
+        rows = list(rows) + [SamplingParams().row()] * (batch - len(rows))
+        temperature, top_k, top_p, seed = zip(*rows) if rows else ((), (), (), ())
         return SamplingBatch(
-            temperature=np.array([p.temperature for p in rows], np.float32),
-            top_k=np.array([p.top_k for p in rows], np.int32),
-            top_p=np.array([p.top_p for p in rows], np.float32),
-            seed=np.array([0 if p.seed is None else p.seed for p in rows], np.uint32),
+            temperature=np.array(temperature, np.float32),
+            top_k=np.array(top_k, np.int32),
+            top_p=np.array(top_p, np.float32),
+            seed=np.array(seed, np.uint32),
         )
 
 

@@ -258,3 +258,107 @@ def test_sampling_distribution_follows_temperature():
     freq = np.bincount(toks, minlength=4) / n
     p = np.asarray(jax.nn.softmax(logits[0] / 0.7))
     assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() / n)
+
+
+# ------------------------------------------------------------------------------------------- failure isolation
+class _ExplodingSampling:
+    """Wraps a request's SamplingParams: its batch row cannot be built."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def row(self):
+        raise OverflowError("injected: a sampling value that does not fit its row")
+
+
+class _ExplodingStopIds(frozenset):
+    """A request's stop ids whose membership test (the stop check on every new token) raises."""
+
+    def __contains__(self, item):
+        raise RuntimeError("injected: stop check failed")
+
+
+class _ExplodingPages(list):
+    """A request's page list whose length (read when its page-table row is built) raises."""
+
+    def __len__(self):
+        raise RuntimeError("injected: page table row")
+
+
+def _inject(engine, fault, victim, monkeypatch):
+    if fault.startswith("sampling-row"):
+        victim.sampling = _ExplodingSampling(victim.sampling)
+    elif fault == "stop-check":
+        victim.stop_ids = _ExplodingStopIds(victim.stop_ids)
+    elif fault == "page-table-row":
+        g = sorted(victim.pages)[0]
+        victim.pages[g] = _ExplodingPages(victim.pages[g])
+    elif fault == "page-allocation":  # the victim's second KV group: its first group's pages must come back
+        g = sorted(engine.allocators)[-1]
+        alloc = engine.allocators[g]
+        real, calls = alloc.allocate, []
+
+        def allocate(n):
+            calls.append(n)
+            if len(calls) == 2:  # the second request admitted: the victim
+                raise RuntimeError("injected: allocation failed")
+            return real(n)
+
+        monkeypatch.setattr(alloc, "allocate", allocate)
+
+
+# (fault, the step before which it is injected: 0 = before the victim's prefill)
+FAULTS = [("sampling-row-prefill", 0), ("sampling-row-decode", 3), ("page-table-row", 3), ("stop-check", 2),
+          ("page-allocation", 0)]
+
+
+@pytest.mark.parametrize("fault,at_step", FAULTS, ids=[f[0] for f in FAULTS])
+def test_fault_in_one_request_fails_it_alone(engines, monkeypatch, fault, at_step):
+    """A fault in one request's part of a running batch (its sampling row, page-table row, stop check, or page
+    allocation) ends that request alone with "error"; the others' tokens equal an undisturbed run, every page and
+    slot comes back, and the engine keeps serving with unchanged output."""
+    from gemma4_mtp_jax.sampling import SamplingParams
+
+    engine = engines("e2b")
+    prompts = _prompts(7, [5, 9, 13, 7])
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=3),
+                SamplingParams(temperature=0.7, top_k=20, seed=4), SamplingParams()]
+
+    def run(inject: bool):
+        reqs = [engine.add_request(p, 12, s) for p, s in zip(prompts, sampling)]
+        victim, events = reqs[1], []
+        for step in range(100):  # 13 steps do it; more means pages leaked and requests wait for them forever
+            if not engine.has_work:
+                break
+            if inject and step == at_step:
+                _inject(engine, fault, victim, monkeypatch)
+            events += [e for e in engine.step() if e.request is victim]
+        monkeypatch.undo()
+        assert not engine.has_work, "the engine stopped making progress"
+        return reqs, events
+
+    try:
+        _check_fault_isolation(engine, run)
+    finally:  # leave the shared engine empty whatever happened
+        for req in list(engine.running) + list(engine.waiting):
+            engine.cancel(req)
+
+
+def _check_fault_isolation(engine, run):
+    undisturbed, _ = run(False)
+    assert all(r.finish_reason == "length" for r in undisturbed)
+    disturbed, victim_events = run(True)
+    victim = disturbed[1]
+    assert victim.finish_reason == "error" and "injected" in victim.error, victim.error
+    assert [e.finished for e in victim_events].count(True) == 1 and victim_events[-1].finished
+    assert victim_events[-1].new_tokens == []
+    for i in (0, 2, 3):
+        assert disturbed[i].output == undisturbed[i].output and disturbed[i].finish_reason == "length", f"request {i}"
+    assert all(n == 0 for n in engine.pages_in_use().values()), engine.pages_in_use()
+    assert sorted(engine._free_slots) == list(range(engine.config.max_num_seqs))
+    assert not engine.running and not engine.waiting
+    again, _ = run(False)
+    assert [r.output for r in again] == [r.output for r in undisturbed]
