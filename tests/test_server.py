@@ -4,6 +4,9 @@ module, driven by the official `openai` client and by raw HTTP.
 Covers: completions and chat, streaming and not, greedy output equal to `generate`; 32 concurrent streams equal to
 sequential runs with every KV page free afterwards; stop strings; a table of bad requests; client disconnects
 (pages freed); overload (429 + Retry-After, nothing accepted is lost); an engine step that raises; metrics.
+Issue 8 ("no request can hurt another"): requests that once crashed a step or the error path get 400s; a fault in
+one request of a running batch (engine or server side) fails it alone; every response is counted; a property-based
+fuzz of every route never gets a 5xx.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import pytest
 from test_server_support import (
     MODEL,
     InProcessServer,
+    fuzz_requests,
+    health,
     metric_samples,
     request,
     sample,
@@ -343,6 +348,39 @@ BAD_REQUESTS = [
     ("unknown-route", "POST", "/v1/embeddings", _GOOD, 404, None),
     ("wrong-method", "GET", C, None, 405, None),
     ("body-too-large", "POST", C, b"{" + b" " * (17 * 2**20) + b"}", 413, None),
+    # issue 8: values the engine cannot hold, strings the tokenizer cannot take, ill-typed ignored fields
+    ("top-k-above-int32", "POST", C, {**_GOOD, "top_k": 2**31}, 400, "top_k"),
+    ("chat-top-k-above-int32", "POST", CH, {**_CHAT, "top_k": 2**31}, 400, "top_k"),
+    ("max-tokens-above-int32", "POST", C, {**_GOOD, "max_tokens": 2**31}, 400, "max_tokens"),
+    ("max-completion-tokens-huge-float", "POST", CH, {**_CHAT, "max_completion_tokens": 1e300}, 400,
+     "max_completion_tokens"),
+    ("temperature-above-float32", "POST", C, {**_GOOD, "temperature": 1e39}, 400, "temperature"),
+    ("top-p-infinite", "POST", C, b'{"prompt": "Hi", "top_p": 1e999}', 400, "top_p"),
+    ("seed-above-uint64", "POST", C, {**_GOOD, "seed": 2**64}, 400, "seed"),
+    ("n-huge", "POST", C, {**_GOOD, "n": 2**64}, 400, "n"),
+    ("prompt-token-id-huge", "POST", C, {**_GOOD, "prompt": [2, 2**40]}, 400, "prompt"),
+    ("prompt-lone-surrogate", "POST", C, {**_GOOD, "prompt": "a\ud800b"}, 400, "prompt"),
+    ("prompt-ids-list-lone-surrogate", "POST", C, {**_GOOD, "prompt": ["\udfff"]}, 400, "prompt"),
+    ("chat-content-lone-surrogate", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "x\ud800"}]},
+     400, "messages"),
+    ("chat-text-part-lone-surrogate", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udc00"}]}]}, 400, "messages"),
+    ("chat-role-lone-surrogate", "POST", CH, {**_CHAT, "messages": [{"role": "\ud800", "content": "x"}]}, 400,
+     "messages"),
+    ("chat-name-lone-surrogate", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "x",
+                                                                     "name": "\ud800"}]}, 400, "messages"),
+    ("model-lone-surrogate", "POST", C, {"prompt": "hi", "model": "\ud800"}, 400, "model"),
+    ("stop-lone-surrogate", "POST", C, {**_GOOD, "stop": ["ok", "\ud800"]}, 400, "stop"),
+    ("user-lone-surrogate", "POST", C, {**_GOOD, "user": "\ud800"}, 400, "user"),
+    ("metadata-key-lone-surrogate", "POST", CH, {**_CHAT, "metadata": {"\ud800": "x"}}, 400, "metadata"),
+    ("field-name-lone-surrogate", "POST", C, {**_GOOD, "\ud800": 1}, 400, None),
+    ("user-not-string", "POST", C, {**_GOOD, "user": 5}, 400, "user"),
+    ("metadata-not-strings", "POST", CH, {**_CHAT, "metadata": {"a": 1}}, 400, "metadata"),
+    ("chat-name-not-string", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "x", "name": 1}]}, 400,
+     "messages"),
+    ("chat-role-object", "POST", CH, {**_CHAT, "messages": [{"role": {}, "content": "x"}]}, 400, "messages"),
+    ("stream-options-usage-not-bool", "POST", C, {**_GOOD, "stream": True, "stream_options": {
+        "include_usage": 1}}, 400, "stream_options"),
 ]
 
 
@@ -394,8 +432,6 @@ def _wait_for(pred, timeout=20.0, what="condition"):
 
 
 def test_disconnect_mid_stream_frees_pages(srv, slow_engine):
-    from test_server_support import health
-
     before = metric_samples(srv.host, srv.port)
     sock = _open_stream(srv, {"prompt": "Hello", "max_tokens": 100, "temperature": 0, "stream": True})
     buf = b""
@@ -416,8 +452,6 @@ def test_disconnect_mid_stream_frees_pages(srv, slow_engine):
 
 
 def test_disconnect_while_waiting_for_non_streamed_answer(srv, slow_engine):
-    from test_server_support import health
-
     socks = [_open_stream(srv, {"prompt": f"Hello {i}", "max_tokens": 100, "temperature": 0}) for i in range(6)]
     # 4 run, 2 wait in the queue; everyone disconnects before the answer
     _wait_for(lambda: health(srv.host, srv.port)["in_flight"] == 6, what="6 requests in flight")
@@ -525,3 +559,238 @@ def test_metrics_count_what_was_served(srv, client):
         assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     else:
         assert drafted == accepted == rounds == 0
+
+
+# ---------------------------------------------------------------------------------- issue 8: no request hurts another
+def _stream_tokens(srv, body, out: list) -> None:
+    """A streamed completion (return_token_ids) over a raw connection; appends (status, token ids, events)."""
+    from test_server_support import sse_events
+
+    status, _, raw = request(srv.host, srv.port, "POST", "/v1/completions",
+                             {**body, "stream": True, "return_token_ids": True}, timeout=120)
+    events = sse_events(raw) if status == 200 else [json.loads(raw)]
+    ids = [t for e in events if isinstance(e, dict) for c in e.get("choices", []) for t in c.get("token_ids", [])]
+    out.append((status, ids, events))
+
+
+def test_issue8_requests_get_400s_and_hurt_no_stream_in_flight(srv, slow_engine, tok, reference):
+    """The three requests of issue 8 (int32 overflow of top_k, a lone surrogate in the prompt, one in `model`)
+    get 400s naming the field, are counted in the metrics, and a stream running meanwhile finishes unchanged."""
+    prompt = "Once upon a time"
+    expected = reference(tok.encode(prompt).ids, 40)
+    slow_engine["delay"] = 0.1  # >= 8 steps of 0.1 s: the stream outlasts the bad requests
+    before = metric_samples(srv.host, srv.port)
+    out: list = []
+    t = threading.Thread(target=_stream_tokens, args=(srv, {"prompt": prompt, "max_tokens": 40, "temperature": 0},
+                                                       out))
+    t.start()
+    _wait_for(lambda: health(srv.host, srv.port)["running"] == 1, what="the stream running")
+    bad = [(C, b'{"prompt": "hi", "top_k": 2147483648, "max_tokens": 2}', "top_k"),
+           (CH, b'{"messages": [{"role": "user", "content": "hi"}], "top_k": 2147483648, "max_tokens": 2}', "top_k"),
+           (C, b'{"prompt": "a\\ud800b"}', "prompt"),
+           (CH, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+           (C, b'{"prompt": "hi", "model": "\\ud800"}', "model")]
+    for path, body, param in bad:
+        status, headers, raw = request(srv.host, srv.port, "POST", path, body)
+        assert status == 400 and headers["content-type"] == "application/json", raw
+        assert json.loads(raw)["error"]["param"] == param
+        assert headers.get("connection") != "close"  # answered, not dropped
+    assert t.is_alive()
+    t.join(120)
+    status, ids, events = out[0]
+    assert status == 200 and ids == expected and events[-1] == "[DONE]"
+    h = wait_idle(srv.host, srv.port)
+    assert h["status"] == "ok" and h["last_error"] is None
+    after = metric_samples(srv.host, srv.port)
+    req = "gemma4_requests_total"
+    assert sample(after, req, endpoint="completions", status="400") - sample(before, req, endpoint="completions",
+                                                                             status="400") == 3
+    assert sample(after, req, endpoint="chat.completions", status="400") - sample(
+        before, req, endpoint="chat.completions", status="400") == 2
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (C, {**_GOOD, "prompt": "please REFUSE this"}, "prompt"),
+    (CH, {**_CHAT, "messages": [{"role": "user", "content": "REFUSE"}]}, "messages"),
+])
+def test_text_the_tokenizer_refuses_is_400(srv, monkeypatch, path, body, param):
+    """Whatever else a tokenizer may one day refuse (beyond lone surrogates, caught earlier), it is the client's
+    text: a 400 naming the field, not a 500."""
+    real = srv.server.tokenizer.tokenizer
+
+    class Refusing:
+        def encode(self, text, **kw):
+            if "REFUSE" in text:
+                raise TypeError("TextInputSequence must be str")
+            return real.encode(text, **kw)
+
+    monkeypatch.setattr(srv.server.tokenizer, "tokenizer", Refusing())
+    status, _, raw = request(srv.host, srv.port, "POST", path, body)
+    assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+
+
+def test_every_response_is_counted(srv):
+    """Health, metrics, unknown routes, wrong methods, malformed bodies, ambiguous framing: each response once."""
+    before = metric_samples(srv.host, srv.port)
+    request(srv.host, srv.port, "GET", "/health")
+    request(srv.host, srv.port, "GET", "/nope")
+    request(srv.host, srv.port, "GET", "/v1/completions")
+    request(srv.host, srv.port, "POST", "/v1/completions", b"{")
+    request(srv.host, srv.port, "POST", "/v1/completions", {"prompt": "x"},
+            headers={"Transfer-Encoding": "chunked", "Content-Length": "5"})
+    after = metric_samples(srv.host, srv.port)
+
+    def delta(endpoint, status):
+        return (sample(after, "gemma4_requests_total", endpoint=endpoint, status=status)
+                - sample(before, "gemma4_requests_total", endpoint=endpoint, status=status))
+
+    assert delta("health", "200") == 1
+    assert delta("metrics", "200") == 1  # the `before` scrape
+    assert delta("other", "404") == 1
+    assert delta("completions", "405") == 1
+    assert delta("completions", "400") == 2
+
+
+def _victim_fault(victim_ids, after_tokens):
+    """raise for the request whose prompt is `victim_ids`, once it has `after_tokens` tokens (mid-run)"""
+    def hit(req) -> bool:
+        return req.prompt == victim_ids and len(req.output) >= after_tokens
+
+    return hit
+
+
+@pytest.mark.parametrize("where", ["engine-row", "engine-append", "engine-thread-deliver", "server-detokenize"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch, where, stream):
+    """A fault in one request of a running (speculative) batch, while building its row of the step, while taking
+    its new tokens, while the engine thread hands them to its stream (a fault there once killed the thread), or while
+    detokenizing them in the server: that request alone gets an error; the others' tokens equal an undisturbed run,
+    every KV page comes back, /health stays ok and the server keeps serving."""
+    import gemma4_mtp_jax.server.app as app_module
+
+    prompts = [f"Fault {i}: tell me" for i in range(4)]
+    victim = 2
+    victim_ids = tok.encode(prompts[victim]).ids
+    bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0 if i % 2 else 0.8, "seed": i}
+              for i, p in enumerate(prompts)]
+
+    def run_all():
+        results = [None] * len(bodies)
+
+        def one(i):
+            if stream:
+                out = []
+                _stream_tokens(srv, bodies[i], out)
+                results[i] = out[0]
+            else:
+                status, _, raw = request(srv.host, srv.port, "POST", "/v1/completions",
+                                         {**bodies[i], "return_token_ids": True}, timeout=120)
+                body = json.loads(raw)
+                results[i] = (status, body["choices"][0]["token_ids"] if status == 200 else None, body)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return results
+
+    undisturbed = run_all()
+    assert all(r[0] == 200 for r in undisturbed)
+    wait_idle(srv.host, srv.port)
+
+    engine = srv.engine
+    hit = _victim_fault(victim_ids, 3)
+    if where == "engine-row":
+        real_row = engine._row
+
+        def row(req):
+            if hit(req):
+                raise OverflowError("injected: a value that does not fit its row")
+            return real_row(req)
+
+        monkeypatch.setattr(engine, "_row", row)
+    elif where == "engine-append":
+        real_append = engine._append
+
+        def append(req, tokens, now):
+            if hit(req):
+                raise RuntimeError("injected: stop check failed")
+            return real_append(req, tokens, now)
+
+        monkeypatch.setattr(engine, "_append", append)
+    elif where == "engine-thread-deliver":
+        aengine = srv.server.engine
+        real_count = aengine._count_speculation
+
+        def count_speculation(stream, req):
+            if hit(req):
+                raise RuntimeError("injected: metrics bookkeeping failed")
+            return real_count(stream, req)
+
+        monkeypatch.setattr(aengine, "_count_speculation", count_speculation)
+    else:
+        class FaultyText(app_module.TextStream):
+            def __init__(self, tokenizer, prompt_ids=(), stop=()):
+                super().__init__(tokenizer, prompt_ids, stop)
+                self.victim = list(prompt_ids) == victim_ids
+
+            def push(self, tokens, skip_text=()):
+                if self.victim and self.num_tokens >= 3:
+                    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+                return super().push(tokens, skip_text)
+
+        monkeypatch.setattr(app_module, "TextStream", FaultyText)
+    before = metric_samples(srv.host, srv.port)
+    disturbed = run_all()
+    monkeypatch.undo()
+
+    for i, (status, ids, body) in enumerate(disturbed):
+        if i == victim:
+            if stream:  # the stream had started: the error is its last event before [DONE]
+                assert status == 200 and body[-1] == "[DONE]" and body[-2]["error"]["type"] == "server_error", body
+            else:
+                assert status == 500 and body["error"]["type"] == "server_error", body
+        else:
+            assert (status, ids) == undisturbed[i][:2], f"request {i}"
+    h = wait_idle(srv.host, srv.port)
+    assert h["status"] == "ok" and h["last_error"] is None
+    after = metric_samples(srv.host, srv.port)
+    fin = "gemma4_request_finished_total"
+    assert sample(after, fin, finish_reason="error") - sample(before, fin, finish_reason="error") == 1
+    assert [r[:2] for r in run_all()] == [r[:2] for r in undisturbed]  # and it keeps serving, identically
+
+
+# ------------------------------------------------------------------------------------------------------------ fuzz
+def test_fuzz_every_route_never_5xx(srv):
+    """Generated requests at every route (random JSON shapes, wrong types, huge / negative / fractional / NaN
+    numbers, lone surrogates, nested junk, raw bytes, and mutations of valid bodies): never a 5xx, never a hang (each
+    request has 30 s), every error is JSON in the OpenAI format, and the server is idle and ok afterwards."""
+    from hypothesis import HealthCheck, given, settings
+
+    seen = {"generated": 0, "2xx": 0, "4xx": 0}
+
+    @settings(max_examples=600, deadline=None, derandomize=True, database=None, print_blob=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(fuzz_requests())
+    def one(case):
+        ((method, path), payload), headers = case
+        body = payload if method in ("POST", "PUT", "PATCH") else None
+        status, h, raw = request(srv.host, srv.port, method, path, body, headers=headers, timeout=30)
+        assert status < 500, (status, raw[:300])
+        if status >= 400:
+            err = json.loads(raw)["error"]
+            assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+            seen["4xx"] += 1
+        else:
+            if h["content-type"].startswith("application/json"):
+                json.loads(raw)
+            seen["2xx"] += 1
+            seen["generated"] += path.startswith(("/v1/completions", "/v1/chat/completions"))
+
+    t0 = time.time()
+    one()
+    print(f"\n[test_server] fuzz: {seen} in {time.time() - t0:.1f}s")
+    assert seen["generated"] >= 100 and seen["4xx"] >= 100, seen  # both answered and refused requests were explored
+    h = wait_idle(srv.host, srv.port)
+    assert h["status"] == "ok" and h["last_error"] is None

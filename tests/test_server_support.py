@@ -136,3 +136,87 @@ def metric_samples(host: str, port: int) -> dict[tuple[str, frozenset], float]:
 
 def sample(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+# The edges of int32 / uint32 / int64 / uint64 / float32 / float64, and NaN / infinities (which JSON cannot spell:
+# json.dumps sends them as NaN / Infinity literals).
+EDGE_NUMBERS = [0, 1, -1, 2, 2**31 - 1, 2**31, -2**31 - 1, 2**32, 2**63, -2**63 - 1, 2**64, 10**30, 0.5, -0.0, 1e-40,
+                1e-5, 1e39, 3.4e38, 1e308, 2.5, float("nan"), float("inf"), -float("inf")]
+NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "n", "best_of",
+                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty"]
+
+
+def fuzz_requests():
+    """A hypothesis strategy of requests ((method, path), body bytes), headers) at every route of the server: valid
+    generation requests with extreme values, mutations of valid bodies (fields replaced by random JSON: wrong types,
+    huge / negative / fractional / NaN numbers, lone surrogates, nested junk), and junk bodies at random routes."""
+    from hypothesis import strategies as st
+
+    surrogates = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff", "\ud83d"])
+    text = st.one_of(st.text(max_size=12),
+                     st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), surrogates, st.text(max_size=4)))
+    numbers = st.one_of(
+        st.sampled_from(EDGE_NUMBERS),
+        st.integers(-3, 40),
+        st.integers(),
+        st.floats(),  # NaN and infinities included: sent as NaN / Infinity literals, which JSON does not have
+    )
+    scalars = st.one_of(st.none(), st.booleans(), numbers, text)
+    fields = st.sampled_from(["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature",
+                              "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
+                              "top_logprobs", "echo", "best_of", "suffix", "user", "metadata", "service_tier",
+                              "return_token_ids", "tools", "tool_choice", "response_format", "logit_bias",
+                              "presence_penalty", "role", "content", "name", "type", "text", "include_usage"])
+    json_values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=4),
+                                                             st.dictionaries(fields | text, c, max_size=4)),
+                               max_leaves=8)
+    messages = st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "developer"]) | json_values,
+         "content": text | json_values}, optional={"name": text | json_values}), max_size=3)
+    valid_completion = st.fixed_dictionaries({"prompt": st.sampled_from(["Hi", "abc def", "é🎉"]),
+                                              "max_tokens": st.integers(1, 3), "temperature": st.sampled_from([0, 1])})
+    valid_chat = st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "Hi"}]),
+                                        "max_tokens": st.integers(1, 3)})
+    mutations = st.one_of(st.dictionaries(fields, numbers | scalars | json_values | messages, min_size=1, max_size=3),
+                          st.dictionaries(text, json_values, min_size=1, max_size=2))
+    # valid but extreme: what the engine must hold (int32 top_k, uint64 seeds, float32 edges, stop strings...)
+    valid_extras = st.fixed_dictionaries({}, optional={
+        "top_k": st.integers(-1, 2**31 - 1) | st.sampled_from([2**31 - 1, 262144, 1]),
+        "seed": st.integers(-2**63, 2**64 - 1),
+        "temperature": st.floats(0, 3.4e38) | st.sampled_from([1e-30, 1e-5, 2.0, 3.4e38]),
+        "top_p": st.floats(1e-300, 1.0, exclude_min=False) | st.just(1.0),
+        "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
+        "stream": st.booleans(), "return_token_ids": st.booleans(), "n": st.just(1), "user": st.text(max_size=8),
+        "model": st.just(MODEL),
+    })
+
+    def mutate(base, changes, drop):
+        body = {**base, **changes}
+        for k in drop:
+            if k != "max_tokens":  # chat's default is the whole context: keep the fuzz quick
+                body.pop(k, None)
+        return body
+
+    def encode(body, raw_junk=None):
+        if raw_junk is not None:
+            return raw_junk
+        return json.dumps(body).encode()  # ensure_ascii: surrogates travel as \ud800 escapes, NaN as NaN
+
+    headers = st.fixed_dictionaries({}, optional={"Content-Type": st.sampled_from(["text/plain", "application/json;"
+                                                                                    " charset=latin-1", "x/y"]),
+                                                  "Authorization": st.sampled_from(["Bearer x", "Basic ???", ""])})
+    C, CH = ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")
+
+    def generation(kind_body):  # (route, payload) with a body of the route's kind
+        return st.one_of(st.tuples(st.just(C), st.builds(encode, kind_body(valid_completion))),
+                         st.tuples(st.just(CH), st.builds(encode, kind_body(valid_chat))))
+
+    valid = generation(lambda base: st.builds(lambda b, e: {**b, **e}, base, valid_extras))
+    mutated = generation(lambda base: st.builds(mutate, base, mutations, st.lists(fields, max_size=2)))
+    junk_routes = st.tuples(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
+                            st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                             "/metrics", "/v1/models/x", "/", "/v1/embeddings", "/health?x=%ff"]))
+    junk_bodies = st.one_of(st.builds(lambda m, n: {"messages": m, "max_tokens": n}, messages,
+                                      st.integers(1, 3) | numbers), json_values)
+    junk = st.tuples(junk_routes, st.builds(encode, junk_bodies, st.none() | st.binary(max_size=40)))
+    return st.tuples(st.one_of(valid, mutated, junk), headers)

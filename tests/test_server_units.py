@@ -11,7 +11,7 @@ from gemma4_mtp_jax.server.chat import ChatTemplate, TextTokenizer
 from gemma4_mtp_jax.server.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream
 from gemma4_mtp_jax.server.errors import APIError
 from gemma4_mtp_jax.server.protocol import parse_chat, parse_completion, parse_json
-from test_server_support import session_paths
+from test_server_support import EDGE_NUMBERS, NUMERIC_FIELDS, fuzz_requests, session_paths
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +296,49 @@ def test_fake_engine_multi_token_chunks_and_speculative_metrics(fake_server):
     assert delta("gemma4_spec_decode_accepted_tokens_per_round_sum") == 16
     assert sample(after, "gemma4_num_speculative_tokens") == 3
     assert delta("gemma4_request_finished_total", finish_reason="stop") == 1
+
+
+def test_fuzz_parsers_refuse_only_with_api_errors():
+    """For every generated body, the parsers either refuse with a 4xx APIError, or return parameters the engine and
+    the tokenizer can take (int32 counts, float32-finite temperature, UTF-8-encodable strings)."""
+    from hypothesis import given, settings
+
+    from gemma4_mtp_jax.sampling import INT32_MAX, SamplingParams
+
+    @settings(max_examples=1500, deadline=None, derandomize=True, database=None)
+    @given(fuzz_requests())
+    def one(case):
+        ((_, _), payload), _ = case
+        for parse in (parse_completion, parse_chat):  # each body as either kind
+            try:
+                p = parse(parse_json(payload))
+            except APIError as e:
+                assert 400 <= e.status < 500 and e.message and json.dumps(e.body())
+                continue
+            texts = [p.prompt] if isinstance(p.prompt, str) else [m["content"] for m in p.messages or []]
+            for s in texts + p.stop + [p.model or ""]:
+                s.encode("utf-8")
+            assert p.max_tokens is None or 1 <= p.max_tokens <= INT32_MAX
+            SamplingParams(p.temperature or 0.0, p.top_k or 0, 1.0 if p.top_p is None else p.top_p, p.seed).row()
+
+    one()
+
+
+@pytest.mark.parametrize("field", NUMERIC_FIELDS)
+def test_every_numeric_field_at_every_edge(field):
+    """Each numeric field at each edge of the number types, on a valid completion and chat body: a 400 naming the
+    field, or parameters the engine holds (what passed int32 / float32 checks here once overflowed in a step)."""
+    from gemma4_mtp_jax.sampling import INT32_MAX, SamplingParams
+
+    for value in EDGE_NUMBERS:
+        for parse, base in ((parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": [{"role": "user",
+                                                                                              "content": "hi"}]})):
+            raw = json.dumps({**base, field: value}).encode()
+            try:
+                p = parse(parse_json(raw))
+            except APIError as e:
+                assert e.status == 400 and e.param in (field, None), (field, value, e.body())
+                assert e.param == field or "JSON" in e.message, (field, value, e.body())  # NaN: not JSON at all
+                continue
+            assert p.max_tokens is None or 1 <= p.max_tokens <= INT32_MAX, (field, value)
+            SamplingParams(p.temperature or 0.0, p.top_k or 0, 1.0 if p.top_p is None else p.top_p, p.seed).row()

@@ -6,6 +6,11 @@
 Generation responses are raw ASGI callables that watch the connection while they run: when the client goes
 away (mid-stream, or while waiting for a non-streamed answer) the request is cancelled in the engine and its KV
 pages are freed at once.
+
+`OpenAIServer.app` wraps the routes in one edge that every response passes: it counts each response (by endpoint
+and status, 499 for a client that left before its answer), refuses a request that carries both Content-Length and
+Transfer-Encoding (ambiguous framing: the classic request-smuggling shape), and answers an exception no handler
+caught with a JSON 500. Every body is JSON that encodes (lone surrogates a client sent are replaced when echoed).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import secrets
 import time
@@ -24,23 +28,34 @@ from typing import Any, AsyncIterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from gemma4_mtp_jax.engine import RequestError
 from gemma4_mtp_jax.sampling import SamplingParams
-from gemma4_mtp_jax.server.async_engine import AsyncEngine, Delta, QueueFull, RequestStream, ShuttingDown
+from gemma4_mtp_jax.server.async_engine import (
+    REQUEST_FAILED,
+    AsyncEngine,
+    Delta,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+)
 from gemma4_mtp_jax.server.chat import TextTokenizer
 from gemma4_mtp_jax.server.detokenize import TextStream
-from gemma4_mtp_jax.server.errors import APIError, bad_request
+from gemma4_mtp_jax.server.errors import APIError, bad_request, json_bytes
 from gemma4_mtp_jax.server.metrics import Metrics
-from gemma4_mtp_jax.server.protocol import GenerationParams, parse_chat, parse_completion, parse_json
+from gemma4_mtp_jax.server.protocol import GenerationParams, parse_chat, parse_completion, parse_json, show_json
 
 log = logging.getLogger("gemma4_mtp_jax.server")
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 _OFFLOAD_CHARS = 16384  # tokenize longer texts in a worker thread, not on the event loop
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions", "/v1/models": "models",
+              "/health": "health", "/metrics": "metrics"}  # metric labels; any other path counts as "other"
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before its answer (never sent, only counted)
+_INTERNAL_ERROR = APIError(500, "Internal server error", code="internal_error")
 
 
 @dataclasses.dataclass
@@ -59,12 +74,12 @@ class ServerSettings:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
-def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json_bytes(obj), status_code=status, headers=headers, media_type="application/json")
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error_response(e: APIError) -> Response:
+    return _json_response(e.body(), e.status, e.headers)
 
 
 class OpenAIServer:
@@ -76,7 +91,7 @@ class OpenAIServer:
         self.metrics = metrics
         self.eos_ids = frozenset(eos_ids)
         metrics.spec_tokens.set(settings.num_speculative_tokens)
-        self.app = Starlette(
+        self.routes = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -84,9 +99,13 @@ class OpenAIServer:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
-            exception_handlers={HTTPException: self._http_exception},
+            exception_handlers={HTTPException: self._http_exception, Exception: self._internal_error},
             lifespan=self._lifespan,
         )
+        self.app = _Edge(self.routes, metrics)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        return _error_response(_INTERNAL_ERROR)
 
     # ------------------------------------------------------------------ lifecycle
     @asynccontextmanager
@@ -125,7 +144,7 @@ class OpenAIServer:
         body = {"status": status, "model": self.settings.model_name, **snap,
                 "num_speculative_tokens": self.settings.num_speculative_tokens,
                 "last_error": self.engine.last_error}
-        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+        return _json_response(body, 200 if status in ("ok", "degraded") else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -134,12 +153,10 @@ class OpenAIServer:
         try:
             self._authorize(request)
         except APIError as e:
-            self.metrics.requests.labels("models", str(e.status)).inc()
             return _error_response(e)
-        self.metrics.requests.labels("models", "200").inc()
         card = {"id": self.settings.model_name, "object": "model", "created": self.settings.created,
                 "owned_by": "gemma4_mtp_jax", "max_model_len": self.settings.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return _json_response({"object": "list", "data": [card]})
 
     # ------------------------------------------------------------------ generation endpoints
     async def completions(self, request: Request):
@@ -174,33 +191,39 @@ class OpenAIServer:
     def _check_model(self, model: str | None) -> None:
         if model is None or model == self.settings.model_name or model in self.settings.aliases:
             return
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.settings.model_name}'",
+        raise APIError(404, f"The model {show_json(model, 200)} does not exist; this server serves "
+                            f"'{self.settings.model_name}'",
                        param="model", code="model_not_found")
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer (tokenizer.json): send the prompt as token ids", "prompt")
-        if len(text) > _OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+            raise bad_request("this model has no tokenizer (tokenizer.json): send the prompt as token ids", param)
+        try:
+            if len(text) > _OFFLOAD_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, text)
+            return self.tokenizer.encode(text)
+        except Exception as e:  # the tokenizer is a function of the text alone: a text it refuses is the client's
+            log.warning("the tokenizer refused '%s': %s: %s", param, type(e).__name__, e)
+            raise bad_request(f"'{param}' could not be tokenized ({type(e).__name__})", param,
+                              "invalid_string") from None
 
     async def _prompt_ids(self, p: GenerationParams) -> list[int]:
+        L = self.settings.max_model_len
         if p.kind == "chat":
             if self.tokenizer is None:
                 raise bad_request("this model has no tokenizer (tokenizer.json): chat is not available", "messages")
-            ids = await self._encode(self.tokenizer.render_chat(p.messages))
-            where = "messages"
+            ids, where = await self._encode(self.tokenizer.render_chat(p.messages), "messages"), "messages"
         elif isinstance(p.prompt, str):
-            ids, where = await self._encode(p.prompt), "prompt"
+            ids, where = await self._encode(p.prompt, "prompt"), "prompt"
         else:
             ids, where = list(p.prompt), "prompt"
             V = self.settings.vocab_size
-            bad = next((t for t in ids if not 0 <= t < V), None)
-            if bad is not None:
-                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {V})", "prompt")
+            if len(ids) < L:  # (a longer one is refused below, without scanning it)
+                bad = next((t for t in ids if not 0 <= t < V), None)
+                if bad is not None:
+                    raise bad_request(f"prompt token id {show_json(bad)} is outside the vocabulary [0, {V})", "prompt")
         if not ids:
             raise bad_request("the prompt is empty after tokenization", where)
-        L = self.settings.max_model_len
         if len(ids) >= L:
             raise bad_request(f"This model's maximum context length is {L} tokens; the prompt has {len(ids)} tokens "
                               f"(at least one token must be left to generate)", where, "context_length_exceeded")
@@ -222,14 +245,12 @@ class OpenAIServer:
         s = self.settings
         temperature = s.default_temperature if p.temperature is None else p.temperature
         seed = p.seed if p.seed is not None else secrets.randbits(32)
-        try:
-            return SamplingParams(temperature, s.default_top_k if p.top_k is None else p.top_k,
-                                  s.default_top_p if p.top_p is None else p.top_p, seed)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        # protocol.py checked every field against what SamplingParams takes; the server's defaults come from the
+        # checkpoint's generation_config, and a bad one there is not the client's fault (500, logged).
+        return SamplingParams(temperature, s.default_top_k if p.top_k is None else p.top_k,
+                              s.default_top_p if p.top_p is None else p.top_p, seed)
 
-    def _rejected(self, endpoint: str, e: APIError) -> JSONResponse:
-        self.metrics.requests.labels(endpoint, str(e.status)).inc()
+    def _rejected(self, endpoint: str, e: APIError) -> Response:
         if e.status >= 500:
             log.warning("%s -> %d: %s", endpoint, e.status, e.message)
         return _error_response(e)
@@ -257,16 +278,63 @@ class OpenAIServer:
                 headers={"Retry-After": str(e.retry_after)}))
         except ShuttingDown as e:
             return self._rejected(endpoint, APIError(503, str(e), code="shutting_down"))
-        except RequestError as e:
-            return self._rejected(endpoint, bad_request(str(e), code="invalid_prompt"))
+        except RequestError as e:  # the engine's own checks on what the server passed on (prompt and length)
+            return self._rejected(endpoint, bad_request(str(e), "prompt" if kind == "completion" else "messages",
+                                                        "invalid_prompt"))
         except ClientDisconnect:
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         except Exception:
             log.exception("unexpected error while admitting a request")
-            return self._rejected(endpoint, APIError(500, "Internal server error", code="internal_error"))
+            return self._rejected(endpoint, _INTERNAL_ERROR)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         gen = _Generation(self, stream, params, prompt_ids, arrival, endpoint)
         return _GenerationResponse(gen)
+
+
+class _Edge:
+    """The ASGI app the HTTP server runs: `routes` behind the checks and the counting every HTTP request gets."""
+
+    def __init__(self, routes, metrics: Metrics):
+        self.routes = routes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.routes(scope, receive, send)
+        endpoint = _ENDPOINTS.get(scope["path"], "other")
+        started = disconnected = False
+
+        async def counted_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        async def watched_receive():
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
+
+        names = {name for name, _ in scope["headers"]}
+        if b"transfer-encoding" in names and b"content-length" in names:
+            e = APIError(400, "The request carries both Content-Length and Transfer-Encoding; send one (RFC 9112 "
+                              "section 6.1)", code="ambiguous_framing", headers={"Connection": "close"})
+            return await _error_response(e)(scope, receive, counted_send)
+        try:
+            await self.routes(scope, watched_receive, counted_send)
+        except Exception:  # Starlette already answered with _internal_error (and re-raised, for the log)
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            if not started:
+                await _error_response(_INTERNAL_ERROR)(scope, receive, counted_send)
+            return
+        if not started:
+            if disconnected:  # the client left before its answer (a generation cancelled on disconnect)
+                self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
+            else:
+                log.error("%s %s returned no response", scope["method"], scope["path"])
+                await _error_response(_INTERNAL_ERROR)(scope, receive, counted_send)
 
 
 @dataclasses.dataclass
@@ -342,6 +410,13 @@ class _Generation:
                     return
                 if text or new_ids:
                     yield _Output(text, new_ids)
+        except APIError:
+            raise
+        except Exception:  # this request's detokenizing or bookkeeping: it fails alone, as in the engine
+            log.exception("request %s failed in the server", self.stream.id)
+            self.server.engine.cancel(self.stream)
+            self._finish("error")
+            raise APIError(500, REQUEST_FAILED, code="error") from None
         finally:
             if not self.closed:  # the consumer went away (disconnect, task cancelled)
                 self.server.engine.cancel(self.stream)
@@ -408,7 +483,7 @@ class _Generation:
         body["choices"] = [choice]
         if self.params.include_usage:
             body["usage"] = None
-        return b"data: " + _json_bytes(body) + b"\n\n"
+        return b"data: " + json_bytes(body) + b"\n\n"
 
     async def sse(self) -> AsyncIterator[bytes]:
         p = self.params
@@ -418,7 +493,7 @@ class _Generation:
             if p.return_token_ids:
                 first = self._base("chat.completion.chunk" if p.kind == "chat" else "text_completion")
                 first.update(choices=[], prompt_token_ids=self.prompt_ids)
-                yield b"data: " + _json_bytes(first) + b"\n\n"
+                yield b"data: " + json_bytes(first) + b"\n\n"
             async for out in self.outputs():
                 if out.text or (p.return_token_ids and out.token_ids):
                     yield self._chunk(out.text, out.token_ids, None)
@@ -426,11 +501,11 @@ class _Generation:
                     yield self._chunk("" if p.kind == "completion" else None, [] if p.return_token_ids else None,
                                       out.finish_reason)
         except APIError as e:
-            yield b"data: " + _json_bytes(e.body()) + b"\n\n"
+            yield b"data: " + json_bytes(e.body()) + b"\n\n"
         if p.include_usage:
             body = self._base("chat.completion.chunk" if p.kind == "chat" else "text_completion")
             body.update(choices=[], usage=self.usage)
-            yield b"data: " + _json_bytes(body) + b"\n\n"
+            yield b"data: " + json_bytes(body) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
 
@@ -464,22 +539,17 @@ class _GenerationResponse:
             if msg["type"] == "http.disconnect":
                 return
 
-    def _count(self, status: int) -> None:
-        self.gen.server.metrics.requests.labels(self.gen.endpoint, str(status)).inc()
-
     async def _json(self, send) -> None:
         try:
-            body, status, headers = _json_bytes(await self.gen.full_response()), 200, []
+            body, status, headers = json_bytes(await self.gen.full_response()), 200, []
         except APIError as e:
-            body, status, headers = _json_bytes(e.body()), e.status, list(e.headers.items())
-        self._count(status)
+            body, status, headers = json_bytes(e.body()), e.status, list(e.headers.items())
         raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         raw += [(k.lower().encode(), v.encode()) for k, v in headers]
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _stream(self, send) -> None:
-        self._count(200)
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         async for chunk in self.gen.sse():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -4,8 +4,9 @@
     cancel / step --> Delta --loop.call_soon_threadsafe--> the request's asyncio queue --> handler
 
 Every request the server accepted ends with exactly one final Delta (finished=True) whose finish_reason is the
-engine's ("stop", "length"), "cancelled" (the handler asked: client gone, stop string reached), "abort" (the
-shutdown grace period ran out) or "error" (an engine step raised: its requests fail, the engine thread lives on).
+engine's ("stop", "length", or "error": its own part of a step failed), "cancelled" (the handler asked: client
+gone, stop string reached), "abort" (the shutdown grace period ran out) or "error" (the step's program raised: the
+requests in that step fail, those still waiting stay queued, and the engine thread lives on).
 
 Admission is bounded: at most `max_num_seqs + max_queue_len` requests are in flight; past that `submit` raises
 QueueFull with a Retry-After estimate, so nothing already accepted is ever dropped.
@@ -22,12 +23,13 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
-from gemma4_mtp_jax.engine import Engine, Request, RequestError
+from gemma4_mtp_jax.engine import Engine, Request, RequestError, StepEvent
 from gemma4_mtp_jax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5
+REQUEST_FAILED = "the server failed while serving this request"  # what the client is told; the log has the detail
 
 
 class QueueFull(Exception):
@@ -277,28 +279,40 @@ class AsyncEngine:
         try:
             events = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed: failing its %d request(s)", len(self._active))
+            # The program shared by the step's requests failed: they all fail (including any that finished inside
+            # the step, whose final event is lost with it); requests still waiting were not part of it.
+            in_step = [s for s in self._active.values() if s.request is not None and s.request.status != "waiting"]
+            log.exception("engine step failed: failing its %d request(s)", len(in_step))
             self.last_error = f"{type(e).__name__}: {e}"
             if self.metrics:
                 self.metrics.engine_errors.inc()
-            self._close_all("error", "the engine failed while serving this request")
+            for stream in in_step:
+                self._cancel(stream, "error", REQUEST_FAILED)
             return
         self.last_error = None
         if self.metrics:
             self.metrics.engine_steps.inc()
         now = time.perf_counter()
         for ev in events:
-            req = ev.request
-            stream = self._active.get(req.id)
+            stream = self._active.get(ev.request.id)
             if stream is None or stream._closed:
                 continue
-            if self.metrics:
-                self._count_speculation(stream, req)
-            d = Delta(list(ev.new_tokens), now, ev.finished, req.finish_reason if ev.finished else None)
-            if ev.finished:
-                self._close(stream, d)
-            else:
-                stream._post(stream._queue.put_nowait, d)
+            try:
+                self._deliver(stream, ev, now)
+            except Exception:  # this stream's bookkeeping; the others' events still go out
+                log.exception("delivering the tokens of %s failed", stream.id)
+                self._cancel(stream, "error", REQUEST_FAILED)
+
+    def _deliver(self, stream: RequestStream, ev: StepEvent, now: float) -> None:
+        req = ev.request
+        if self.metrics:
+            self._count_speculation(stream, req)
+        reason = req.finish_reason if ev.finished else None
+        d = Delta(list(ev.new_tokens), now, ev.finished, reason, REQUEST_FAILED if reason == "error" else None)
+        if ev.finished:
+            self._close(stream, d)
+        else:
+            stream._post(stream._queue.put_nowait, d)
 
     def _count_speculation(self, stream: RequestStream, req: Request) -> None:
         """Add this step's drafted / accepted tokens (the request keeps running totals) to the metrics."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 _TYPES = {
@@ -35,3 +37,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact UTF-8 JSON, for every body the server sends. A lone surrogate (a client can send one as "\\ud800",
+    and an error may echo it) has no UTF-8 form: it becomes U+FFFD."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text).encode("utf-8")

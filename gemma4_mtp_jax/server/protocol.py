@@ -4,6 +4,10 @@ Every field the server understands is checked for type and range; a parameter th
 refused with a 400 that names it when it asks for a behaviour we can't give (n > 1, logprobs, tools, ...), and
 accepted when it carries its default value (clients often send `"n": 1` or `"logprobs": null`). A field the
 OpenAI API doesn't know is refused too, as OpenAI itself does.
+
+Numbers are checked against what the engine holds (int32 counts and top_k, float32 temperatures), and no string
+with a lone UTF-16 surrogate gets past `parse_json` (JSON can spell one, "\\ud800"; the tokenizer, the logs and
+UTF-8 output cannot take it).
 """
 
 from __future__ import annotations
@@ -11,12 +15,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Callable
 
+from gemma4_mtp_jax.sampling import FLOAT32_MAX, INT32_MAX
 from gemma4_mtp_jax.server.errors import bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Below this, sampling is greedy (as in vLLM): the logits divided by a much smaller temperature overflow float32,
+# and at this one sampling already is argmax but for exact ties.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass
@@ -49,11 +58,49 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {_type_name(body)}.")
+    if _SURROGATE_ESCAPE.search(text):  # only a \\u escape can make a lone surrogate: valid UTF-8 can't
+        _check_surrogates(body)
     return body
 
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_surrogate(s: str) -> bool:
+    if s.isascii():
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_surrogates(body: dict) -> None:
+    """400 naming the first string (value or key) with a lone surrogate, by its path in the body."""
+    for k in body:
+        if _has_surrogate(k):
+            raise bad_request(f"the field name {json.dumps(k)} contains a lone UTF-16 surrogate; names and strings "
+                              f"must be valid Unicode", None, "invalid_string")
+    stack: list[tuple[Any, str, str]] = [(v, k, k) for k, v in reversed(body.items())]  # (value, path, field)
+    while stack:
+        v, path, param = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                raise bad_request(f"'{path}' contains a lone UTF-16 surrogate; strings must be valid Unicode",
+                                  param, "invalid_string")
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]", param) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, dict):
+            for k in v:
+                if _has_surrogate(k):
+                    raise bad_request(f"'{path}' has a field name with a lone UTF-16 surrogate", param,
+                                      "invalid_string")
+            stack.extend((x, f"{path}.{k}", param) for k, x in reversed(v.items()))
 
 
 def _type_name(v: Any) -> str:
@@ -74,13 +121,23 @@ def _type_name(v: Any) -> str:
     return type(v).__name__
 
 
+def show_json(v: Any, limit: int = 64) -> str:
+    """A value as JSON, cut to `limit` characters, for error messages."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # ---------------------------------------------------------------------------------------------------------- fields
-def _get_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _get_int(body: dict, key: str, lo: int | None = None, hi: int | None = INT32_MAX) -> int | None:
+    """An integer field (or None); the default upper bound is int32's, what the engine's arrays hold."""
     v = body.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise bad_request(f"'{key}' must be an integer, got {_type_name(v)}: {json.dumps(v)[:64]}", key)
+        raise bad_request(f"'{key}' must be an integer, got {_type_name(v)}: {show_json(v)}", key)
     v = int(v)
     if lo is not None and v < lo:
         raise bad_request(f"'{key}' must be >= {lo}, got {v}", key)
@@ -101,12 +158,19 @@ def _get_float(body: dict, key: str, check: Callable[[float], bool], rule: str) 
     return v
 
 
-def _get_bool(body: dict, key: str) -> bool | None:
+def _get_bool(body: dict, key: str, param: str | None = None) -> bool | None:
     v = body.get(key)
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise bad_request(f"'{key}' must be a boolean, got {_type_name(v)}", key)
+        raise bad_request(f"'{key}' must be a boolean, got {_type_name(v)}", param or key)
+    return v
+
+
+def _get_str(body: dict, key: str, param: str | None = None) -> str | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise bad_request(f"'{key}' must be a string, got {_type_name(v)}", param or key)
     return v
 
 
@@ -176,16 +240,25 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_UNSUPPORTE
 def _check_fields(body: dict, known: set[str], unsupported: dict) -> None:
     for key in body:
         if key not in known:
-            raise bad_request(f"Unrecognized request argument supplied: '{key}'", key, "unrecognized_argument")
+            name = key if len(key) <= 64 else key[:61] + "..."
+            raise bad_request(f"Unrecognized request argument supplied: '{name}'", name, "unrecognized_argument")
     for key, (ok, why) in unsupported.items():
         if key in body and not ok(body[key]):
-            raise bad_request(f"'{key}' = {json.dumps(body[key])[:64]}: {why}", key, "unsupported_parameter")
+            raise bad_request(f"'{key}' = {show_json(body[key])}: {why}", key, "unsupported_parameter")
+
+
+def _check_ignored(body: dict) -> None:
+    """The fields we accept and ignore still have to be what OpenAI documents."""
+    _get_str(body, "user")
+    _get_str(body, "service_tier")
+    meta = body.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise bad_request("'metadata' must be an object of string values", "metadata")
 
 
 def _common(body: dict, kind: str) -> GenerationParams:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got {_type_name(model)}", "model")
+    model = _get_str(body, "model")
+    _check_ignored(body)
     stream = _get_bool(body, "stream") or False
     opts = body.get("stream_options")
     include_usage = False
@@ -194,17 +267,19 @@ def _common(body: dict, kind: str) -> GenerationParams:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise bad_request("'stream_options' must be an object with 'include_usage'", "stream_options")
-        iu = opts.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
-        include_usage = bool(iu)
+        include_usage = bool(_get_bool(opts, "include_usage", "stream_options"))
+        _get_bool(opts, "continuous_usage_stats", "stream_options")
     top_k = _get_int(body, "top_k", lo=-1)
     seed = _get_int(body, "seed", lo=-(2**63), hi=2**64 - 1)
+    temperature = _get_float(body, "temperature", lambda v: 0 <= v <= FLOAT32_MAX,
+                             f"a number in [0, {FLOAT32_MAX:.4g}]")
+    if temperature is not None and temperature < MIN_TEMPERATURE:
+        temperature = 0.0
     return GenerationParams(
         kind=kind,
         model=model,
         max_tokens=_get_int(body, "max_tokens", lo=1),
-        temperature=_get_float(body, "temperature", lambda v: v >= 0, "a finite number >= 0"),
+        temperature=temperature,
         top_p=_get_float(body, "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
         top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean "off"
         seed=None if seed is None else seed % 2**32,
@@ -254,8 +329,8 @@ def _text_content(content: Any, where: str) -> str:
             if not isinstance(part, dict) or "type" not in part:
                 raise bad_request(f"{where}.content parts must be objects with a 'type'", "messages")
             if part["type"] != "text":
-                raise bad_request(f"{where}.content: content of type '{part['type']}' is not supported (text only)",
-                                  "messages")
+                raise bad_request(f"{where}.content: content of type {show_json(part['type'], 40)} is not supported "
+                                  f"(text only)", "messages")
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}.content: a text part needs a string 'text'", "messages")
             parts.append(part["text"])
@@ -291,8 +366,10 @@ def parse_chat(body: dict) -> GenerationParams:
         role = m.get("role")
         if role == "tool" or role == "function":
             raise bad_request(f"{where}: role '{role}' is not supported (no tool calling)", "messages")
-        if role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}, got {json.dumps(role)[:40]}", "messages")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}, got {show_json(role, 40)}", "messages")
+        if not isinstance(m.get("name", ""), str):
+            raise bad_request(f"{where}.name must be a string, got {_type_name(m['name'])}", "messages")
         if "content" not in m or m["content"] is None:
             raise bad_request(f"{where}.content is required", "messages")
         out.append({"role": _ROLES[role], "content": _text_content(m["content"], where)})
