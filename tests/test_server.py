@@ -5,8 +5,8 @@ Covers: completions and chat, streaming and not, greedy output equal to `generat
 sequential runs with every KV page free afterwards; stop strings; a table of bad requests; client disconnects
 (pages freed); overload (429 + Retry-After, nothing accepted is lost); an engine step that raises; metrics.
 Issue 8 ("no request can hurt another"): requests that once crashed a step or the error path get 400s; a fault in
-one request of a running batch (engine or server side) fails it alone; every response is counted; a property-based
-fuzz of every route never gets a 5xx.
+one request of a running batch (engine or server side) fails it alone; every response is counted; slow clients
+are cut off by the header / body deadlines; a property-based fuzz of every route never gets a 5xx.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from test_server_support import (
 openai = pytest.importorskip("openai")
 
 MAX_LEN = 128
+HEADER_TIMEOUT = BODY_TIMEOUT = 3.0  # the server's --header/--body-timeout-seconds here (default 30)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def paths(tmp_path_factory):
 def srv(paths):
     tdir, adir, cache = paths
     t0 = time.time()
-    s = InProcessServer(server_argv(tdir, adir, cache))
+    s = InProcessServer(server_argv(tdir, adir, cache, "--header-timeout-seconds", str(HEADER_TIMEOUT),
+                                    "--body-timeout-seconds", str(BODY_TIMEOUT)))
     print(f"\n[test_server] server up in {time.time() - t0:.1f}s at {s.url}")
     yield s
     s.close()
@@ -759,6 +761,95 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
     fin = "gemma4_request_finished_total"
     assert sample(after, fin, finish_reason="error") - sample(before, fin, finish_reason="error") == 1
     assert [r[:2] for r in run_all()] == [r[:2] for r in undisturbed]  # and it keeps serving, identically
+
+
+# ---------------------------------------------------------------------------------------------------- slow clients
+def _read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection (or `limit` seconds pass); (data, seconds)."""
+    t0 = time.monotonic()
+    sock.settimeout(limit)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:
+        raise AssertionError(f"the server held the connection open for {limit}s; got {data[:200]!r}") from None
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl"],
+                         ids=["silent", "partial-headers"])
+def test_half_open_request_head_is_closed_with_408(srv, sent):
+    before = metric_samples(srv.host, srv.port)
+    with socket.create_connection((srv.host, srv.port)) as sock:
+        sock.sendall(sent)
+        data, took = _read_until_closed(sock, HEADER_TIMEOUT + 10)
+    assert HEADER_TIMEOUT - 0.5 <= took <= HEADER_TIMEOUT + 5, took
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), data
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    after = metric_samples(srv.host, srv.port)
+    key = dict(endpoint="other", status="408")
+    assert sample(after, "gemma4_requests_total", **key) - sample(before, "gemma4_requests_total", **key) == 1
+
+
+def test_half_open_next_request_on_kept_alive_connection_is_closed(srv):
+    """After a whole request and its answer, the next request's head is held to the same deadline."""
+    with socket.create_connection((srv.host, srv.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = b""
+        while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+        data, took = _read_until_closed(sock, HEADER_TIMEOUT + 10)
+    assert took <= HEADER_TIMEOUT + 5 and data.startswith(b"HTTP/1.1 408"), (took, data[:100])
+
+
+def test_half_open_request_body_is_closed(srv):
+    """Headers promise 100 bytes, 10 come: the connection is closed at the body deadline, the handler that was
+    reading it gives up (counted as 499: the client went away), and nothing was submitted to the engine."""
+    before = metric_samples(srv.host, srv.port)
+    with socket.create_connection((srv.host, srv.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + b'{"prompt":')
+        data, took = _read_until_closed(sock, BODY_TIMEOUT + 10)
+    assert BODY_TIMEOUT - 0.5 <= took <= BODY_TIMEOUT + 5 and data == b"", (took, data)
+    after = _wait_for(lambda: (lambda m: m if sample(m, "gemma4_requests_total", endpoint="completions",
+                                                       status="499") > 0 else None)(metric_samples(srv.host,
+                                                                                                     srv.port)),
+                      what="the 499 counted")
+    key = dict(endpoint="completions", status="499")
+    assert sample(after, "gemma4_requests_total", **key) - sample(before, "gemma4_requests_total", **key) == 1
+    assert sample(after, "gemma4_prompt_tokens_total") == sample(before, "gemma4_prompt_tokens_total")
+
+
+def test_content_length_with_transfer_encoding_is_400(srv):
+    """Both framings at once (the request-smuggling shape): 400 and the connection is closed, so whatever the
+    client meant as the body is never read as a next request."""
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((srv.host, srv.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled)
+        data, _ = _read_until_closed(sock, 20)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head.lower(), data
+    assert json.loads(body)["error"]["code"] == "ambiguous_framing"
+    assert data.count(b"HTTP/1.1 ") == 1  # the smuggled request got no answer
+
+
+def test_malformed_http_gets_a_json_400(srv):
+    with socket.create_connection((srv.host, srv.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+        data, _ = _read_until_closed(sock, 20)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"application/json" in head, data
+    assert json.loads(body)["error"]["code"] == "invalid_http"
 
 
 # ------------------------------------------------------------------------------------------------------------ fuzz

@@ -1,6 +1,6 @@
 """`python -m gemma4_mtp_jax.serve` as users run it: a subprocess on a free port. Start-up logs, --help, the API key,
-and SIGTERM: stop accepting, finish in-flight requests within the grace period (or cancel them when it runs out),
-exit 0."""
+and SIGTERM: keep listening but refuse new generation requests (503, /health "draining"), finish in-flight requests
+within the grace period (or cancel them when it runs out), then stop listening and exit 0."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def test_help_lists_every_flag():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     for flag in ["--ckpt", "--assistant", "--num-speculative-tokens", "--host", "--port", "--max-num-seqs",
-                 "--max-model-len", "--dtype", "--api-key", "--max-queue-len", "--shutdown-grace-seconds"]:
+                 "--max-model-len", "--dtype", "--api-key", "--max-queue-len", "--shutdown-grace-seconds",
+                 "--header-timeout-seconds", "--body-timeout-seconds"]:
         assert flag in r.stdout
     assert "127.0.0.1" in r.stdout and "demo" in r.stdout
 
@@ -124,6 +125,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(paths):
 
         # 24 long streams on 4 slots; SIGTERM as soon as tokens flow. Requests in flight at that moment must all
         # complete; later ones are refused (503 while draining, or no connection once the socket is closed).
+        # Meanwhile the server still answers: /health 503 "draining", a new generation request 503.
         n = 24
         out, first = [], threading.Event()
         threads = [threading.Thread(target=_stream, args=(srv.port, {"prompt": f"story {i}", "max_tokens": 100,
@@ -133,6 +135,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(paths):
             t.start()
         assert first.wait(60)
         srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        while "received SIGTERM" not in srv.log and time.time() - t0 < 30:
+            time.sleep(0.01)
+        status, _, body = request("127.0.0.1", srv.port, "GET", "/health")
+        assert status == 503 and json.loads(body)["status"] == "draining", body
+        status, _, body = request("127.0.0.1", srv.port, "POST", "/v1/completions", {"prompt": "late"}, headers=auth)
+        assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down", body
+        assert any(t.is_alive() for t in threads)  # all that happened while streams were still running
         for t in threads:
             t.join(120)
         assert srv.proc.wait(60) == 0, srv.log

@@ -1,12 +1,13 @@
 """The OpenAI-compatible server (`python -m gemma4_mtp_jax.serve`).
 
-app.py           the ASGI app: endpoints, SSE streaming, disconnect handling
+app.py           the ASGI app: endpoints, SSE streaming, disconnect handling, the edge every response passes
+connection.py    uvicorn's HTTP/1.1 protocol with header / body deadlines (slow clients)
 async_engine.py  the engine thread and the queues between it and the event loop
 protocol.py      request validation (OpenAI-style 4xx errors, errors.py)
 detokenize.py    incremental, UTF-8-safe detokenization with stop strings
 chat.py          tokenizer + chat template (jinja2, sandboxed)
 metrics.py       Prometheus metrics
-cli.py           flags, start-up (load, check, compile), uvicorn with a graceful SIGTERM
+cli.py           flags, start-up (load, check, compile), uvicorn with a draining SIGTERM
 """
 
 from gemma4_mtp_jax.server.cli import build_parser, create_server, main

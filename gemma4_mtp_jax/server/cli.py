@@ -77,8 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait beyond the --max-num-seqs running ones; past that: 429 with "
                         "Retry-After")
     s.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: stop accepting, let in-flight requests finish for this long, then "
-                        "cancel what is left and exit 0")
+                   help="on SIGTERM/SIGINT: refuse new generation requests (503; /health answers 503 'draining'), "
+                        "let in-flight requests finish for up to this long, cancel what is left, then stop listening "
+                        "and exit 0 (a second signal cancels at once)")
+    s.add_argument("--header-timeout-seconds", type=float, default=30.0,
+                   help="a request's headers must arrive in full within this long of the connection opening (or of "
+                        "their first byte on a kept-alive connection); otherwise 408 and the connection is closed")
+    s.add_argument("--body-timeout-seconds", type=float, default=30.0,
+                   help="a request's body must arrive in full within this long of its headers; otherwise the "
+                        "connection is closed")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="log verbosity")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     return ap
@@ -96,6 +103,9 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error("--max-queue-len must be >= 0")
     if a.shutdown_grace_seconds < 0:
         ap.error("--shutdown-grace-seconds must be >= 0")
+    for name in ("header_timeout_seconds", "body_timeout_seconds"):
+        if not getattr(a, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
     if not 0 <= a.port < 65536:
         ap.error("--port must be in [0, 65535]")
 
@@ -274,24 +284,48 @@ def _is_loopback(sock: socket.socket) -> bool:
         return False
 
 
+DRAIN_OVERRUN_S = 5.0  # past the grace period, stop listening even if the engine has not closed every request
+
+
 def make_uvicorn_server(server, args: argparse.Namespace):
     import uvicorn
 
+    from gemma4_mtp_jax.server.connection import guarded_h11_protocol
+
     class _Server(uvicorn.Server):
-        """uvicorn, with our shutdown: the first SIGTERM/SIGINT drains (grace period), the process exits 0."""
+        """uvicorn, with our shutdown: the first SIGTERM/SIGINT drains while still listening (new generation
+        requests get 503, /health says "draining") until nothing is in flight or the grace period is over; then
+        uvicorn's own shutdown closes the listener and waits for the last responses. The process exits 0."""
+
+        drain_until: float | None = None
 
         def handle_exit(self, sig, frame) -> None:
-            if self.should_exit:
-                if sig == signal.SIGINT:
-                    self.force_exit = True
-                return
-            self.should_exit = True
-            log.info("received %s: not accepting new requests; %d in-flight request(s) have %.0fs to finish",
-                     signal.Signals(sig).name, server.engine.in_flight, args.shutdown_grace_seconds)
-            server.begin_drain(args.shutdown_grace_seconds)
+            name = signal.Signals(sig).name
+            if self.drain_until is None:
+                self.drain_until = time.monotonic() + args.shutdown_grace_seconds
+                log.info("received %s: not accepting new requests; %d in-flight request(s) have %.0fs to finish",
+                         name, server.engine.in_flight, args.shutdown_grace_seconds)
+                server.begin_drain(args.shutdown_grace_seconds)
+            elif not self.should_exit:
+                log.info("received %s again: cancelling the %d request(s) still in flight", name,
+                         server.engine.in_flight)
+                self.drain_until = time.monotonic()
+                server.begin_drain(0.0)
+            elif sig == signal.SIGINT:  # already stopping, and asked a third time: don't wait for connections
+                self.force_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_until is not None and not self.should_exit:
+                if server.engine.in_flight == 0 or time.monotonic() > self.drain_until + DRAIN_OVERRUN_S:
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    def count(status: int) -> None:
+        server.metrics.requests.labels("other", str(status)).inc()
 
     config = uvicorn.Config(
         server.app,
+        http=guarded_h11_protocol(args.header_timeout_seconds, args.body_timeout_seconds, count),
         log_level=args.log_level,
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=args.shutdown_grace_seconds + 10.0,

@@ -27,8 +27,10 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         p = PREFIX
-        self.requests = Counter(f"{p}_requests", "HTTP requests answered, by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(f"{p}_requests", "HTTP requests answered, by endpoint (completions, "
+                                "chat.completions, models, health, metrics; other: any other path, or a request "
+                                "refused before its path was read) and status code (499: the client left before "
+                                "its answer)", ["endpoint", "status"], registry=r)
         self.finished = Counter(f"{p}_request_finished", "Generations ended, by finish reason (stop, length, "
                                 "cancelled: client went away, abort: server shutdown, error)", ["finish_reason"],
                                 registry=r)
