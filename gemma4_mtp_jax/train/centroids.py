@@ -138,18 +138,24 @@ def cluster_of_tokens(ordering: np.ndarray, num_clusters: int) -> np.ndarray:
 
 
 def refine_centroids(centroids: np.ndarray, cluster_of: np.ndarray, hn: np.ndarray, top_token: np.ndarray,
-                     steps: int, seed: int, lr: float = 1e-2, batch: int = 8192) -> np.ndarray:
-    """Centroids that rank the cluster of the dense head's top token first, for draft hiddens hn [M, Ha] with top
-    tokens [M] (from training data): softmax cross-entropy over the clusters' scores hn . c, Adam from the
-    k-means means. The clusters themselves (token_ordering) stay as k-means made them.
+                     head: np.ndarray, steps: int, seed: int, lr: float = 1e-2, batch: int = 8192) -> np.ndarray:
+    """Centroids that rank the cluster of the dense head's top token first: softmax cross-entropy over the
+    clusters' scores hn . c, Adam from the k-means means; the clusters themselves (token_ordering) stay.
+
+    Examples: draft hiddens hn [M, Ha] of training data with their dense top tokens [M], plus the head row of
+    every token the training data never made top (rescaled to the hiddens' median norm), labelled with that
+    token: such tokens still pull their cluster's centroid towards their row.
 
     The means alone score a cluster by its tokens' mean logit, which can rank a cluster holding the top token
     below clusters of uniformly mediocre tokens; fitting the scores to the selection they make fixes that."""
     if steps <= 0 or hn.shape[0] == 0:
         return centroids
+    unseen = np.setdiff1d(np.arange(head.shape[0]), top_token)
+    rows = np.asarray(head, np.float32)[unseen]
+    scale = np.median(np.linalg.norm(hn, axis=-1)) / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
+    x = jnp.asarray(np.concatenate([np.asarray(hn, np.float32), rows * scale]))
+    y = jnp.asarray(np.asarray(cluster_of)[np.concatenate([np.asarray(top_token), unseen])], jnp.int32)
     opt = optax.adam(lr)
-    x = jnp.asarray(hn, jnp.float32)
-    y = jnp.asarray(np.asarray(cluster_of)[np.asarray(top_token)], jnp.int32)
 
     @jax.jit
     def update(c, state, key):
@@ -158,8 +164,7 @@ def refine_centroids(centroids: np.ndarray, cluster_of: np.ndarray, hn: np.ndarr
         def loss(c):
             return optax.softmax_cross_entropy_with_integer_labels(x[idx] @ c.T, y[idx]).mean()
 
-        grad = jax.grad(loss)(c)
-        updates, state = opt.update(grad, state)
+        updates, state = opt.update(jax.grad(loss)(c), state)
         return optax.apply_updates(c, updates), state
 
     c = jnp.asarray(centroids, jnp.float32)

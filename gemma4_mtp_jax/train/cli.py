@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="centroid head: balanced k-means iterations over the head rows (default 20)")
     g.add_argument("--centroid-fit-batches", type=int, default=64,
                    help="centroid head: training batches whose draft hiddens the centroids are fitted to (64)")
-    g.add_argument("--centroid-fit-steps", type=int, default=500,
-                   help="centroid head: Adam steps fitting the centroids' cluster scores (default 500; 0: the "
+    g.add_argument("--centroid-fit-steps", type=int, default=1000,
+                   help="centroid head: Adam steps fitting the centroids' cluster scores (default 1000; 0: the "
                         "k-means means as they are)")
     g.add_argument("--eval-batch-size", type=int, default=None, help="held-out sequences per evaluation step "
                                                                      "(default --batch-size)")
@@ -158,12 +158,15 @@ def _train_config(args, k: int) -> TrainConfig:
         clip_norm=args.clip_norm, seed=args.seed)
 
 
-def _check_resume(run: dict, new: dict, out: Path) -> None:
-    """Refuse a resume whose options change what the checkpoint means (--steps may change)."""
+def _check_resume(run: dict, new: dict, out: Path, full: bool) -> None:
+    """Refuse options that change what the prepared data (the target's continuations) or, with `full` (a checkpoint
+    exists), the checkpoint means; --steps may change."""
     where = out / "run.json"
-    for key in ("target", "dtype", "init"):
+    for key in ("target", "dtype") + (("init",) if full else ()):
         if run[key] != new[key]:
             raise RunError(f"{where}: this run was started with --{key} {run[key]}, not {new[key]} (use a new --out)")
+    if not full:
+        return
     if run["assistant_config"] != new["assistant_config"]:
         raise RunError(f"{where}: this run was started with another assistant architecture (--assistant-config / "
                        "--init); use a new --out")
@@ -221,11 +224,11 @@ def _dataset(args, target, data_dir: Path, k: int) -> Dataset:
 def _fit_centroid_head(args, acfg, progs, params, target, dataset: Dataset, init_ordering: np.ndarray | None):
     """(centroids, token_ordering, Coverage) for a centroid-head assistant: balanced k-means over the trained dense
     head's rows, then the centroids fitted to draft hiddens of training data."""
-    centroids, ordering = fit_centroid_head(arch.canonical_head(params), acfg.num_centroids, args.centroid_iters,
-                                            args.seed, init_ordering)
+    head = arch.canonical_head(params)
+    centroids, ordering = fit_centroid_head(head, acfg.num_centroids, args.centroid_iters, args.seed, init_ordering)
     cluster_of = cluster_of_tokens(ordering, acfg.num_centroids)
     hn, top = collect_draft_hiddens(progs, params, target.params, dataset.train, args.centroid_fit_batches)
-    centroids = refine_centroids(centroids, cluster_of, hn, top, args.centroid_fit_steps, args.seed)
+    centroids = refine_centroids(centroids, cluster_of, hn, top, head, args.centroid_fit_steps, args.seed)
     return centroids, ordering, Coverage(jnp.asarray(centroids), jnp.asarray(cluster_of), acfg.centroid_top_k)
 
 
@@ -245,17 +248,16 @@ def run(args: argparse.Namespace) -> dict:
     run_info = {"target": str(target.path.resolve()), "dtype": dtype,
                 "init": None if init is None else str(init.path.resolve()),
                 "assistant_config": config_json, "generation_config": gen_base, "train": dataclasses.asdict(tcfg)}
-    if (out / "run.json").is_file():
-        _check_resume(json.loads((out / "run.json").read_text()), run_info, out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(run_info, indent=2))
+    latest = checkpoint.latest(out)
+    if (out / "run.json").is_file():  # written once the data was prepared: the data is the target's
+        _check_resume(json.loads((out / "run.json").read_text()), run_info, out, full=latest is not None)
     dataset = _dataset(args, target, out / "data", k)
+    (out / "run.json").write_text(json.dumps(run_info, indent=2))
 
     progs = programs(target.config, target.dtype, arch.dense(acfg), tcfg, suppress)
     eval_batch = args.eval_batch_size or tcfg.batch_size
     placeholder = Coverage.placeholder(acfg)
     init_ordering_path = out / "init_token_ordering.npy"  # an --init centroid head's clusters: the k-means start
-    latest = checkpoint.latest(out)
     if latest is not None:
         template = abstract_state(progs, abstract_assistant_params(arch.dense(acfg), jnp.float32))
         state, saved = checkpoint.load(latest, template)

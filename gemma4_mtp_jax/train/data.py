@@ -78,7 +78,7 @@ class Dataset:
     info: dict
 
     def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)  # parents: --out itself
         tmp = directory / "info.json.tmp"
         self.train.save(directory / "train.npz")
         self.heldout.save(directory / "heldout.npz")
