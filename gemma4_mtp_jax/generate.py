@@ -49,7 +49,8 @@ def generate(
 
     sampling: one SamplingParams for all prompts or one per prompt (default greedy). With an `assistant`,
     decoding is speculative (`speculative=False` turns it off for these prompts). Pass an `engine` to reuse its
-    compiled programs across calls; otherwise one is built (and compiled) for this call.
+    compiled programs across calls; otherwise one is built (and compiled) for this call. A prompt whose own part
+    of a step fails ends alone with `stats["finish_reason"] == "error"` and the reason in `stats["error"]`.
     """
     if engine is None:
         longest = max((len(p) for p in prompts), default=1) + max_new_tokens
@@ -68,6 +69,8 @@ def generate(
     for r in reqs:
         stats = r.stats()
         stats["batch_wall_s"] = wall
+        if r.finish_reason == "error":  # this prompt alone failed (the engine isolates it); say why
+            stats["error"] = r.error
         out.append(GenerationResult(list(r.output), stats))
     return out
 
