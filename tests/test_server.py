@@ -4,7 +4,7 @@ module, driven by the official `openai` client and by raw HTTP.
 Covers: completions and chat, streaming and not, greedy output equal to `generate`; 32 concurrent streams equal to
 sequential runs with every KV page free afterwards; stop strings; a table of bad requests; client disconnects
 (pages freed); overload (429 + Retry-After, nothing accepted is lost); an engine step that raises; metrics.
-Issue 8 ("no request can hurt another"): requests that once crashed a step or the error path get 400s; a fault in
+No request can hurt another: requests that once crashed a step or the error path get 400s; a fault in
 one request of a running batch (engine or server side) fails it alone; every response is counted; slow clients
 are cut off by the header / body deadlines; a property-based fuzz of every route never gets a 5xx.
 """
@@ -350,7 +350,7 @@ BAD_REQUESTS = [
     ("unknown-route", "POST", "/v1/embeddings", _GOOD, 404, None),
     ("wrong-method", "GET", C, None, 405, None),
     ("body-too-large", "POST", C, b"{" + b" " * (17 * 2**20) + b"}", 413, None),
-    # issue 8: values the engine cannot hold, strings the tokenizer cannot take, ill-typed ignored fields
+    # values the engine cannot hold, strings the tokenizer cannot take, ill-typed ignored fields
     ("top-k-above-int32", "POST", C, {**_GOOD, "top_k": 2**31}, 400, "top_k"),
     ("chat-top-k-above-int32", "POST", CH, {**_CHAT, "top_k": 2**31}, 400, "top_k"),
     ("max-tokens-above-int32", "POST", C, {**_GOOD, "max_tokens": 2**31}, 400, "max_tokens"),
@@ -563,7 +563,7 @@ def test_metrics_count_what_was_served(srv, client):
         assert drafted == accepted == rounds == 0
 
 
-# ---------------------------------------------------------------------------------- issue 8: no request hurts another
+# ------------------------------------------------------------------------------------------ no request hurts another
 def _stream_tokens(srv, body, out: list) -> None:
     """A streamed completion (return_token_ids) over a raw connection; appends (status, token ids, events)."""
     from test_server_support import sse_events
@@ -575,8 +575,8 @@ def _stream_tokens(srv, body, out: list) -> None:
     out.append((status, ids, events))
 
 
-def test_issue8_requests_get_400s_and_hurt_no_stream_in_flight(srv, slow_engine, tok, reference):
-    """The three requests of issue 8 (int32 overflow of top_k, a lone surrogate in the prompt, one in `model`)
+def test_overflow_and_surrogate_requests_get_400s_and_hurt_no_stream_in_flight(srv, slow_engine, tok, reference):
+    """Three requests that once gave 500s (int32 overflow of top_k, a lone surrogate in the prompt, one in `model`)
     get 400s naming the field, are counted in the metrics, and a stream running meanwhile finishes unchanged."""
     prompt = "Once upon a time"
     expected = reference(tok.encode(prompt).ids, 40)
