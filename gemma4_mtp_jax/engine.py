@@ -327,14 +327,13 @@ class Engine:
                 events.append(self._fail(req, "building its row of the batch", e))
         return rows
 
-    def _tables(self, rows: list[_Row | Request], batch: int) -> dict[str, np.ndarray]:
-        """The batch's page tables from its rows (a Request's page rows are built here)."""
-        page_rows = [r.tables if isinstance(r, _Row) else self._page_rows(r) for r in rows]
+    def _tables(self, rows: list[_Row], batch: int) -> dict[str, np.ndarray]:
+        """The batch's page tables from its rows (padding rows point at the null page)."""
         out = {}
         for g, width in self.layout.pages_per_seq:
             t = np.full((batch, width), NULL_PAGE, np.int32)
-            for r, tables in enumerate(page_rows):
-                t[r] = tables[g]
+            for r, row in enumerate(rows):
+                t[r] = row.tables[g]
             out[g] = t
         return out
 
@@ -349,9 +348,8 @@ class Engine:
         raise AssertionError(f"no bucket for {n} (buckets {buckets})")
 
     # ------------------------------------------------------------------ steps
-    def _prefill(self, req: Request, row: _Row | None = None) -> int:
-        """Prefill `req`'s prompt (`row`: its row, built here when not given); returns its first token."""
-        row = row or self._row(req)
+    def _prefill(self, req: Request, row: _Row) -> int:
+        """Prefill `req`'s prompt (`row`: its row of host arrays); returns its first token."""
         chunk = self.config.prefill_chunk
         buckets = self.config.prefill_buckets()
         tables = self._tables([row], 1)

@@ -168,7 +168,7 @@ def _prefill_only(eng, prompt):
     assert not eng.has_work
     req = eng.add_request(prompt, 8)
     assert eng._admit() == [req]
-    return req, eng._prefill(req)
+    return req, eng._prefill(req, eng._row(req))
 
 
 def _release(eng, req):
@@ -201,8 +201,9 @@ def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, f
         if key not in _DRAFT_FNS:
             _DRAFT_FNS[key] = _draft_fn(eng, k)
         fn = _DRAFT_FNS[key]
+    tables = eng._tables([eng._row(r) for r in reqs_for_tables], B)
     return fn(eng.target.params, eng.assistant.params, eng.steps.draft_head, eng.pages,
-              eng._tables(reqs_for_tables, B), np.asarray(tokens, np.int32), eng.hidden[np.asarray(slots)],
+              tables, np.asarray(tokens, np.int32), eng.hidden[np.asarray(slots)],
               np.asarray(lengths, np.int32), sampling)
 
 
@@ -233,7 +234,7 @@ def _parity_mismatch(eng, tiny_ckpts, family, prompt, *, tables_of=None, fn=None
         if tables_of is not None:  # a wrong page table: another sequence's pages
             other = eng.add_request(tables_of, 8)
             assert eng._admit() == [other]
-            eng._prefill(other)
+            eng._prefill(other, eng._row(other))
             others.append(other)
         assert tok == ref[0]["token"], "the engine's first token differs from transformers' bonus token"
         drafts, q, hn = _run_draft(eng, K, others or [req], [tok], [req.slot], [len(prompt)], fn=fn)
