@@ -38,9 +38,9 @@ REAL_MAX_POSITIONS = 131072  # every released Gemma 4 text config allows at leas
 def load_family(name: str) -> tuple[Target, Assistant, int]:
     """(target, assistant, max_position_embeddings): the demo pair from disk, real shapes as abstract params."""
     if name == "demo":
-        from gemma4_mtp_jax.demo import build_demo
+        from gemma4_mtp_jax.demo import demo_pair
 
-        tdir, adir = build_demo()
+        tdir, adir = demo_pair()
         target = load_target(tdir)
         return target, load_assistant(adir), _max_position_embeddings(tdir)
     dtype = jnp.bfloat16

@@ -1,9 +1,15 @@
-"""A small demo pair (target + centroid-head assistant) the project builds itself, deterministically.
+"""The demo pairs: the trained pair shipped in the package, and a tiny random-weight pair for tests.
 
-The weights are random: the demo exercises every code path (PLE, KV sharing, double-wide MLP, the centroid
-head) without a download, but its text is gibberish. The tokenizer is byte-level (every UTF-8 string
-round-trips), built with the `tokenizers` library. Files are written in the Hugging Face layout, so the demo
-goes through the same loader as a real checkpoint.
+`demo_pair()` is the embedded default of `serve` and `generate`: a small Gemma 4-shaped target (sliding and full
+layers with proportional RoPE, KV-shared layers, per-layer embeddings, double-wide MLP) and its centroid-head MTP
+assistant, trained on public-domain text by `python -m gemma4_mtp_jax.train_demo` and shipped in bf16 under
+`gemma4_mtp_jax/demo_pair/` (its MODEL_CARD.md says how and on what).
+
+`build_random_pair()` writes a much smaller pair with random weights, deterministically, for tests that need a
+checkpoint on disk but not sensible text: it exercises the same code paths at a fraction of the compile time.
+Its tokenizer is byte-level (every UTF-8 string round-trips), built with the `tokenizers` library.
+
+Both are in the Hugging Face layout, so they go through the same loader as a real checkpoint.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ import numpy as np
 
 from gemma4_mtp_jax.config import FULL, SLIDING
 
-DEMO_VERSION = 4
-_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-_BYTE_OFFSET = len(_SPECIALS)
+DEMO_VERSION = 4  # of the random pair's recipe (its cache directory)
+# Special tokens of both pairs' tokenizers, ids 0..5; <eos> and <end_of_turn> both end a generation.
+SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 5
+_BYTE_OFFSET = len(SPECIALS)
+PACKAGED = Path(__file__).resolve().parent / "demo_pair"
 VOCAB = 512  # specials, 256 bytes, unused ids up to a multiple of the centroid count
 _S, _F = SLIDING, FULL
 
@@ -87,7 +96,7 @@ def default_root() -> Path:
 def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     # ByteLevel maps byte b to a printable char; order by byte value so ids are byte + offset.
     mapping = _bytes_to_unicode()
@@ -97,7 +106,7 @@ def _tokenizer_json() -> str:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(_SPECIALS)
+    tok.add_special_tokens(list(SPECIALS))
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     return tok.to_str()
 
@@ -115,10 +124,20 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+
+
+def write_tokenizer(directory: Path, tokenizer_json: str) -> None:
+    """tokenizer.json and a tokenizer_config.json with the pairs' special tokens and chat template."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(tokenizer_json)
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=2))
 
 
 def _write_checkpoint(directory: Path, config: dict, tensors: dict[str, np.ndarray], generation: dict) -> None:
@@ -128,11 +147,7 @@ def _write_checkpoint(directory: Path, config: dict, tensors: dict[str, np.ndarr
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    (directory / "tokenizer.json").write_text(_tokenizer_json())
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "chat_template": _CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
-    }, indent=2))
+    write_tokenizer(directory, _tokenizer_json())
 
 
 def _random_tensors(abstract: dict, seed: int, hf_name) -> dict[str, np.ndarray]:
@@ -174,8 +189,18 @@ def _align_for_acceptance(target: dict, assistant: dict, rng: np.random.Generato
     assistant["model.norm.weight"] = np.ones_like(assistant["model.norm.weight"])
 
 
-def build_demo(root: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path]:
-    """Write the demo pair under `root` (default ~/.cache/gemma4_mtp_jax/demo-vN) unless already there."""
+def demo_pair() -> tuple[Path, Path]:
+    """(target, assistant) directories of the trained pair shipped in the package."""
+    tdir, adir = PACKAGED / "target", PACKAGED / "assistant"
+    for d in (tdir, adir):
+        if not (d / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{d / 'model.safetensors'}: the packaged demo pair is missing (an install "
+                                    "without package data?); rebuild it with python -m gemma4_mtp_jax.train_demo")
+    return tdir, adir
+
+
+def build_random_pair(root: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path]:
+    """Write the random-weight test pair under `root` (default ~/.cache/gemma4_mtp_jax/demo-vN) unless there."""
     from gemma4_mtp_jax.api import abstract_assistant_params, abstract_target_params
     from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config
     from gemma4_mtp_jax.weights.hf_loader import flax_to_hf_name
@@ -213,12 +238,12 @@ def main() -> None:
 
     import gemma4_mtp_jax as g
 
-    ap = argparse.ArgumentParser(description="Build the demo pair and run the target and one draft round on it.")
-    ap.add_argument("--root", help="where to build the demo pair (default: ~/.cache/gemma4_mtp_jax/demo-vN)")
-    ap.add_argument("--prompt", default="Hello from Gemma 4 in JAX!")
+    ap = argparse.ArgumentParser(description="Run the demo pair's target and one draft round on a prompt.")
+    ap.add_argument("--random", metavar="ROOT", help="use the random-weight test pair, built under ROOT")
+    ap.add_argument("--prompt", default="It is a truth universally acknowledged")
     args = ap.parse_args()
     t0 = time.time()
-    tdir, adir = build_demo(args.root)
+    tdir, adir = build_random_pair(args.random) if args.random else demo_pair()
     print(f"demo pair: {tdir} and {adir} ({time.time() - t0:.1f}s)")
     target, assistant = g.load_target(tdir), g.load_assistant(adir)
     from tokenizers import Tokenizer

@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--ckpt", default="demo",
                     help="target checkpoint: HF directory, converted Orbax directory, hub id, or 'demo' (default): "
-                         "a small random-weight pair the project builds itself")
+                         "the small trained demo pair shipped in the package")
     ap.add_argument("--assistant", default=None,
                     help="MTP assistant checkpoint for speculative decoding (HF dir, Orbax dir, hub id, or 'demo')")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -120,12 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         ckpt, assistant_ckpt = args.ckpt, args.assistant
         if "demo" in (ckpt, assistant_ckpt):
-            from gemma4_mtp_jax.demo import build_demo
+            from gemma4_mtp_jax.demo import demo_pair
 
-            demo_target, demo_assistant = build_demo()
+            demo_target, demo_assistant = demo_pair()
             ckpt = demo_target if ckpt == "demo" else ckpt
             assistant_ckpt = demo_assistant if assistant_ckpt == "demo" else assistant_ckpt
-            info(f"demo checkpoint (random weights): {demo_target.parent}")
+            info(f"demo pair: {demo_target.parent}")
         target = load_target(ckpt, args.dtype)
         assistant = load_assistant(assistant_ckpt, args.dtype) if assistant_ckpt else None
         info(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s")

@@ -17,10 +17,10 @@ MODEL = "gemma4-demo"
 
 def session_paths(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(target dir, assistant dir, JAX compilation cache dir), shared by every server test module of the session."""
-    from gemma4_mtp_jax.demo import build_demo
+    from gemma4_mtp_jax.demo import build_random_pair
 
     base = tmp_path_factory.getbasetemp()
-    tdir, adir = build_demo(base / "server_demo")
+    tdir, adir = build_random_pair(base / "server_demo")
     cache = base / "server_jax_cache"
     cache.mkdir(exist_ok=True)
     return tdir, adir, cache

@@ -314,11 +314,11 @@ def test_default_architecture_written_and_read_by_transformers(family, tiny_ckpt
 def test_data_files(tmp_path):
     """Text (with the demo's byte tokenizer), .jsonl (text and ids), .ids and .npy files, directories searched; errors
     name the file and line."""
-    from gemma4_mtp_jax.demo import build_demo
+    from gemma4_mtp_jax.demo import build_random_pair
     from gemma4_mtp_jax.generate import load_tokenizer
     from gemma4_mtp_jax.train.data import DataError, data_files, read_documents, windows
 
-    tok = load_tokenizer(build_demo()[0])
+    tok = load_tokenizer(build_random_pair()[0])
     d = tmp_path / "corpus"
     (d / "sub").mkdir(parents=True)
     (d / "a.txt").write_text("héllo")

@@ -41,9 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = ap.add_argument_group("model")
     m.add_argument("--ckpt", default="demo",
                    help="target checkpoint: a Hugging Face directory, a converted Orbax directory, a hub id, or "
-                        "'demo': a small random-weight pair (byte-level tokenizer, chat template) that the project "
-                        "builds deterministically on first use under ~/.cache/gemma4_mtp_jax; no download, "
-                        "gibberish text")
+                        "'demo': the small trained demo pair shipped in the package (a 16M-parameter Gemma 4-shaped "
+                        "target and its MTP assistant, English text; gemma4_mtp_jax/demo_pair/MODEL_CARD.md)")
     m.add_argument("--assistant", default=None,
                    help="MTP assistant (drafter) checkpoint: directory, Orbax directory or hub id; 'none' to serve "
                         "the target alone. Default: the demo assistant with --ckpt demo, none otherwise")
@@ -165,10 +164,9 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
 
     ckpt, assistant_path, name = args.ckpt, args.assistant, args.served_model_name
     if ckpt == "demo":
-        from gemma4_mtp_jax.demo import build_demo
+        from gemma4_mtp_jax.demo import demo_pair
 
-        with _Timer("demo pair (random weights, built on first use)"):
-            tdir, adir = build_demo()
+        tdir, adir = demo_pair()
         log.info("demo target: %s; demo assistant: %s", tdir, adir)
         ckpt = str(tdir)
         if assistant_path is None:

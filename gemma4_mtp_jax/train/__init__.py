@@ -1,4 +1,4 @@
-"""Training MTP assistants (drafters) for a frozen Gemma 4 target.
+"""Training MTP assistants (drafters) for a frozen Gemma 4 target, and the demo pair from scratch.
 
 objective.py   the loss: k-step draft rounds at many bonus positions, against the target's distributions
 arch.py        the assistant's config (default from the target), initial parameters, dense-head training form
@@ -8,4 +8,8 @@ centroids.py   balanced k-means for the centroid head (E2B/E4B style) and its co
 checkpoint.py  resumable training checkpoints
 export.py      the Hugging Face checkpoint directory
 cli.py         `python -m gemma4_mtp_jax.train_assistant`
+tokenizer.py   byte-level BPE for a model trained from scratch; documents as token ids
+pretrain.py    a target from scratch (next-token cross-entropy)
+corpus.py      the demo corpus from packages that ship public-domain text
+demo_recipe.py `python -m gemma4_mtp_jax.train_demo`: tokenizer, target, assistant, the shipped pair
 """

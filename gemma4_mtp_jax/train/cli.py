@@ -134,9 +134,9 @@ def _info(msg: str) -> None:
 def _resolve_demo(args) -> tuple[str, str | None]:
     target, init = args.target, args.init
     if "demo" in (target, init):
-        from gemma4_mtp_jax.demo import build_demo
+        from gemma4_mtp_jax.demo import demo_pair
 
-        demo_target, demo_assistant = build_demo()
+        demo_target, demo_assistant = demo_pair()
         target = str(demo_target) if target == "demo" else target
         init = str(demo_assistant) if init == "demo" else init
     return target, init

@@ -1,6 +1,6 @@
-"""Writing a trained assistant as a Hugging Face checkpoint directory: model.safetensors with the released tensor
-names (what `load_assistant`, `checkpoints_convert` and transformers' `Gemma4AssistantForCausalLM` read),
-config.json and generation_config.json (`num_assistant_tokens` = the k it was trained for)."""
+"""Writing trained models as Hugging Face checkpoint directories: model.safetensors with the released tensor names
+(what our loaders, `checkpoints_convert` and transformers read), config.json and generation_config.json (for an
+assistant, `num_assistant_tokens` = the k it was trained for)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from gemma4_mtp_jax.weights.hf_loader import assistant_checkpoint_name, flatten_shapes
+from gemma4_mtp_jax.weights.hf_loader import assistant_checkpoint_name, flatten_shapes, flax_to_hf_name
 
 _NUMPY = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -35,14 +35,19 @@ def checkpoint_tensors(params: dict, dtype: Any, centroids: np.ndarray | None = 
     return out
 
 
-def write_assistant(directory: Path, config_json: dict, generation_config: dict, tensors: dict[str, np.ndarray],
-                    dtype: Any) -> None:
-    """Write the three files (each through a temporary name, so a crash never leaves a half-written file)."""
+def target_checkpoint_tensors(params: dict, dtype: Any) -> dict[str, np.ndarray]:
+    """Target parameters -> {checkpoint name: array} as a Gemma4ForCausalLM checkpoint names them."""
+    np_dtype = _NUMPY[dtype_name(dtype)]
+    return {"model." + flax_to_hf_name(path): np.asarray(leaf, np.float32).astype(np_dtype)
+            for path, leaf in flatten_shapes(params).items()}
+
+
+def write_checkpoint(directory: Path, config: dict, generation_config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """config.json, generation_config.json and model.safetensors, each through a temporary name, so a crash never
+    leaves a half-written file."""
     from safetensors.numpy import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = {**config_json, "dtype": dtype_name(dtype)}
-    config.setdefault("architectures", ["Gemma4AssistantForCausalLM"])
     files = {
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2)),
         "generation_config.json": lambda p: p.write_text(json.dumps(generation_config, indent=2)),
@@ -52,6 +57,13 @@ def write_assistant(directory: Path, config_json: dict, generation_config: dict,
         tmp = directory / f".{name}.tmp"
         write(tmp)
         os.replace(tmp, directory / name)
+
+
+def write_assistant(directory: Path, config_json: dict, generation_config: dict, tensors: dict[str, np.ndarray],
+                    dtype: Any) -> None:
+    config = {**config_json, "dtype": dtype_name(dtype)}
+    config.setdefault("architectures", ["Gemma4AssistantForCausalLM"])
+    write_checkpoint(directory, config, generation_config, tensors)
 
 
 def generation_config(base: dict, k: int) -> dict:

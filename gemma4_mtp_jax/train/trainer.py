@@ -35,6 +35,21 @@ from gemma4_mtp_jax.train.objective import (
 Array = jax.Array
 
 
+def warmup_cosine(steps: int, lr: float, warmup_steps: int, min_lr_ratio: float) -> optax.Schedule:
+    """Linear warmup to lr, then a cosine decay to lr * min_lr_ratio at the last step."""
+    warmup = min(warmup_steps, max(steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * min_lr_ratio)
+
+
+def adamw(schedule: optax.Schedule, b1: float, b2: float, weight_decay: float, clip_norm: float
+          ) -> optax.GradientTransformation:
+    """AdamW after clipping by global norm; weight decay on matrices only (Gemma's norms multiply by their weight:
+    decay would shrink them)."""
+    matrices = lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.adamw(schedule, b1, b2, weight_decay=weight_decay, mask=matrices))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int
@@ -45,23 +60,17 @@ class TrainConfig:
     lr: float = 3e-4
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
-    weight_decay: float = 0.01  # on matrices only (Gemma's norms multiply by their weight: decay would shrink them)
+    weight_decay: float = 0.01  # on matrices only (see adamw)
     clip_norm: float = 1.0
     b1: float = 0.9
     b2: float = 0.95
     seed: int = 0
 
     def schedule(self) -> optax.Schedule:
-        warmup = min(self.warmup_steps, max(self.steps - 1, 0))
-        return optax.warmup_cosine_decay_schedule(0.0, self.lr, warmup, max(self.steps, warmup + 1),
-                                                  self.lr * self.min_lr_ratio)
+        return warmup_cosine(self.steps, self.lr, self.warmup_steps, self.min_lr_ratio)
 
     def optimizer(self) -> optax.GradientTransformation:
-        matrices = lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params)  # noqa: E731
-        return optax.chain(
-            optax.clip_by_global_norm(self.clip_norm),
-            optax.adamw(self.schedule(), self.b1, self.b2, weight_decay=self.weight_decay, mask=matrices),
-        )
+        return adamw(self.schedule(), self.b1, self.b2, self.weight_decay, self.clip_norm)
 
     def step_key(self, step: Array | int) -> Array:
         """The RNG key of a step (bonus positions): a pure function of (seed, step)."""

@@ -1,0 +1,162 @@
+"""Acceptance of a target + MTP assistant pair in our engine: per draft position and mean acceptance length, for
+k = 1..8 drafts per round, greedy and sampled, on held-out corpus prompts and on chat prompts.
+
+    python benchmarks/acceptance.py --corpus CORPUS_DIR [--ckpt demo --assistant demo] [--out acceptance.json]
+
+Prompts: `--prompts-per-source` held-out passages (the first --prompt-len tokens of evenly spaced paragraphs of
+CORPUS_DIR/heldout, <bos> first) and as many chat prompts (CHAT_PROMPTS below, through the target's chat
+template). They are written to --prompts-out, the file benchmarks/acceptance_hf.py reads, so transformers' assisted
+generation sees exactly the same token ids.
+
+Counting: a round proposes k drafts and the target accepts the longest agreeing prefix (greedy) or what rejection
+sampling keeps (T > 0); "rate at position j" is the fraction of rounds that accepted at least j drafts, and the mean
+acceptance length is the tokens a round emits, accepted drafts + the bonus token, averaged over rounds. A round the
+engine cut short (stop token or max_tokens) counts with what it accepted before the cut, as the engine reports it.
+Numbers, not timings: this runs on any device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gemma4_mtp_jax.api import load_assistant, load_target
+from gemma4_mtp_jax.engine import Engine, EngineConfig
+from gemma4_mtp_jax.generate import generate, load_tokenizer
+from gemma4_mtp_jax.sampling import SamplingParams
+
+CHAT_PROMPTS = [
+    "Who is Mr. Darcy?",
+    "Tell me about Elizabeth Bennet and her sisters.",
+    "Write a short letter from Emma to Harriet.",
+    "What happens at the ball at Netherfield?",
+    "Describe a walk in the country in the style of Jane Austen.",
+    "What does Genesis 1:1 say?",
+    "Tell me the story of Noah and the flood.",
+    "What does the Lord say to Moses on the mountain?",
+    "Quote a verse from the Psalms about the shepherd.",
+    "What did Jesus teach about love?",
+    "Quote a line of Milton about paradise.",
+    "Write a few lines of verse about the fall of Satan.",
+    "What is Paradise Lost about?",
+    "Show me Python code that reads a file line by line.",
+    "Write a Python function that returns the maximum of a list.",
+    "Show me Python code that parses command line arguments.",
+    "How do I open a socket in Python?",
+    "Write a Python class for a simple queue.",
+    "Continue this passage: It is a truth universally acknowledged, that a single man in possession of a good "
+    "fortune, must be in want of a wife.",
+    "Continue this passage: In the beginning, God created the heavens and the earth.",
+    "Continue this passage: Of Man's first disobedience, and the fruit of that forbidden tree.",
+    "Who was Anne Elliot?",
+    "What is a good way to spend a rainy afternoon?",
+    "Tell me about a marriage proposal in one of the novels.",
+    "Write a paragraph about a young woman who receives a letter.",
+    "What does the Bible say about wisdom?",
+    "Explain what a Python generator is.",
+    "Write Python code that sorts a dictionary by value.",
+    "Describe the garden of Eden.",
+    "Who is Mr. Knightley?",
+    "Write a short poem about the morning.",
+    "What does Proverbs say about a soft answer?",
+]
+
+
+def heldout_prompts(tokenizer, corpus: Path, count: int, prompt_len: int, bos_id: int) -> list[list[int]]:
+    """`count` prompts: the first prompt_len tokens of paragraphs spread evenly over the held-out .txt files."""
+    paragraphs = []
+    for f in sorted((corpus / "heldout").rglob("*.txt")):
+        for para in f.read_text(encoding="utf-8").split("\n\n"):
+            ids = tokenizer.encode(para.strip(), add_special_tokens=False).ids
+            if len(ids) >= prompt_len:
+                paragraphs.append(ids[:prompt_len])
+    if len(paragraphs) < count:
+        raise SystemExit(f"--corpus {corpus}: {len(paragraphs)} held-out paragraphs of >= {prompt_len} tokens, "
+                         f"fewer than {count}")
+    pick = np.linspace(0, len(paragraphs) - 1, count).round().astype(int)
+    return [[bos_id] + paragraphs[i] for i in pick]
+
+
+def chat_prompts(target_dir: Path, tokenizer, count: int) -> list[list[int]]:
+    from gemma4_mtp_jax.server.chat import ChatTemplate
+
+    cfg = json.loads((target_dir / "tokenizer_config.json").read_text())
+    specials = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token") if k in cfg}
+    template = ChatTemplate(cfg["chat_template"], specials, str(target_dir / "tokenizer_config.json"))
+    texts = [template.render([{"role": "user", "content": q}]) for q in (CHAT_PROMPTS * 4)[:count]]
+    return [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+
+
+def summarize(stats: list[dict], k: int) -> dict:
+    rounds = sum(s.get("rounds", 0) for s in stats)
+    per_pos = np.zeros(k)
+    for s in stats:
+        if s.get("accepted_per_position"):
+            per_pos += np.asarray(s["accepted_per_position"][:k])
+    accepted = int(sum(s.get("accepted", 0) for s in stats))
+    return {"rounds": rounds, "accepted": accepted, "generated": int(sum(s["generated_tokens"] for s in stats)),
+            "mean_acceptance_length": (accepted + rounds) / max(rounds, 1),
+            "rate_per_position": (per_pos / max(rounds, 1)).round(4).tolist()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", default="demo")
+    ap.add_argument("--assistant", default="demo")
+    ap.add_argument("--corpus", required=True, help="the demo corpus directory (its heldout/ part is read)")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--prompts-per-source", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default=None, help="default: the checkpoint's (bf16 for the demo pair)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts-out", default="acceptance_prompts.json")
+    ap.add_argument("--out", default="acceptance.json")
+    args = ap.parse_args()
+
+    ckpt, assistant_ckpt = args.ckpt, args.assistant
+    if "demo" in (ckpt, assistant_ckpt):
+        from gemma4_mtp_jax.demo import demo_pair
+
+        t_dir, a_dir = demo_pair()
+        ckpt = t_dir if ckpt == "demo" else ckpt
+        assistant_ckpt = a_dir if assistant_ckpt == "demo" else assistant_ckpt
+    target, assistant = load_target(ckpt, args.dtype), load_assistant(assistant_ckpt, args.dtype)
+    tok = load_tokenizer(target.path)
+    n = args.prompts_per_source
+    prompts = {"heldout": heldout_prompts(tok, Path(args.corpus), n, args.prompt_len, target.config.bos_token_id),
+               "chat": chat_prompts(Path(target.path), tok, n)}
+    Path(args.prompts_out).write_text(json.dumps(
+        [{"source": s, "ids": ids} for s, ps in prompts.items() for ids in ps]))
+    flat = [(s, ids) for s, ps in prompts.items() for ids in ps]
+    longest = max(len(ids) for _, ids in flat) + args.max_new_tokens
+    temps = [float(t) for t in args.temperatures.split(",")]
+    results = []
+    for k in [int(x) for x in args.ks.split(",")]:
+        t0 = time.perf_counter()
+        engine = Engine(target, EngineConfig(max_num_seqs=len(flat), max_model_len=longest,
+                                             num_speculative_tokens=k), assistant=assistant)
+        for temp in temps:
+            sampling = [SamplingParams(temperature=temp, seed=args.seed * 100_003 + i) if temp > 0 else SamplingParams()
+                        for i in range(len(flat))]
+            out = generate(target, [ids for _, ids in flat], args.max_new_tokens, sampling, engine=engine)
+            for source in prompts:
+                stats = [o.stats for (s, _), o in zip(flat, out) if s == source]
+                rec = {"k": k, "temperature": temp, "source": source, **summarize(stats, k)}
+                results.append(rec)
+                print(f"k={k} T={temp} {source:8s} L={rec['mean_acceptance_length']:.2f} "
+                      f"per-position {rec['rate_per_position']}", flush=True)
+        print(f"  (k={k}: {time.perf_counter() - t0:.0f} s)", flush=True)
+    report = {"ckpt": str(ckpt), "assistant": str(assistant_ckpt), "dtype": str(target.dtype),
+              "prompts_per_source": n, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+              "results": results}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
