@@ -49,59 +49,86 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerStartError(RuntimeError):
+    """The server exited or did not answer /health in time; `exit_code` is how it ended (it is stopped)."""
+
+    def __init__(self, message: str, exit_code: int | str | None):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def start_server(flags: list[str], port: int, log_path: str, ready_timeout: float,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
+    """Start `python -m gemma4_mtp_jax.serve --port PORT *flags` (output to `log_path`) and wait until /health
+    answers 200. Returns (process, seconds until ready). Raises ServerStartError if it exits first or is not ready
+    within `ready_timeout` (then it has been stopped)."""
+    cmd = [sys.executable, "-m", "gemma4_mtp_jax.serve", "--port", str(port), *flags]
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    while True:
+        if proc.poll() is not None:
+            raise ServerStartError(f"server exited with {proc.returncode} before it was ready (log: {log_path})",
+                                   proc.returncode)
+        if time.perf_counter() - t0 > ready_timeout:
+            code, _ = stop_server(proc)
+            raise ServerStartError(f"not ready after {ready_timeout:.0f}s (log: {log_path})", code)
+        try:
+            status, _ = _get(base + "/health", timeout=2)
+            if status == 200:
+                return proc, time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int | str, float]:
+    """SIGTERM (the server drains, then exits 0); returns (exit code or "killed after Ns", seconds it took)."""
+    if proc.poll() is not None:
+        return proc.returncode, 0.0
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code: int | str = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = f"killed after {timeout:.0f}s"
+    return code, time.perf_counter() - t0
+
+
 def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None, ready_timeout: float) -> dict:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = os.path.join(out_dir or tempfile.gettempdir(), f"serve_{label}.log")
-    cmd = [sys.executable, "-m", "gemma4_mtp_jax.serve", "--port", str(port), "--compilation-cache-dir", cache_dir,
-           *extra]
-    rec: dict = {"run": label, "cmd": " ".join(cmd[1:])}
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    rec.update(ok=False, error=f"server exited with {proc.returncode} before it was ready")
-                    return rec
-                if time.perf_counter() - t0 > ready_timeout:
-                    rec.update(ok=False, error=f"not ready after {ready_timeout:.0f}s")
-                    return rec
-                try:
-                    status, _ = _get(base + "/health", timeout=2)
-                    if status == 200:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.2)
-            rec["ready_s"] = round(time.perf_counter() - t0, 2)
-            chat = {"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 24,
-                    "temperature": 0}
-            t1 = time.perf_counter()
-            status, body = _post(base + "/v1/chat/completions", chat)
-            rec["chat_status"], rec["chat_s"] = status, round(time.perf_counter() - t1, 3)
-            reply = json.loads(body) if status == 200 else {}
-            rec["chat_text"] = (reply.get("choices") or [{}])[0].get("message", {}).get("content")
-            rec["chat_usage"] = reply.get("usage")
-            status, body = _post(base + "/v1/chat/completions", {**chat, "stream": True})
-            events = [ln[6:] for ln in body.decode("utf-8", "replace").splitlines() if ln.startswith("data: ")]
-            rec["stream_status"], rec["stream_events"] = status, len(events)
-            streamed = "".join((json.loads(e)["choices"][0]["delta"].get("content") or "")
-                               for e in events if e != "[DONE]" and json.loads(e).get("choices"))
-            rec["stream_done"] = bool(events) and events[-1] == "[DONE]"
-            rec["stream_equals_plain"] = streamed == rec["chat_text"]
-        finally:
-            if proc.poll() is None:
-                t2 = time.perf_counter()
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    rec["exit_code"] = proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    rec["exit_code"] = "killed after 60s"
-                rec["shutdown_s"] = round(time.perf_counter() - t2, 2)
-            else:
-                rec["exit_code"] = proc.returncode
+    flags = ["--compilation-cache-dir", cache_dir, *extra]
+    rec: dict = {"run": label, "cmd": " ".join(["-m", "gemma4_mtp_jax.serve", "--port", str(port), *flags])}
+    try:
+        proc, ready_s = start_server(flags, port, log_path, ready_timeout)
+    except ServerStartError as e:
+        rec.update(ok=False, error=str(e), exit_code=e.exit_code)
+        return rec
+    rec["ready_s"] = round(ready_s, 2)
+    try:
+        chat = {"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 24,
+                "temperature": 0}
+        t1 = time.perf_counter()
+        status, body = _post(base + "/v1/chat/completions", chat)
+        rec["chat_status"], rec["chat_s"] = status, round(time.perf_counter() - t1, 3)
+        reply = json.loads(body) if status == 200 else {}
+        rec["chat_text"] = (reply.get("choices") or [{}])[0].get("message", {}).get("content")
+        rec["chat_usage"] = reply.get("usage")
+        status, body = _post(base + "/v1/chat/completions", {**chat, "stream": True})
+        events = [ln[6:] for ln in body.decode("utf-8", "replace").splitlines() if ln.startswith("data: ")]
+        rec["stream_status"], rec["stream_events"] = status, len(events)
+        streamed = "".join((json.loads(e)["choices"][0]["delta"].get("content") or "")
+                           for e in events if e != "[DONE]" and json.loads(e).get("choices"))
+        rec["stream_done"] = bool(events) and events[-1] == "[DONE]"
+        rec["stream_equals_plain"] = streamed == rec["chat_text"]
+    finally:
+        code, shutdown_s = stop_server(proc)
+        rec["exit_code"], rec["shutdown_s"] = code, round(shutdown_s, 2)
     rec["ok"] = bool(rec.get("chat_status") == 200 and rec.get("chat_text") is not None
                      and rec.get("stream_status") == 200 and rec.get("stream_done")
                      and rec.get("stream_equals_plain") and rec.get("exit_code") == 0)

@@ -1,0 +1,579 @@
+"""Realized speculative-decoding speedup through the HTTP server, under load.
+
+The same workload is sent to `python -m gemma4_mtp_jax.serve` twice: with the MTP assistant (mode "spec") and with
+`--assistant none` (mode "plain"). At each concurrency level a closed loop keeps exactly C streaming chat requests
+in flight (greedy, `max_tokens` each; the server has no ignore_eos, so the actual output lengths are reported) until
+`--requests-per-level` have finished. Per (mode, level): output tokens/s, requests/s, TTFT, inter-chunk latency, time
+per output token, and the server's own speculative counters from /metrics (acceptance rate, mean acceptance length),
+then a spec-vs-plain speedup table.
+
+    python benchmarks/serve_load.py [--ckpt demo] [--assistant DIR] [--assistant-modes spec,plain]
+        [--concurrency 1,8,32] [--requests-per-level N] [--max-tokens 128] [--prompts-json FILE]
+        [--out results.json] [--port 8011] [--server-arg=--flag ...]
+
+Why the pieces are as they are:
+- The client is a small asyncio HTTP/1.1 reader from the standard library (one connection per request), so the
+  script runs wherever the server runs, with no HTTP client package, and stamps each SSE event when its bytes arrive.
+- Requests ask for `return_token_ids` (this server's extension) and `stream_options.include_usage`: the token ids
+  of each chunk give exact first-token times and tokens per chunk (a speculative server sends several tokens in one
+  chunk), and the final usage gives the authoritative output length.
+- Inter-token latency is reported twice: the gap between chunks (what a reader sees) and, per request, time per
+  output token = (last token - first token) / (tokens - 1), which is the number that speculation lowers.
+- The engine compiles every program at start-up; the servers run with JAX_LOG_COMPILES=1 and the script counts
+  compilations logged during each timed level (after a warm-up wave at every level), which must be zero.
+- The speculative counters are differences of /metrics scraped right before and after each timed level, so the
+  warm-up and the other levels do not leak into them.
+
+Exits 1 if a server did not start or exit 0, a request failed, or something compiled during a timed level.
+Server logs go to --log-dir ($OUT or the temp directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.serve_check import ServerStartError, _get, start_server, stop_server  # noqa: E402
+
+HOST = "127.0.0.1"
+CHAT_PATH = "/v1/chat/completions"
+MODES = ("spec", "plain")
+
+# Short, varied chat prompts (novels, the Bible, poetry, Python): different prompt lengths and topics, so the
+# acceptance rate is not that of one lucky prompt.
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "Summarize the plot of Pride and Prejudice in a few sentences.",
+    "Who is Captain Ahab, and what does he want?",
+    "Why does Jay Gatsby throw such lavish parties?",
+    "Describe the opening scene of A Tale of Two Cities.",
+    "What happens to Jean Valjean after he steals the bishop's silver?",
+    "Explain the role of the narrator in Wuthering Heights.",
+    "Tell me about the friendship between Frodo and Sam.",
+    "What is the main theme of Crime and Punishment?",
+    "Write a short review of Jane Eyre.",
+    "How does Don Quixote see the windmills, and why?",
+    "Retell the story of Noah's ark briefly.",
+    "What does the parable of the prodigal son teach?",
+    "Who was King David, according to the Bible?",
+    "Summarize the first chapter of Genesis.",
+    "What is the Sermon on the Mount about?",
+    "Tell the story of Jonah and the whale.",
+    "Who were the twelve apostles?",
+    "Explain the meaning of Psalm 23.",
+    "What happened at the Tower of Babel?",
+    "Describe the exodus from Egypt in a paragraph.",
+    "Write a short poem about the sea at night.",
+    "What is a sonnet, and how is it structured?",
+    "Explain the imagery in 'The Road Not Taken'.",
+    "Write a haiku about autumn leaves.",
+    "Who was Emily Dickinson, and how did she write?",
+    "Compose four lines of verse about a quiet village.",
+    "What makes Shakespeare's sonnets memorable?",
+    "Write a limerick about a cat who loves books.",
+    "Describe the rhythm of iambic pentameter.",
+    "Write a poem about the first snow of winter.",
+    "Write a Python function that reverses a string.",
+    "How do I read a text file line by line in Python?",
+    "Explain list comprehensions in Python with an example.",
+    "Write a Python class for a simple bank account.",
+    "What is the difference between a list and a tuple in Python?",
+    "Show how to sort a list of dictionaries by a key in Python.",
+    "Write a Python generator that yields Fibonacci numbers.",
+    "How do I handle exceptions in Python?",
+    "Explain what a Python decorator does, with a short example.",
+    "Write a Python script that counts word frequencies in a text.",
+)
+
+
+# ----------------------------------------------------------------------------------------------- the HTTP client
+class RequestFailed(RuntimeError):
+    """A request that got a non-200 answer, an error event in its stream, or a broken stream."""
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """One streamed request, with perf_counter() times of its events."""
+
+    index: int
+    start: float
+    end: float = 0.0
+    first_token: float | None = None
+    chunk_times: list[float] = dataclasses.field(default_factory=list)  # chunks that carried at least one token
+    chunk_tokens: list[int] = dataclasses.field(default_factory=list)
+    completion_tokens: int = 0
+    finish_time: float | None = None  # the chunk with finish_reason: when the last token (maybe an EOS) arrived
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+
+
+async def _body_pieces(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[tuple[float, bytes]]:
+    """The response body as it arrives, as (arrival time, bytes); decodes chunked transfer encoding."""
+    while True:
+        if not chunked:
+            data = await reader.read(65536)
+            if not data:
+                return
+            yield time.perf_counter(), data
+            continue
+        size_line = await reader.readline()
+        if not size_line:
+            raise RequestFailed("connection closed inside a chunked body")
+        size = int(size_line.split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        data = await reader.readexactly(size)
+        await reader.readexactly(2)  # CRLF after the chunk
+        yield time.perf_counter(), data
+
+
+async def _sse_events(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[tuple[float, str]]:
+    """`data:` payloads of the SSE stream, each with the arrival time of the bytes that completed it."""
+    buf = b""
+    async for t, data in _body_pieces(reader, chunked):
+        buf += data.replace(b"\r\n", b"\n")
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            lines = [ln[5:].lstrip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if lines:
+                yield t, b"\n".join(lines).decode("utf-8", "replace")
+
+
+async def stream_chat(port: int, index: int, prompt: str, max_tokens: int, timeout: float) -> RequestResult:
+    """One greedy streaming chat request; never raises for the request's own failure (see `error`), including
+    taking longer than `timeout` seconds."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                       "return_token_ids": True}).encode()
+    head = (f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    res = RequestResult(index=index, start=time.perf_counter())
+    try:
+        async with asyncio.timeout(timeout):
+            await _exchange(port, head + body, res)
+    except TimeoutError:
+        res.error = f"no complete answer within {timeout:g}s (--request-timeout)"
+    except (OSError, asyncio.IncompleteReadError, ValueError, KeyError, RequestFailed) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.end = time.perf_counter()
+    return res
+
+
+async def _exchange(port: int, request: bytes, res: RequestResult) -> None:
+    """Send `request` on a new connection and record its SSE answer into `res`; raises on any failure."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        status_line = await reader.readline()
+        parts = status_line.split(None, 2)
+        status = int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else 0
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        if status != 200:
+            text = b"".join([d async for _, d in _body_pieces(reader, chunked)]).decode("utf-8", "replace")
+            raise RequestFailed(f"HTTP {status or status_line!r}: {text[:300]}")
+        usage_tokens = None
+        done = False
+        async for t, data in _sse_events(reader, chunked):
+            if data == "[DONE]":
+                done = True
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RequestFailed(f"error event: {json.dumps(obj['error'])[:300]}")
+            if obj.get("usage"):
+                usage_tokens = int(obj["usage"]["completion_tokens"])
+            for choice in obj.get("choices") or ():
+                n = len(choice.get("token_ids") or ())
+                if n:
+                    if res.first_token is None:
+                        res.first_token = t
+                    res.chunk_times.append(t)
+                    res.chunk_tokens.append(n)
+                res.text += (choice.get("delta") or {}).get("content") or ""
+                if choice.get("finish_reason"):
+                    res.finish_reason, res.finish_time = choice["finish_reason"], t
+        if not done:
+            raise RequestFailed("the stream ended without [DONE]")
+        res.completion_tokens = usage_tokens if usage_tokens is not None else sum(res.chunk_tokens)
+    finally:
+        writer.close()
+
+
+async def _closed_loop(port: int, prompts: Sequence[str], concurrency: int, n_requests: int, max_tokens: int,
+                       timeout: float) -> tuple[list[RequestResult], float]:
+    """Keep exactly `concurrency` requests in flight until `n_requests` have finished; request i asks prompt
+    i mod len(prompts), so both modes get the same workload. Returns the results and the wall time."""
+    results: list[RequestResult] = []
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < n_requests:
+            i = next_index
+            next_index += 1
+            results.append(await stream_chat(port, i, prompts[i % len(prompts)], max_tokens, timeout))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(results, key=lambda r: r.index), time.perf_counter() - t0
+
+
+def run_level(args: argparse.Namespace, prompts: Sequence[str], concurrency: int,
+              n_requests: int) -> tuple[list[RequestResult], float]:
+    return asyncio.run(_closed_loop(args.port, prompts, concurrency, n_requests, args.max_tokens,
+                                    args.request_timeout))
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+def _pcts(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """p50/p90/p99 (and mean) in milliseconds; None when there is nothing to measure."""
+    if not len(values):
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    a = np.asarray(values, dtype=np.float64) * scale
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3),
+            "mean": round(float(a.mean()), 3)}
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
+    """Client-side numbers of one timed level (failed requests are counted, not measured)."""
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.completion_tokens for r in ok)
+    ttft = [r.first_token - r.start for r in ok if r.first_token is not None]
+    gaps = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpot = [((r.finish_time or r.chunk_times[-1]) - r.first_token) / (r.completion_tokens - 1)
+            for r in ok if r.first_token is not None and r.completion_tokens > 1]
+    chunks = sum(len(r.chunk_times) for r in ok)
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+        "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
+        "mean_output_tokens": round(tokens / len(ok), 2) if ok else None,
+        "finish_reasons": dict(sorted(collections.Counter(str(r.finish_reason) for r in ok).items())),
+        "tokens_per_chunk": round(sum(sum(r.chunk_tokens) for r in ok) / chunks, 3) if chunks else None,
+        "ttft_ms": _pcts(ttft),
+        "inter_chunk_ms": _pcts(gaps),
+        "tpot_ms": _pcts(tpot),
+        "e2e_ms": _pcts([r.end - r.start for r in ok]),
+    }
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The server's /metrics as {series (name plus labels): value}."""
+    status, body = _get(f"http://{HOST}:{port}/metrics", timeout=10)
+    if status != 200:
+        raise RequestFailed(f"/metrics answered {status}")
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def spec_counters(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The server's speculative counters over one timed level. Mean acceptance length counts the target's own token
+    of each round: (accepted + rounds) / rounds tokens per sequence per round."""
+    p = "gemma4_"
+
+    def d(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafted = d(p + "spec_decode_draft_tokens_total")
+    accepted = d(p + "spec_decode_accepted_tokens_total")
+    rounds = d(p + "spec_decode_accepted_tokens_per_round_count")
+    steps = d(p + "engine_steps_total")
+    gen = d(p + "generation_tokens_total")
+    pos_re = re.compile(re.escape(p + "spec_decode_accepted_tokens_per_position_total") + r'\{position="(\d+)"\}')
+    per_pos = {int(m.group(1)): d(k) for k in after if (m := pos_re.fullmatch(k))}
+    return {
+        "num_speculative_tokens": int(after.get(p + "num_speculative_tokens", 0)),
+        "generation_tokens": int(gen),
+        "engine_steps": int(steps),
+        "drafted": int(drafted),
+        "accepted": int(accepted),
+        "rounds": int(rounds),
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_acceptance_length": round((accepted + rounds) / rounds, 3) if rounds else None,
+        "acceptance_by_position": [round(per_pos[i] / rounds, 4) for i in sorted(per_pos)] if rounds else [],
+    }
+
+
+def count_compiles(log_path: str, offset: int) -> int:
+    """JAX compilations (JAX_LOG_COMPILES lines) written to the server log after byte `offset`."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        return sum(1 for line in f if b"Compiling " in line and b"jax" in line)
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: expected integers >= 1, got {text!r}")
+    return values
+
+
+def _load_prompts(path: str | None) -> list[str]:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    try:
+        with open(path) as f:
+            prompts = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--prompts-json: cannot read {path}: {e}") from None
+    if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) and p for p in prompts)):
+        raise ValueError(f"--prompts-json: {path} must hold a non-empty JSON list of non-empty strings")
+    return prompts
+
+
+def server_flags(args: argparse.Namespace, mode: str, max_num_seqs: int) -> list[str]:
+    flags = ["--ckpt", args.ckpt, "--max-num-seqs", str(max_num_seqs), "--no-access-log"]
+    if mode == "plain":
+        flags += ["--assistant", "none"]
+    elif args.assistant is not None:
+        flags += ["--assistant", args.assistant]
+    for extra in args.server_arg:
+        flags += shlex.split(extra)
+    return flags
+
+
+def run_mode(args: argparse.Namespace, mode: str, prompts: list[str], levels: list[int],
+             log_dir: str) -> tuple[dict, list[dict], list[list[RequestResult]]]:
+    """Start the server for `mode`, warm it up, time every level, stop it. Returns (server record, level records,
+    each level's request results)."""
+    flags = server_flags(args, mode, max(max(levels), args.max_num_seqs or 0))
+    log_path = os.path.join(log_dir, f"serve_load_{mode}.log")
+    server = {"mode": mode, "flags": flags, "log": log_path}
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+    print(f"[{mode}] starting: python -m gemma4_mtp_jax.serve --port {args.port} {shlex.join(flags)}", flush=True)
+    try:
+        proc, ready_s = start_server(flags, args.port, log_path, args.ready_timeout, env=env)
+    except ServerStartError as e:
+        server.update(error=str(e), exit_code=e.exit_code)
+        print(f"[{mode}] {e}", flush=True)
+        return server, [], []
+    server["ready_s"] = round(ready_s, 2)
+    print(f"[{mode}] ready after {ready_s:.1f}s", flush=True)
+    records, raw = [], []
+    try:
+        startup_compiles = count_compiles(log_path, 0)
+        server["startup_compiles_logged"] = startup_compiles
+        if not startup_compiles:  # this JAX logs them differently: the timed-part check below would see nothing
+            print(f"[{mode}] WARNING: no JAX compilation in the start-up log; cannot check the timed part",
+                  flush=True)
+        offset = os.path.getsize(log_path)
+        t0 = time.perf_counter()
+        for c in levels:  # a full wave at each level: every batch size and prefill shape the level will use
+            warm, _ = run_level(args, prompts, c, c)
+            failed = [r.error for r in warm if r.error]
+            if failed:
+                raise RequestFailed(f"warm-up at concurrency {c}: {len(failed)} request(s) failed: {failed[0]}")
+        server["warmup_s"] = round(time.perf_counter() - t0, 2)
+        server["warmup_compiles"] = count_compiles(log_path, offset)
+        for c in levels:
+            n = args.requests_per_level or max(8, 2 * c)
+            before, offset = scrape_metrics(args.port), os.path.getsize(log_path)
+            results, wall = run_level(args, prompts, c, n)
+            after = scrape_metrics(args.port)
+            rec = {"mode": mode, "concurrency": c, **summarize(results, wall),
+                   "server": spec_counters(before, after),
+                   "compiles_during_timed": count_compiles(log_path, offset) if startup_compiles else None}
+            records.append(rec)
+            raw.append(results)
+            s = rec["server"]
+            print(f"[{mode}] c={c}: {rec['output_tokens']} tokens in {rec['wall_s']:.2f}s = "
+                  f"{rec['output_tokens_per_s']} tok/s, TTFT p50 {rec['ttft_ms']['p50']} ms, TPOT p50 "
+                  f"{rec['tpot_ms']['p50']} ms, acceptance {s['acceptance_rate']}, failed {rec['failed']}, "
+                  f"compiles {rec['compiles_during_timed']}", flush=True)
+    except RequestFailed as e:
+        server["error"] = str(e)
+        print(f"[{mode}] {e}", flush=True)
+    finally:
+        code, shutdown_s = stop_server(proc)
+        server.update(exit_code=code, shutdown_s=round(shutdown_s, 2))
+        print(f"[{mode}] stopped: exit code {code} after {shutdown_s:.1f}s", flush=True)
+    return server, records, raw
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 3) if num and den else None
+
+
+def speedups(records: list[dict], raw: dict[tuple[str, int], list[RequestResult]]) -> list[dict]:
+    """spec vs plain at each level; every ratio is > 1 when speculation helps. same_text: the fraction of requests
+    whose greedy output was identical in both modes (speculative decoding is lossless up to numerics)."""
+    by = {(r["mode"], r["concurrency"]): r for r in records}
+    out = []
+    for (mode, c), spec in sorted(by.items(), key=lambda kv: kv[0][1]):
+        plain = by.get(("plain", c))
+        if mode != "spec" or plain is None:
+            continue
+        pairs = list(zip(raw[("spec", c)], raw[("plain", c)]))
+        same = [a.text == b.text for a, b in pairs if a.error is None and b.error is None]
+        out.append({
+            "concurrency": c,
+            "output_tokens_per_s": _ratio(spec["output_tokens_per_s"], plain["output_tokens_per_s"]),
+            "tpot_p50": _ratio(plain["tpot_ms"]["p50"], spec["tpot_ms"]["p50"]),
+            "tpot_mean": _ratio(plain["tpot_ms"]["mean"], spec["tpot_ms"]["mean"]),
+            "ttft_p50": _ratio(plain["ttft_ms"]["p50"], spec["ttft_ms"]["p50"]),
+            "same_text": round(sum(same) / len(same), 3) if same else None,
+        })
+    return out
+
+
+def _fmt(v: object) -> str:
+    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _p3(d: dict) -> str:
+    """p50/p90/p99 of a _pcts() dict, to 0.1 ms."""
+    return "/".join("-" if d[k] is None else f"{d[k]:.1f}" for k in ("p50", "p90", "p99"))
+
+
+def markdown(servers: list[dict], records: list[dict], ratios: list[dict]) -> str:
+    lines = ["| mode | ready s | warm-up s | warm-up compiles | timed compiles | exit code |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for s in servers:
+        timed = [r["compiles_during_timed"] for r in records if r["mode"] == s["mode"]]
+        timed_txt = "unchecked" if None in timed else str(sum(timed)) if timed else "-"
+        lines.append(f"| {s['mode']} | {_fmt(s.get('ready_s'))} | {_fmt(s.get('warmup_s'))} | "
+                     f"{_fmt(s.get('warmup_compiles'))} | {timed_txt} | {_fmt(s.get('exit_code'))} |")
+    lines += ["","| mode | conc | reqs | out tok | mean len | wall s | tok/s | req/s | TTFT ms p50/p90/p99 | "
+             "inter-chunk ms p50/p90/p99 | TPOT ms p50/p90/p99 | tok/chunk | accept rate | mean accept len |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
+    for r in records:
+        s = r["server"]
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests'] - r['failed']}/{r['requests']} | "
+                     f"{r['output_tokens']} | {_fmt(r['mean_output_tokens'])} | {_fmt(r['wall_s'])} | "
+                     f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['requests_per_s'])} | {_p3(r['ttft_ms'])} | "
+                     f"{_p3(r['inter_chunk_ms'])} | {_p3(r['tpot_ms'])} | {_fmt(r['tokens_per_chunk'])} | "
+                     f"{_fmt(s['acceptance_rate'])} | {_fmt(s['mean_acceptance_length'])} |")
+    if ratios:
+        lines += ["", "Speedup of spec over plain (> 1: spec is better)", "",
+                  "| conc | tok/s | TPOT p50 | TPOT mean | TTFT p50 | same text |", "|---:|---:|---:|---:|---:|---:|"]
+        for q in ratios:
+            lines.append(f"| {q['concurrency']} | {_fmt(q['output_tokens_per_s'])} | {_fmt(q['tpot_p50'])} | "
+                         f"{_fmt(q['tpot_mean'])} | {_fmt(q['ttft_p50'])} | {_fmt(q['same_text'])} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", default="demo", help="target checkpoint, passed to the server's --ckpt (default: demo)")
+    ap.add_argument("--assistant", default=None,
+                    help="assistant checkpoint for the spec mode (default: the server's default, i.e. the demo "
+                         "assistant with --ckpt demo)")
+    ap.add_argument("--assistant-modes", default="spec,plain",
+                    help="comma-separated modes, run in this order: spec (with the assistant), plain "
+                         "(--assistant none) (default: spec,plain)")
+    ap.add_argument("--concurrency", default="1,8,32",
+                    help="comma-separated in-flight request counts (default: 1,8,32)")
+    ap.add_argument("--requests-per-level", type=int, default=None,
+                    help="requests timed at each level (default: 2 x concurrency, at least 8)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default: 128)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the server's --max-num-seqs (default and minimum: the largest concurrency)")
+    ap.add_argument("--prompts-json", default=None, help="a JSON list of prompt strings (default: built-in list)")
+    ap.add_argument("--out", default=None, help="results JSON (default: $OUT/serve_load.json or the temp dir)")
+    ap.add_argument("--log-dir", default=None, help="server logs (default: $OUT or the temp dir)")
+    ap.add_argument("--port", type=int, default=8011, help="server port, for both modes in turn (default: 8011)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server's /health "
+                    "(default: 900)")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take in all "
+                    "(default: 600)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra server flags, shell-split; repeatable; write --server-arg=--flag=value")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.assistant_modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
+        ap.error(f"--assistant-modes: expected distinct values among {','.join(MODES)}, got {args.assistant_modes!r}")
+    try:
+        levels = _int_list("--concurrency", args.concurrency)
+        prompts = _load_prompts(args.prompts_json)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.requests_per_level is not None and args.requests_per_level < 1:
+        ap.error("--requests-per-level must be >= 1")
+    if args.max_tokens < 1:
+        ap.error("--max-tokens must be >= 1")
+    if args.max_num_seqs is not None and args.max_num_seqs < max(levels):
+        ap.error(f"--max-num-seqs ({args.max_num_seqs}) must be >= the largest --concurrency ({max(levels)})")
+    if not (args.ready_timeout > 0 and args.request_timeout > 0):
+        ap.error("--ready-timeout and --request-timeout must be > 0")
+    if not 0 < args.port < 65536:
+        ap.error("--port must be in [1, 65535]")
+    out_dir = os.environ.get("OUT") or tempfile.gettempdir()
+    log_dir = args.log_dir or out_dir
+    os.makedirs(log_dir, exist_ok=True)
+    out_path = args.out or os.path.join(out_dir, "serve_load.json")
+
+    servers, records, raw = [], [], {}
+    for mode in modes:
+        server, recs, results = run_mode(args, mode, prompts, levels, log_dir)
+        servers.append(server)
+        records += recs
+        raw.update({(mode, r["concurrency"]): res for r, res in zip(recs, results)})
+    ratios = speedups(records, raw)
+    problems = [f"{s['mode']}: {s['error']}" for s in servers if s.get("error")]
+    problems += [f"{s['mode']}: server exit code {s['exit_code']}" for s in servers
+                 if s.get("exit_code") != 0 and not s.get("error")]
+    problems += [f"{r['mode']} c={r['concurrency']}: {r['failed']} request(s) failed ({r['errors'][0]})"
+                 for r in records if r["failed"]]
+    problems += [f"{r['mode']} c={r['concurrency']}: {r['compiles_during_timed']} compilation(s) in the timed part"
+                 for r in records if r["compiles_during_timed"]]
+    result = {
+        "config": {"ckpt": args.ckpt, "assistant": args.assistant, "modes": modes, "concurrency": levels,
+                   "requests_per_level": args.requests_per_level, "max_tokens": args.max_tokens,
+                   "prompts": args.prompts_json or f"built-in ({len(prompts)})", "server_args": args.server_arg},
+        "servers": servers,
+        "results": records,
+        "speedup": ratios,
+        "problems": problems,
+    }
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+    print()
+    print(markdown(servers, records, ratios))
+    print(f"\nresults: {out_path}")
+    for p in problems:
+        print(f"PROBLEM: {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
