@@ -8,6 +8,7 @@ L * t_decode / t_spec. Acceptance itself is not measured here (random weights ac
 time does not depend on it (shapes never do).
 
     python benchmarks/bench_spec.py --models e2b 31b --batch 1 16 --k 4
+    python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512 --acceptance-length 3.2
     python benchmarks/bench_spec.py --smoke
 """
 
@@ -27,7 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
 from benchmarks.common import ASSISTANTS, TARGETS, copy_bandwidth, environment, random_params, write_json  # noqa: E402
-from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
+from gemma4_mtp_jax.api import (  # noqa: E402
+    Assistant,
+    Target,
+    abstract_assistant_params,
+    abstract_target_params,
+    load_assistant,
+    load_target,
+)
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
@@ -61,13 +69,20 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     """Decode, verify and speculative step of one model at each batch size."""
     rows = []
     k = args.k
-    tcfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
-    acfg = parse_assistant_config(SMOKE_ASSISTANT if name == "smoke" else ASSISTANTS[name])
-    dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
     t0 = time.perf_counter()
-    target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0), dtype, None, {})
-    assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype, None, {})
-    print(f"[{name}] random weights in {time.perf_counter() - t0:.1f}s", flush=True)
+    if name == "demo":  # the trained pair shipped in the package, in its own dtype
+        from gemma4_mtp_jax.demo import demo_pair
+
+        t_dir, a_dir = demo_pair()
+        target, assistant = load_target(t_dir), load_assistant(a_dir)
+        tcfg, acfg, dtype = target.config, assistant.config, target.dtype
+    else:
+        tcfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
+        acfg = parse_assistant_config(SMOKE_ASSISTANT if name == "smoke" else ASSISTANTS[name])
+        dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
+        target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0), dtype, None, {})
+        assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype, None, {})
+    print(f"[{name}] weights in {time.perf_counter() - t0:.1f}s", flush=True)
     context = 64 if name == "smoke" else args.context
     max_b = max(args.batch)
     geometry = dict(page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
@@ -133,7 +148,8 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS))
+    ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS) + ["demo"],
+                    help="real shapes with random weights, or 'demo': the trained pair shipped in the package")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--context", type=int, default=4096)

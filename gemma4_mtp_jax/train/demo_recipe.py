@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="run directory (stages already there are kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=TARGET_CONFIG["vocab_size"])
-    ap.add_argument("--target-steps", type=int, default=3000)
+    ap.add_argument("--target-steps", type=int, default=2000)
     ap.add_argument("--target-batch", type=int, default=32, help="windows of --target-seq-len tokens per step")
     ap.add_argument("--target-seq-len", type=int, default=1024)
     ap.add_argument("--target-lr", type=float, default=2e-3)

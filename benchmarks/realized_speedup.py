@@ -1,0 +1,97 @@
+"""Realized speculative speedup of `generate` at batch 1, against the projection from the same run.
+
+    python benchmarks/realized_speedup.py --prompts acceptance_prompts.json [--ckpt demo --assistant demo]
+
+One engine (max_num_seqs 1) serves every prompt twice, plain and speculative (the same compiled programs, only the
+request's `speculative` flag differs), greedy, after a warm-up of both. Per request the decode phase is
+latency - TTFT (prefill excluded), so
+    realized = plain decode time per token / speculative decode time per token
+    L        = tokens emitted per round (accepted drafts + bonus)
+and, with `--bench-spec` (benchmarks/bench_spec.py's JSON for the same pair at batch 1, run in the same session:
+the decode step and the speculative step timed alone, as compiled programs),
+    projected = L x t_decode / t_spec.
+Medians over prompts; realized / projected says how much of the step-time arithmetic survives in the generation
+loop (host work between steps, rounds cut short at the end of a reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from gemma4_mtp_jax.api import load_assistant, load_target
+from gemma4_mtp_jax.engine import Engine, EngineConfig
+from gemma4_mtp_jax.generate import generate
+
+
+def decode_time(stats: dict) -> float:
+    return stats["latency_s"] - stats["ttft_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", default="demo")
+    ap.add_argument("--assistant", default="demo")
+    ap.add_argument("--prompts", required=True, help="JSON list of {source, ids} (benchmarks/acceptance.py writes it)")
+    ap.add_argument("--per-source", type=int, default=8, help="prompts per source")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=None, help="drafts per round (default: the assistant's)")
+    ap.add_argument("--bench-spec", default=None, help="bench_spec.py's JSON (decode_ms, spec_ms at batch 1)")
+    ap.add_argument("--out", default="realized_speedup.json")
+    args = ap.parse_args()
+
+    ckpt, assistant_ckpt = args.ckpt, args.assistant
+    if "demo" in (ckpt, assistant_ckpt):
+        from gemma4_mtp_jax.demo import demo_pair
+
+        t_dir, a_dir = demo_pair()
+        ckpt = t_dir if ckpt == "demo" else ckpt
+        assistant_ckpt = a_dir if assistant_ckpt == "demo" else assistant_ckpt
+    target, assistant = load_target(ckpt), load_assistant(assistant_ckpt)
+    records = json.loads(Path(args.prompts).read_text())
+    prompts = []
+    for source in sorted({r["source"] for r in records}):
+        prompts += [(source, r["ids"]) for r in records if r["source"] == source][: args.per_source]
+    longest = max(len(ids) for _, ids in prompts) + args.max_new_tokens
+    t0 = time.perf_counter()
+    engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=longest, num_speculative_tokens=args.k),
+                    assistant=assistant)
+    for spec in (False, True):  # warm-up: every program these requests use is compiled before timing
+        generate(target, [prompts[0][1]], args.max_new_tokens, engine=engine, speculative=spec)
+    print(f"engine + warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    rows = []
+    for source, ids in prompts:
+        plain = generate(target, [ids], args.max_new_tokens, engine=engine, speculative=False)[0]
+        spec = generate(target, [ids], args.max_new_tokens, engine=engine, speculative=True)[0]
+        assert spec.tokens == plain.tokens, f"greedy speculative output differs from plain ({source} prompt)"
+        n = len(plain.tokens)
+        if n < 8:
+            continue  # a reply of a few tokens measures prefill, not decoding
+        ps, ss = plain.stats, spec.stats
+        rows.append({"source": source, "tokens": n, "rounds": ss["rounds"], "L": ss["mean_acceptance_length"],
+                     "loop_decode_ms_per_step": 1e3 * decode_time(ps) / (n - 1),
+                     "loop_spec_ms_per_round": 1e3 * decode_time(ss) / ss["rounds"],
+                     "realized": decode_time(ps) / decode_time(ss),
+                     "plain_tokens_per_s": (n - 1) / decode_time(ps), "spec_tokens_per_s": (n - 1) / decode_time(ss)})
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "source"}
+    if args.bench_spec:
+        b1 = [r for r in json.loads(Path(args.bench_spec).read_text())["rows"] if r["batch"] == 1 and r["k"] == engine.k]
+        if not b1:
+            raise SystemExit(f"--bench-spec {args.bench_spec}: no row at batch 1 with k = {engine.k}")
+        med["step_decode_ms"], med["step_spec_ms"] = b1[0]["decode_ms"], b1[0]["spec_ms"]
+        for r in rows:
+            r["projected"] = r["L"] * b1[0]["decode_ms"] / b1[0]["spec_ms"]
+        med["projected"] = statistics.median(r["projected"] for r in rows)
+        med["realized_over_projected"] = statistics.median(r["realized"] / r["projected"] for r in rows)
+    report = {"ckpt": str(ckpt), "assistant": str(assistant_ckpt), "k": engine.k, "batch": 1,
+              "max_new_tokens": args.max_new_tokens, "prompts": len(rows), "median": med, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({"k": engine.k, "prompts": len(rows), "median": med}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
