@@ -1,6 +1,7 @@
 """Realized speculative speedup of `generate` at batch 1, against the projection from the same run.
 
-    python benchmarks/realized_speedup.py --prompts acceptance_prompts.json [--ckpt demo --assistant demo]
+    python benchmarks/realized_speedup.py --corpus CORPUS_DIR [--ckpt demo --assistant demo]
+    python benchmarks/realized_speedup.py --prompts acceptance_prompts.json
 
 One engine (max_num_seqs 1) serves every prompt twice, plain and speculative (the same compiled programs, only the
 request's `speculative` flag differs), greedy, after a warm-up of both. Per request the decode phase is
@@ -18,13 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from gemma4_mtp_jax.api import load_assistant, load_target
-from gemma4_mtp_jax.engine import Engine, EngineConfig
-from gemma4_mtp_jax.generate import generate
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.acceptance import chat_prompts, heldout_prompts  # noqa: E402
+from gemma4_mtp_jax.api import load_assistant, load_target  # noqa: E402
+from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
+from gemma4_mtp_jax.generate import generate, load_tokenizer  # noqa: E402
 
 
 def decode_time(stats: dict) -> float:
@@ -35,7 +41,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", default="demo")
     ap.add_argument("--assistant", default="demo")
-    ap.add_argument("--prompts", required=True, help="JSON list of {source, ids} (benchmarks/acceptance.py writes it)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="JSON list of {source, ids} (benchmarks/acceptance.py writes it)")
+    src.add_argument("--corpus", help="the demo corpus: held-out and chat prompts as benchmarks/acceptance.py makes them")
     ap.add_argument("--per-source", type=int, default=8, help="prompts per source")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=None, help="drafts per round (default: the assistant's)")
@@ -51,7 +59,13 @@ def main() -> None:
         ckpt = t_dir if ckpt == "demo" else ckpt
         assistant_ckpt = a_dir if assistant_ckpt == "demo" else assistant_ckpt
     target, assistant = load_target(ckpt), load_assistant(assistant_ckpt)
-    records = json.loads(Path(args.prompts).read_text())
+    if args.prompts:
+        records = json.loads(Path(args.prompts).read_text())
+    else:
+        tok = load_tokenizer(target.path)
+        records = [{"source": "heldout", "ids": ids} for ids in
+                   heldout_prompts(tok, Path(args.corpus), args.per_source, 64, target.config.bos_token_id)]
+        records += [{"source": "chat", "ids": ids} for ids in chat_prompts(Path(target.path), tok, args.per_source)]
     prompts = []
     for source in sorted({r["source"] for r in records}):
         prompts += [(source, r["ids"]) for r in records if r["source"] == source][: args.per_source]
