@@ -20,6 +20,7 @@ import pytest
 
 from gemma4_mtp_jax.kernels import paged_attention as pa
 from gemma4_mtp_jax.kernels.device_budget import HOPPER, GpuBudget
+from gemma4_mtp_jax.train.demo_recipe import TARGET_CONFIG
 from testenv import INTERPRET
 
 
@@ -235,7 +236,8 @@ def test_kernel_config_defaults():
 
 # Attention geometries that run through the kernel: (name, query heads, KV heads, head dim). Targets' sliding and
 # full layers (benchmarks/common.py), their assistants' layers (query heads of the drafter over the target's KV
-# heads), and the demo pair (gemma4_mtp_jax/demo.py).
+# heads), the trained demo pair (gemma4_mtp_jax/train/demo_recipe.py) and the random test pair (demo.py).
+_DEMO = TARGET_CONFIG  # the assistant has half the target's query heads (train/arch.py's default for PLE targets)
 GEOMETRIES = [
     ("e2b_sliding", 8, 1, 256), ("e2b_full", 8, 1, 512), ("e2b_assistant_sliding", 4, 1, 256),
     ("e2b_assistant_full", 4, 1, 512),
@@ -245,8 +247,12 @@ GEOMETRIES = [
     ("26b_assistant_full", 16, 2, 512),
     ("31b_sliding", 32, 16, 256), ("31b_full", 32, 4, 512), ("31b_assistant_sliding", 32, 16, 256),
     ("31b_assistant_full", 32, 4, 512),
-    ("demo_sliding", 4, 1, 16), ("demo_full", 4, 1, 32), ("demo_assistant_sliding", 2, 1, 16),
-    ("demo_assistant_full", 2, 1, 32),
+    ("demo_sliding", _DEMO["num_attention_heads"], _DEMO["num_key_value_heads"], _DEMO["head_dim"]),
+    ("demo_full", _DEMO["num_attention_heads"], _DEMO["num_key_value_heads"], _DEMO["global_head_dim"]),
+    ("demo_assistant_sliding", _DEMO["num_attention_heads"] // 2, _DEMO["num_key_value_heads"], _DEMO["head_dim"]),
+    ("demo_assistant_full", _DEMO["num_attention_heads"] // 2, _DEMO["num_key_value_heads"], _DEMO["global_head_dim"]),
+    ("random_pair_sliding", 4, 1, 16), ("random_pair_full", 4, 1, 32), ("random_pair_assistant_sliding", 2, 1, 16),
+    ("random_pair_assistant_full", 2, 1, 32),
 ]
 # Generic shapes: every power-of-two head dim 16..512 with 1..16 query heads per KV head.
 GEOMETRIES += [(f"d{D}_g{G}", G, 1, D) for D, G in itertools.product([16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16])]
@@ -283,7 +289,7 @@ def test_planner_fits_every_geometry(budget):
 
 
 def test_planner_shrinks_then_refuses():
-    """The demo pair's prefill chunk in float32 shrinks from 1024 rows to a tile that fits; a budget smaller than
+    """The random test pair's prefill chunk in float32 shrinks from 1024 rows to a tile that fits; a budget smaller than
     the smallest tile gives None; explicit tiling arguments are kept."""
     demo = pa.kernel_config((1, 256, 4, 16), (1, 600, 16, 16), (1, 20), itemsize=4)
     assert demo.block_rows < 1024 and pa.smem_bytes(demo.block_rows, demo.block_k, 16, demo.num_stages, 4) <= \
