@@ -13,7 +13,7 @@ never hides a key the window wants: N >= window + Tq + 1). Padding rows give exa
 Two implementations with the same signature:
 
 - `paged_attention_reference`: plain XLA. Gathers each sequence's pages into a dense [B, S, nKV, D] and calls
-  `model.attention.dot_product_attention`. CPU fallback and the test oracle.
+  `dense_attention.dot_product_attention`. CPU fallback and the test oracle.
 - `paged_attention`: a Pallas kernel (Triton lowering) that reads the pages in place. Grid
   (batch, kv head, row block, key split). A program holds the Tq*G query rows of the G query heads that share
   its KV head (rows padded to a power of two >= 16 for the tensor-core dots), walks only the key blocks the rows
@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
-from gemma4_mtp_jax.model.attention import causal_window_mask, dot_product_attention
+from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
 
 Array = jax.Array
 log = logging.getLogger(__name__)

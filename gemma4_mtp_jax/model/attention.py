@@ -1,4 +1,4 @@
-"""Attention, and the K/V views the decoder layers attend through.
+"""The K/V views the decoder layers attend through (the attention math itself is `kernels.dense_attention`).
 
 Every decoder layer reaches K/V only through a view: `store` (layers that own K/V hand over their new keys and
 values) and `attend` (read the K/V of a given layer). The dense views here hold K/V of the tokens at hand; the
@@ -13,32 +13,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
+
 Array = jax.Array
-_MASKED = float(jnp.finfo(jnp.float32).min)
-
-
-def dot_product_attention(q: Array, k: Array, v: Array, allowed: Array) -> Array:
-    """Softmax attention with scale 1.0 (q_norm/k_norm replace 1/sqrt(D)) and grouped KV heads.
-
-    q: [B, T, nH, D]; k, v: [B, S, nKV, D]; allowed: [B, T, S] bool. Query head h reads KV head h // (nH/nKV).
-    Returns [B, T, nH, D] in q's dtype. Rows with no allowed key (padding) give finite garbage, never NaN.
-    """
-    B, T, nH, D = q.shape
-    nKV = k.shape[2]
-    qg = q.reshape(B, T, nKV, nH // nKV, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(B, T, nH, D)
-
-
-def causal_window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
-    """[B, T, S]: key at k_pos visible from q_pos iff q_pos - window < k_pos <= q_pos (window=None: causal)."""
-    allowed = k_pos[:, None, :] <= q_pos[:, :, None]
-    if window is not None:
-        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    return allowed
 
 
 class KVView(Protocol):
