@@ -1,29 +1,45 @@
-"""gemma4_mtp_jax: Gemma 4 serving in JAX with MTP speculative decoding."""
+"""gemma4_mtp_jax: Gemma 4 serving in JAX with MTP speculative decoding.
 
-from gemma4_mtp_jax.api import (
-    Assistant,
-    DraftOutput,
-    Target,
-    TargetOutput,
-    draft_step,
-    load_assistant,
-    load_target,
-    target_forward,
-)
-from gemma4_mtp_jax.config import AssistantConfig, ConfigError, TextConfig
-from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
+The public names resolve on first use (PEP 562), so that importing one part of the package (the engine, a kernel)
+does not import the loaders and checkpoint readers behind `load_target` (docs/DESIGN.md, "Layers").
+"""
 
-__all__ = [
-    "Assistant",
-    "AssistantConfig",
-    "CheckpointError",
-    "ConfigError",
-    "DraftOutput",
-    "Target",
-    "TargetOutput",
-    "TextConfig",
-    "draft_step",
-    "load_assistant",
-    "load_target",
-    "target_forward",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_PUBLIC = {
+    "Assistant": "gemma4_mtp_jax.runtime",
+    "AssistantConfig": "gemma4_mtp_jax.config",
+    "CheckpointError": "gemma4_mtp_jax.weights.safetensors_io",
+    "ConfigError": "gemma4_mtp_jax.config",
+    "DraftOutput": "gemma4_mtp_jax.api",
+    "Target": "gemma4_mtp_jax.runtime",
+    "TargetOutput": "gemma4_mtp_jax.api",
+    "TextConfig": "gemma4_mtp_jax.config",
+    "draft_step": "gemma4_mtp_jax.api",
+    "load_assistant": "gemma4_mtp_jax.api",
+    "load_target": "gemma4_mtp_jax.api",
+    "target_forward": "gemma4_mtp_jax.api",
+}
+
+__all__ = sorted(_PUBLIC)
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ below imports on demand
+    from gemma4_mtp_jax.api import DraftOutput, TargetOutput, draft_step, load_assistant, load_target, target_forward
+    from gemma4_mtp_jax.config import AssistantConfig, ConfigError, TextConfig
+    from gemma4_mtp_jax.runtime import Assistant, Target
+    from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'gemma4_mtp_jax' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,9 +1,11 @@
-"""The small public API research scripts and tests use: load models, run the target, run a draft step."""
+"""The small public API research scripts and tests use: load models, run the target, run a draft step.
+
+The loader façade: it reads checkpoints into the runtime's `Target` / `Assistant` (defined in `runtime.py`, below the
+engine, and re-exported here), so that nothing on the serving path imports the checkpoint readers."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from pathlib import Path
@@ -24,59 +26,25 @@ from gemma4_mtp_jax.config import (
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io
+
+__all__ = [
+    "Assistant",
+    "DraftOutput",
+    "Target",
+    "TargetOutput",
+    "abstract_assistant_params",
+    "abstract_target_params",
+    "draft_step",
+    "load_assistant",
+    "load_target",
+    "target_forward",
+]
 
 Array = jax.Array
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"]
-
-
-@dataclasses.dataclass
-class Target:
-    """A loaded Gemma 4 target: its config, parameters (HF-named tree) and checkpoint directory."""
-
-    config: TextConfig
-    params: dict
-    dtype: Any
-    path: Path
-    generation_config: dict
-
-    @functools.cached_property
-    def module(self) -> Gemma4Target:
-        return Gemma4Target(self.config, self.dtype)
-
-    @functools.cached_property
-    def _forward(self):
-        return jax.jit(lambda p, t, pos: self.module.apply({"params": p}, t, pos))
-
-    @functools.cached_property
-    def _embed(self):
-        return jax.jit(lambda p, t: self.module.apply({"params": p}, t, method=Gemma4Target.embed))
-
-
-@dataclasses.dataclass
-class Assistant:
-    """A loaded Gemma 4 assistant (MTP drafter)."""
-
-    config: AssistantConfig
-    params: dict
-    dtype: Any
-    path: Path
-    generation_config: dict
-
-    @functools.cached_property
-    def module(self) -> Gemma4Assistant:
-        return Gemma4Assistant(self.config, self.dtype)
-
-    @functools.cached_property
-    def _step(self):
-        def step(params, embedding, h, by_layer, lengths):
-            kv = DraftKV(by_layer, lengths)
-            hn, h_next = self.module.apply({"params": params}, embedding, h, kv)
-            logits = self.module.apply({"params": params}, hn, method=Gemma4Assistant.logits)
-            return logits, h_next, hn
-
-        return jax.jit(step)
 
 
 @dataclasses.dataclass

@@ -236,7 +236,7 @@ def main() -> None:
     import argparse
     import time
 
-    import gemma4_mtp_jax as g
+    from gemma4_mtp_jax import api as g
 
     ap = argparse.ArgumentParser(description="Run the demo pair's target and one draft round on a prompt.")
     ap.add_argument("--random", metavar="ROOT", help="use the random-weight test pair, built under ROOT")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
-from gemma4_mtp_jax.api import Assistant, Target
+from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams

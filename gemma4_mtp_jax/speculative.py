@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.api import Assistant, Target
+from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.config import SLIDING
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
 from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV

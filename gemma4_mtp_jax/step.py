@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.api import Target
+from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.config import SLIDING
 from gemma4_mtp_jax.kv_state import KVLayout, PagedKV, abstract_pages, owning_layers
 from gemma4_mtp_jax.model.target import Gemma4Target

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.api import Assistant, abstract_assistant_params
+from gemma4_mtp_jax.api import abstract_assistant_params
 from gemma4_mtp_jax.config import (
     FULL,
     SLIDING,
@@ -27,6 +27,7 @@ from gemma4_mtp_jax.config import (
     check_pair,
     parse_assistant_config,
 )
+from gemma4_mtp_jax.runtime import Assistant
 from gemma4_mtp_jax.weights.hf_loader import flatten_shapes, unflatten
 
 _ORDERED = "masked_embedding"

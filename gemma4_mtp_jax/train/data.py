@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from gemma4_mtp_jax.api import Target
+from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingParams
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")

@@ -1,0 +1,67 @@
+"""The runtime's handles on a model pair: a loaded target or assistant is its config, its parameters and its dtype.
+
+These are what the step functions, the compiled programs and the engine take. They live at the model's level, not
+with the loaders (`api.py`), so that serving code never imports the checkpoint readers (docs/DESIGN.md, "Layers").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from gemma4_mtp_jax.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.model.assistant import Gemma4Assistant
+from gemma4_mtp_jax.model.attention import DraftKV
+from gemma4_mtp_jax.model.target import Gemma4Target
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded Gemma 4 target: its config, parameters (HF-named tree) and checkpoint directory."""
+
+    config: TextConfig
+    params: dict
+    dtype: Any
+    path: Path
+    generation_config: dict
+
+    @functools.cached_property
+    def module(self) -> Gemma4Target:
+        return Gemma4Target(self.config, self.dtype)
+
+    @functools.cached_property
+    def _forward(self):
+        return jax.jit(lambda p, t, pos: self.module.apply({"params": p}, t, pos))
+
+    @functools.cached_property
+    def _embed(self):
+        return jax.jit(lambda p, t: self.module.apply({"params": p}, t, method=Gemma4Target.embed))
+
+
+@dataclasses.dataclass
+class Assistant:
+    """A loaded Gemma 4 assistant (MTP drafter)."""
+
+    config: AssistantConfig
+    params: dict
+    dtype: Any
+    path: Path
+    generation_config: dict
+
+    @functools.cached_property
+    def module(self) -> Gemma4Assistant:
+        return Gemma4Assistant(self.config, self.dtype)
+
+    @functools.cached_property
+    def _step(self):
+        def step(params, embedding, h, by_layer, lengths):
+            kv = DraftKV(by_layer, lengths)
+            hn, h_next = self.module.apply({"params": params}, embedding, h, kv)
+            logits = self.module.apply({"params": params}, hn, method=Gemma4Assistant.logits)
+            return logits, h_next, hn
+
+        return jax.jit(step)
