@@ -37,10 +37,11 @@ from gemma4_mtp_jax.api import (  # noqa: E402
     load_target,
 )
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS  # noqa: E402
-from gemma4_mtp_jax.step import CompiledSteps, forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
 SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
                        num_centroids=16, centroid_intermediate_top_k=4,

@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
-from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
+from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS
 from gemma4_mtp_jax.step import CompiledSteps

@@ -17,14 +17,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.config import SLIDING
+from gemma4_mtp_jax.forward import forward_paged, lm_logits
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
-from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV
+from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV, abstract_pages
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
-from gemma4_mtp_jax.step import forward_paged, lm_logits
 
 Array = jax.Array
 _NEG = -jnp.inf
@@ -214,8 +214,6 @@ def speculative_step(target: Target, assistant: Assistant, layout: KVLayout, k: 
 
 def abstract_inputs(target: Target, assistant: Assistant, layout: KVLayout, cache_dtype, num_slots: int,
                     batch: int, k: int, head: DraftHead, forced: bool) -> tuple[Any, ...]:
-    from gemma4_mtp_jax.kv_state import abstract_pages
-
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     tables = {g: i32(batch, w) for g, w in layout.pages_per_seq}

@@ -1,4 +1,5 @@
-"""The compiled steps of the target over the paged KV state: prefill chunks and decode.
+"""The compiled programs: prefill chunks, decode, and the speculative round, built from the pure step functions
+of `forward.py` and `speculative.py`.
 
 Each step is one XLA program per shape bucket, compiled ahead of time; the KV pages are donated and come back
 updated in place. The host passes small arrays only (tokens, positions, page tables, sampling rows) and reads
@@ -17,13 +18,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from gemma4_mtp_jax.forward import decode_step, prefill_step
+from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages
 from gemma4_mtp_jax.runtime import Target
-from gemma4_mtp_jax.config import SLIDING
-from gemma4_mtp_jax.kv_state import KVLayout, PagedKV, abstract_pages, owning_layers
-from gemma4_mtp_jax.model.target import Gemma4Target
-from gemma4_mtp_jax.sampling import SamplingBatch, sample
+from gemma4_mtp_jax.sampling import SamplingBatch
+from gemma4_mtp_jax.speculative import abstract_inputs, make_draft_head, speculative_step
 
-Array = jax.Array
 log = logging.getLogger(__name__)
 
 
@@ -40,53 +40,6 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
-
-
-def _layer_groups(target: Target) -> dict[int, str]:
-    return {i: target.config.layers[i].layer_type for i in owning_layers(target.config)}
-
-
-def make_kv_view(target: Target, layout: KVLayout, pages, tables, positions: Array, *, attention_impl: str) -> PagedKV:
-    groups = dict(layout.pages_per_seq)
-    return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(target),
-                   page_size=layout.page_size,
-                   ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl=attention_impl)
-
-
-def forward_paged(target: Target, layout: KVLayout, params, pages, tokens: Array, positions: Array, tables,
-                  *, attention_impl: str):
-    """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages).
-    Prefill chunks, decode and verify all write their K/V first, then read the pages in place."""
-    kv = make_kv_view(target, layout, pages, tables, positions, attention_impl=attention_impl)
-    _, hidden, kv = target.module.apply({"params": params}, tokens, positions, kv, logits=False)
-    return hidden, kv.pages
-
-
-def lm_logits(target: Target, params, hidden: Array) -> Array:
-    return target.module.apply({"params": params}, hidden, method=Gemma4Target.lm_logits)
-
-
-def prefill_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
-                 last_index, sampling: SamplingBatch):
-    """One prompt chunk per row. Writes its K/V and samples from the logits at `last_index` (the row's last
-    real token; only meaningful on a prompt's final chunk). Returns (pages, token [B], hidden at last [B, H])."""
-    hidden, pages = forward_paged(target, layout, params, pages, tokens, positions, tables,
-                                  attention_impl=attention_impl)
-    rows = jnp.arange(tokens.shape[0])
-    h_last = hidden[rows, last_index]
-    logits = lm_logits(target, params, h_last)
-    next_pos = positions[rows, last_index] + 1
-    return pages, sample(logits, sampling, next_pos), h_last
-
-
-def decode_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
-                sampling: SamplingBatch):
-    """One token per row: tokens, positions [B] (-1 = padding row). Returns (pages, next token [B])."""
-    hidden, pages = forward_paged(target, layout, params, pages, tokens[:, None], positions[:, None], tables,
-                                  attention_impl=attention_impl)
-    logits = lm_logits(target, params, hidden[:, 0])
-    return pages, sample(logits, sampling, positions + 1)
 
 
 @dataclasses.dataclass
@@ -108,8 +61,6 @@ class CompiledSteps:
 
     def __post_init__(self):
         if self.assistant is not None:
-            from gemma4_mtp_jax.speculative import make_draft_head
-
             self.draft_head = make_draft_head(self.assistant)
 
     def _abstract(self, batch: int, tokens: int | None):
@@ -136,8 +87,6 @@ class CompiledSteps:
         return jax.jit(fn, donate_argnums=(1,)).lower(*self._abstract(batch, None))
 
     def _lower_speculative(self, batch: int) -> jax.stages.Lowered:
-        from gemma4_mtp_jax.speculative import abstract_inputs, speculative_step
-
         fn = lambda *a: speculative_step(self.target, self.assistant, self.layout, self.k,  # noqa: E731
                                          self.attention_impl, *a)
         args = abstract_inputs(self.target, self.assistant, self.layout, self.cache_dtype, self.num_slots, batch,

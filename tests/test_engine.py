@@ -122,7 +122,7 @@ def test_kv_updated_in_place(engines):
 
 def test_donation_check_can_fail(engines):
     """The in-place check above is not vacuous: the same step compiled without donation has no aliasing."""
-    from gemma4_mtp_jax.step import decode_step
+    from gemma4_mtp_jax.forward import decode_step
 
     engine = engines("e2b")
     steps = engine.steps
