@@ -154,7 +154,7 @@ class PagedKV:
 
 @flax.struct.dataclass
 class PagedDraftKV:
-    """The assistant's view of the target's pages (DESIGN.md conventions 1-2), read-only.
+    """The assistant's view of the target's pages (docs/DESIGN.md conventions 1-2), read-only.
 
     Assistant layer i attends to the pages of the target's store layer of its type through that group's page
     table. The query sits at P = `lengths` (RoPE), and sees only committed keys: full layers 0..P-1, sliding

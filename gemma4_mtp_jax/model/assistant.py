@@ -77,7 +77,7 @@ class Gemma4Assistant(nn.Module):
     def __call__(self, token_embedding: Array, h: Array, kv: DraftKV) -> tuple[Array, Array]:
         """token_embedding, h: [B, Hb] -> hn [B, Ha], h_next [B, Hb]."""
         x = self.pre_projection(jnp.concatenate([token_embedding, h.astype(token_embedding.dtype)], -1))[:, None]
-        positions = kv.lengths[:, None]  # convention 1: the bonus token's position, constant within a round
+        positions = kv.lengths[:, None]  # docs/DESIGN.md convention 1: the bonus position, constant within a round
         for layer in self.layers:
             x, _ = layer(x, positions, kv)
         hn = self.norm(x)[:, 0]

@@ -41,7 +41,7 @@ class DenseKV:
 
 @flax.struct.dataclass
 class DraftKV:
-    """What the assistant sees: the target's committed K/V (DESIGN.md convention 2).
+    """What the assistant sees: the target's committed K/V (docs/DESIGN.md convention 2).
 
     `by_layer` maps each assistant layer to the target K/V of its attention type ([B, S, nKV, D], key j at
     position j). With `lengths` = P committed tokens, full layers see keys 0..P-1 and sliding layers the last

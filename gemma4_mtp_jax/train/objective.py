@@ -1,7 +1,7 @@
 """The assistant's training objective: draft rounds exactly as the speculative step runs them, scored against the
 frozen target.
 
-A round at bonus position P (DESIGN.md conventions 1-2, `speculative.draft`): the committed tokens are 0..P-1,
+A round at bonus position P (docs/DESIGN.md conventions 1-2, `speculative.draft`): the committed tokens are 0..P-1,
 whose K/V the assistant reads through `DraftKV` (full layers: keys 0..P-1; sliding: P-1-W..P-1); the newest token
 x_P is fed at query position P for all k steps; step 1 gets h = the target's post-norm hidden at P-1, step j > 1
 gets the previous step's post_projection output and the previous step's own greedy draft. Draft j proposes token
