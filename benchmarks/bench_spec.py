@@ -40,7 +40,7 @@ from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  #
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
-from gemma4_mtp_jax.speculative import MAX_STOP_IDS  # noqa: E402
+from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
 SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
@@ -91,7 +91,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
     layout = make_layout(tcfg, num_pages={g: max_b * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
                          **geometry)
-    steps = CompiledSteps(target, layout, dtype, "auto", assistant=assistant, k=k, num_slots=max_b)
+    steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b)
     plain = CompiledSteps(target, layout, dtype, "auto")
     pages = random_pages(tcfg, layout, dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
@@ -131,7 +131,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         slots = np.arange(B, dtype=np.int32)
         spec_on = np.ones(B, bool)
         t, (pages, hidden) = timed(
-            lambda p, h, *r: spec(target.params, assistant.params, steps.draft_head, p, h, *r),
+            lambda p, h, *r: spec(target.params, steps.draft_params, p, h, *r),
             (pages, hidden), (slots, tokens, P, tables, sampling, spec_on, np.full((B, MAX_STOP_IDS), -1, np.int32),
                               np.full(B, 1 << 20, np.int32)), args.repeats)
         row["spec_ms"] = t * 1e3

@@ -28,7 +28,7 @@ from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
-from gemma4_mtp_jax.speculative import MAX_STOP_IDS
+from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter, Drafter
 from gemma4_mtp_jax.step import CompiledSteps
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,6 @@ class EngineConfig:
     compile_at_start: bool = True
     # Drafts per round when an assistant is given (k); None: the assistant's num_assistant_tokens, else 4.
     num_speculative_tokens: int | None = None
-    # Test-only: request id -> the token sequence the drafts are forced to follow (proves acceptance plumbing).
-    _forced_drafts: dict[str, list[int]] | None = None
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200
@@ -141,14 +139,19 @@ class _Row:
     position: np.int32 = np.int32(-1)
     stop_ids: np.ndarray | None = None  # speculative: [MAX_STOP_IDS] int32, -1 padded
     remaining: np.int32 = np.int32(0)  # speculative: tokens still allowed
-    forced: np.ndarray | None = None  # test-only forced drafts [k]
 
 
 class Engine:
-    """Serves a target, and speculates with `assistant` when one is given (DESIGN.md, "The runtime")."""
+    """Serves a target, and speculates with `assistant` when one is given (docs/DESIGN.md, "A request's path").
+
+    The assistant sets the round's k and the K/V geometry its drafts need; `drafter` is what proposes the drafts
+    inside the speculative program (default: `AssistantDrafter(assistant)`, the assistant itself)."""
 
     def __init__(self, target: Target, config: EngineConfig | None = None,
-                 progress: Callable[[str, float], None] | None = None, assistant: Assistant | None = None):
+                 progress: Callable[[str, float], None] | None = None, assistant: Assistant | None = None,
+                 drafter: Drafter | None = None):
+        if drafter is not None and assistant is None:
+            raise ValueError("a drafter needs an assistant (it sets k and the drafts' K/V window)")
         self.target = target
         self.assistant = assistant
         self.config = cfg = config or EngineConfig()
@@ -178,8 +181,10 @@ class Engine:
         self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
         self.pages = init_pages(tc, self.layout, self.cache_dtype)
-        self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, assistant=assistant,
-                                   k=self.k, num_slots=cfg.max_num_seqs, forced=cfg._forced_drafts is not None)
+        if assistant is not None and drafter is None:
+            drafter = AssistantDrafter(assistant)
+        self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
+                                   k=self.k, num_slots=cfg.max_num_seqs)
         # Each running sequence owns a slot: its row of the device-side buffer of hidden states the drafter reads.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.hidden = (jnp.zeros((cfg.max_num_seqs + 1, tc.hidden_size), self.cache_dtype)
@@ -312,10 +317,6 @@ class Engine:
                 row.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
                 row.stop_ids[: len(req.stop_ids)] = sorted(req.stop_ids)
                 row.remaining = np.int32(req.max_new_tokens - len(req.output))
-                if self.config._forced_drafts is not None:
-                    ref = self.config._forced_drafts.get(req.id, [])[len(req.output):len(req.output) + self.k]
-                    row.forced = np.zeros((self.k,), np.int32)
-                    row.forced[: len(ref)] = ref
         return row
 
     def _rows(self, reqs: list[Request], events: list[StepEvent]) -> list[_Row]:
@@ -398,14 +399,9 @@ class Engine:
             spec_on[r] = row.req.speculative
             stop_ids[r] = row.stop_ids
             remaining[r] = row.remaining
-        args = [self.target.params, self.assistant.params, self.steps.draft_head, self.pages, self.hidden, slots,
-                tokens, lengths, self._tables(rows, B), self._sampling(rows, B), spec_on, stop_ids, remaining]
-        if self.config._forced_drafts is not None:
-            forced = np.zeros((B, self.k), np.int32)
-            for r, row in enumerate(rows):
-                forced[r] = row.forced
-            args.append(forced)
-        self.pages, self.hidden, packed = self.steps.compile_speculative(B)(*args)
+        self.pages, self.hidden, packed = self.steps.compile_speculative(B)(
+            self.target.params, self.steps.draft_params, self.pages, self.hidden, slots, tokens, lengths,
+            self._tables(rows, B), self._sampling(rows, B), spec_on, stop_ids, remaining)
         return np.asarray(packed)[: len(rows)]  # the one host read of the step
 
     def _unpack(self, req: Request, packed: np.ndarray) -> tuple[list[int], bool]:

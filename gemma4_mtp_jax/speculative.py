@@ -3,7 +3,7 @@ acceptance, and the bookkeeping for the next round — one XLA program per batch
 
 Per sequence the step starts from P committed tokens (K/V of positions 0..P-1 in the pages), the newest token
 t (position P, not yet written) and h, the target's post-norm hidden at P-1. The assistant drafts d_1..d_k at
-the constant query position P from the committed K/V only (DESIGN.md conventions 1-2); the target runs on
+the constant query position P from the committed K/V only (docs/DESIGN.md conventions 1-2); the target runs on
 [t, d_1..d_k] at positions P..P+k, writing their K/V. With n drafts accepted, the sequence gains d_1..d_n and a
 bonus token; the next round starts from P' = P+n+1 and h' = the target hidden at P+n. Nothing depends on n
 but data (convention 4): K/V written for rejected drafts lies beyond P' and is overwritten later.
@@ -11,7 +11,8 @@ but data (convention 4): K/V written for rejected drafts lies beyond P' and is o
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Protocol
 
 import flax.struct
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import SLIDING
 from gemma4_mtp_jax.forward import forward_paged, lm_logits
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
-from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV, abstract_pages
+from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.runtime import Assistant, Target
@@ -94,7 +95,7 @@ def _draft_distribution(assistant: Assistant, params_a, head: DraftHead, hn: Arr
 
 def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, params_a, head: DraftHead, pages,
           tables, tokens: Array, hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-          attention_impl: str = "auto", forced: Array | None = None):
+          attention_impl: str = "auto") -> tuple[Array, Array, Array]:
     """k draft steps. Returns drafts [B, k], q [B, k, V] (the draft distribution each draft was sampled from;
     zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha]."""
     acfg = assistant.config
@@ -116,8 +117,6 @@ def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, para
         pick = jax.vmap(jax.random.categorical)(keys, logits)
         sampled = jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
         d = jnp.where(sampled_rows, sampled, greedy).astype(jnp.int32)
-        if forced is not None:  # test-only: drafts given from outside
-            d = forced[:, s]
         q_sparse = jax.nn.softmax(logits, -1)
         q = jnp.zeros((tok.shape[0], V), jnp.float32).at[jnp.arange(tok.shape[0])[:, None], ids].set(q_sparse)
         qs.append(jnp.where(sampled_rows[:, None], q, 0.0))
@@ -127,9 +126,42 @@ def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, para
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(hns, 1)
 
 
+class Drafter(Protocol):
+    """What proposes a round's k drafts inside the speculative program. The engine takes one as a component:
+    `AssistantDrafter` (the MTP assistant) by default; anything else that drafts from the same inputs plugs in."""
+
+    def params(self) -> Any:
+        """The device arrays the drafter reads: an input of the compiled program (a pytree; () for none)."""
+
+    def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
+              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
+              attention_impl: str) -> tuple[Array, Array]:
+        """Drafts [B, k] int32 for rows whose newest token `tokens` sits at position `lengths` (the committed K/V
+        in `pages`, the target's hidden at P-1 in `hidden`), and q [B, k, V]: the distribution each draft was
+        sampled from (exact verification needs it; zeros on greedy rows)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AssistantDrafter:
+    """The MTP assistant drafts (`draft`), reading its parameters and its head's suppressed tokens."""
+
+    assistant: Assistant
+
+    def params(self) -> tuple[dict, DraftHead]:
+        return self.assistant.params, make_draft_head(self.assistant)
+
+    def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
+              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
+              attention_impl: str) -> tuple[Array, Array]:
+        params_a, head = params_d
+        drafts, q, _ = draft(target, self.assistant, layout, params_t, params_a, head, pages, tables, tokens, hidden,
+                             lengths, sampling, k, attention_impl)
+        return drafts, q
+
+
 def accept(drafts: Array, q: Array, target_logits: Array, sampling: SamplingBatch, spec_on: Array,
            positions: Array) -> tuple[Array, Array]:
-    """Exact verification (DESIGN.md convention 3). drafts [B, k], q [B, k, V], target_logits [B, k+1, V].
+    """Exact verification (docs/DESIGN.md convention 3). drafts [B, k], q [B, k, V], target_logits [B, k+1, V].
 
     Greedy rows: the longest prefix of drafts equal to the target's argmax, then the target's token there.
     Sampled rows: accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
@@ -184,21 +216,22 @@ def stop_check(emitted: Array, n: Array, stop_ids: Array, remaining: Array) -> t
     return keep.astype(jnp.int32), finished
 
 
-def speculative_step(target: Target, assistant: Assistant, layout: KVLayout, k: int, attention_impl: str,
-                     params_t, params_a, head: DraftHead, pages, hidden_buf: Array, slots: Array, tokens: Array,
-                     lengths: Array, tables, sampling: SamplingBatch, spec_on: Array, stop_ids: Array,
-                     remaining: Array, forced: Array | None = None):
+def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int, attention_impl: str,
+                     params_t, params_d, pages, hidden_buf: Array, slots: Array, tokens: Array, lengths: Array,
+                     tables, sampling: SamplingBatch, spec_on: Array, stop_ids: Array,
+                     remaining: Array) -> tuple[Any, Array, Array]:
     """One round for B sequences (rows with lengths < 0 are padding). `hidden_buf` [slots+1, H] holds each
     sequence's h by slot; both it and the pages are donated and updated in place. stop_ids [B, S] and
     remaining [B] (tokens the request may still produce) decide where a sequence's output ends.
 
     Returns (pages, hidden_buf, packed [B, k+4] int32: the emitted tokens (k+1, -1 after the bonus), then n
-    accepted, tokens kept, finished flag) — the one array the host reads per step."""
+    accepted, tokens kept, finished flag) — the one array the host reads per step (docs/DESIGN.md conventions
+    6-7). The drafts come from `drafter` (`AssistantDrafter` in production)."""
     valid = lengths >= 0
     P = jnp.where(valid, lengths, 0)
     hidden = hidden_buf[slots]
-    drafts, q, _ = draft(target, assistant, layout, params_t, params_a, head, pages, tables, tokens, hidden,
-                         jnp.where(valid, P, 0), sampling, k, attention_impl, forced)
+    drafts, q = drafter.draft(target, layout, params_t, params_d, pages, tables, tokens, hidden, P, sampling, k,
+                              attention_impl)
     verify_tokens = jnp.concatenate([tokens[:, None], drafts], 1)  # [B, k+1]
     positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
     h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables,
@@ -210,22 +243,3 @@ def speculative_step(target: Target, assistant: Assistant, layout: KVLayout, k: 
     keep, finished = stop_check(emitted, n, stop_ids, remaining)
     packed = jnp.concatenate([emitted, n[:, None], keep[:, None], finished[:, None]], 1).astype(jnp.int32)
     return pages, hidden_buf, packed
-
-
-def abstract_inputs(target: Target, assistant: Assistant, layout: KVLayout, cache_dtype, num_slots: int,
-                    batch: int, k: int, head: DraftHead, forced: bool) -> tuple[Any, ...]:
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-    tables = {g: i32(batch, w) for g, w in layout.pages_per_seq}
-    sampling = SamplingBatch(jax.ShapeDtypeStruct((batch,), jnp.float32), i32(batch),
-                             jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.uint32))
-    args = (
-        jax.tree_util.tree_map(sds, target.params),
-        jax.tree_util.tree_map(sds, assistant.params),
-        jax.tree_util.tree_map(sds, head),
-        abstract_pages(target.config, layout, cache_dtype),
-        jax.ShapeDtypeStruct((num_slots + 1, target.config.hidden_size), cache_dtype),
-        i32(batch), i32(batch), i32(batch), tables, sampling, jax.ShapeDtypeStruct((batch,), jnp.bool_),
-        i32(batch, MAX_STOP_IDS), i32(batch),
-    )
-    return args + ((i32(batch, k),) if forced else ())

@@ -22,7 +22,7 @@ from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
-from gemma4_mtp_jax.speculative import abstract_inputs, make_draft_head, speculative_step
+from gemma4_mtp_jax.speculative import MAX_STOP_IDS, Drafter, speculative_step
 
 log = logging.getLogger(__name__)
 
@@ -42,41 +42,48 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     return path
 
 
+def _shapes(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _i32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
 @dataclasses.dataclass
 class CompiledSteps:
-    """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, decode per batch bucket."""
+    """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
+    with a drafter, the speculative round."""
 
     target: Target
     layout: KVLayout
     cache_dtype: Any
     attention_impl: str = "auto"
-    assistant: Any = None  # with an assistant, decoding is the speculative step (gemma4_mtp_jax.speculative)
+    drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (gemma4_mtp_jax.speculative)
     k: int = 0
     num_slots: int = 1
-    forced: bool = False  # test-only: the speculative step takes its drafts as an input
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[int, Any] = dataclasses.field(default_factory=dict)
     speculative: dict[int, Any] = dataclasses.field(default_factory=dict)
     _write_hidden: Any = None
 
     def __post_init__(self):
-        if self.assistant is not None:
-            self.draft_head = make_draft_head(self.assistant)
+        # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
+        self.draft_params = self.drafter.params() if self.drafter is not None else None
 
     def _abstract(self, batch: int, tokens: int | None):
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-        tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
-        sampling = SamplingBatch(
-            temperature=jax.ShapeDtypeStruct((batch,), jnp.float32),
-            top_k=i32(batch),
-            top_p=jax.ShapeDtypeStruct((batch,), jnp.float32),
-            seed=jax.ShapeDtypeStruct((batch,), jnp.uint32),
-        )
-        params = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.target.params)
+        tables = {g: _i32(batch, w) for g, w in self.layout.pages_per_seq}
+        f32 = jax.ShapeDtypeStruct((batch,), jnp.float32)
+        sampling = SamplingBatch(temperature=f32, top_k=_i32(batch), top_p=f32,
+                                 seed=jax.ShapeDtypeStruct((batch,), jnp.uint32))
+        params = _shapes(self.target.params)
         pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
         if tokens is None:
-            return params, pages, i32(batch), i32(batch), tables, sampling
-        return params, pages, i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling
+            return params, pages, _i32(batch), _i32(batch), tables, sampling
+        return params, pages, _i32(batch, tokens), _i32(batch, tokens), tables, _i32(batch), sampling
+
+    def _abstract_hidden(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.num_slots + 1, self.target.config.hidden_size), self.cache_dtype)
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
         fn = lambda *a: prefill_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
@@ -87,20 +94,18 @@ class CompiledSteps:
         return jax.jit(fn, donate_argnums=(1,)).lower(*self._abstract(batch, None))
 
     def _lower_speculative(self, batch: int) -> jax.stages.Lowered:
-        fn = lambda *a: speculative_step(self.target, self.assistant, self.layout, self.k,  # noqa: E731
+        fn = lambda *a: speculative_step(self.target, self.drafter, self.layout, self.k,  # noqa: E731
                                          self.attention_impl, *a)
-        args = abstract_inputs(self.target, self.assistant, self.layout, self.cache_dtype, self.num_slots, batch,
-                               self.k, self.draft_head, self.forced)
-        return jax.jit(fn, donate_argnums=(3, 4)).lower(*args)
+        params, pages, tokens, lengths, tables, sampling = self._abstract(batch, None)
+        args = (params, _shapes(self.draft_params), pages, self._abstract_hidden(), _i32(batch), tokens, lengths,
+                tables, sampling, jax.ShapeDtypeStruct((batch,), jnp.bool_), _i32(batch, MAX_STOP_IDS), _i32(batch))
+        return jax.jit(fn, donate_argnums=(2, 3)).lower(*args)
 
     def _lower_write_hidden(self) -> jax.stages.Lowered:
         fn = lambda buf, s, v: buf.at[s].set(v.astype(buf.dtype))  # noqa: E731
         H = self.target.config.hidden_size
         return jax.jit(fn, donate_argnums=(0,)).lower(
-            jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype),
-            jax.ShapeDtypeStruct((1,), jnp.int32),
-            jax.ShapeDtypeStruct((1, H), self.target.dtype),
-        )
+            self._abstract_hidden(), _i32(1), jax.ShapeDtypeStruct((1, H), self.target.dtype))
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
         if (batch, tokens) not in self.prefill:
@@ -130,7 +135,7 @@ class CompiledSteps:
 
         progs = [(f"prefill[1x{t}]", lambda t=t: self._lower_prefill(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
-        if self.assistant is None:
+        if self.drafter is None:
             progs += [(f"decode[{b}]", lambda b=b: self._lower_decode(b), put(self.decode, b)) for b in batch_buckets]
         else:
             progs += [(f"speculative[{b}x{self.k}]", lambda b=b: self._lower_speculative(b), put(self.speculative, b))

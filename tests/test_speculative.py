@@ -1,12 +1,13 @@
 """MTP speculative decoding (issue 4): losslessness, drafter parity with transformers, an independent reference
-loop, exact rejection sampling, forced drafts, EOS inside an accepted run, and the drafter's K/V mapping.
+loop, exact rejection sampling, drafts that match the target, EOS inside an accepted run, and the drafter's K/V
+mapping.
 
 CPU, float32, the tiny transformers-built pairs of hf_tiny.py (the "target" checkpoints, aligned with their
 assistants so that drafts are partly accepted). Engines compile every program at start-up (~10 s plain, ~20 s
 speculative on 2 cores), so they are built once per module and shared:
   plain   e2b, a26b, b31b                 (the non-speculative greedy references)
   spec    e2b k=1, e2b k=2 (2 slots), e2b k=4, a26b k=4, b31b k=4
-  forced  e2b k=4 with `_forced_drafts`   (test-only switch)
+  oracle  e2b k=4 drafting with `TargetGreedyDrafter` (the target's own greedy tokens, plugged into the engine)
 k=1 and k=2 run on e2b only: it has every special path (centroid head, suppress_tokens, KV-shared layers).
 """
 
@@ -46,15 +47,40 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
     return [rng.integers(3, hf_tiny.VOCAB, size=n).tolist() for n in lengths]
 
 
+class TargetGreedyDrafter:
+    """A drafter (`speculative.Drafter`) whose drafts are the target's own greedy continuation: it runs the target
+    on its own pages one token at a time (the K/V it writes there stays inside the draft; the verify forward
+    rewrites those positions). Greedy rows then accept every draft; sampled rows get q = one-hot (a deterministic
+    proposal)."""
+
+    def params(self):
+        return ()
+
+    def draft(self, target, layout, params_t, params_d, pages, tables, tokens, hidden, lengths, sampling, k,
+              attention_impl):
+        from gemma4_mtp_jax.forward import forward_paged, lm_logits
+
+        tok, drafts = tokens, []
+        for s in range(k):
+            h, pages = forward_paged(target, layout, params_t, pages, tok[:, None], (lengths + s)[:, None], tables,
+                                     attention_impl=attention_impl)
+            tok = jnp.argmax(lm_logits(target, params_t, h[:, 0]), -1).astype(jnp.int32)
+            drafts.append(tok)
+        drafts = jnp.stack(drafts, 1)
+        q = jax.nn.one_hot(drafts, target.config.vocab_size) * (sampling.temperature > 0)[:, None, None]
+        return drafts, q
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_ckpts, jax_models):
-    """engines(family, k=0, forced=False): one Engine per key for the whole module (k=0: no assistant)."""
+    """engines(family, k=0, oracle=False): one Engine per key for the whole module (k=0: no assistant; oracle:
+    drafting with TargetGreedyDrafter)."""
     from gemma4_mtp_jax.engine import Engine
 
     cache = {}
 
-    def get(family: str, k: int = 0, forced: bool = False):
-        key = (family, k, forced)
+    def get(family: str, k: int = 0, oracle: bool = False):
+        key = (family, k, oracle)
         if key not in cache:
             p = tiny_ckpts[family]
             target = jax_models.target(p["target"])
@@ -62,9 +88,9 @@ def engines(tiny_ckpts, jax_models):
                 cache[key] = Engine(target, _config())
             else:
                 assistant = jax_models.assistant(p["assistant"])
-                cfg = _config(num_speculative_tokens=k, max_num_seqs=2 if k < K else 4,
-                              _forced_drafts={} if forced else None)
-                cache[key] = Engine(target, cfg, assistant=assistant)
+                cfg = _config(num_speculative_tokens=k, max_num_seqs=2 if k < K else 4)
+                cache[key] = Engine(target, cfg, assistant=assistant,
+                                    drafter=TargetGreedyDrafter() if oracle else None)
         return cache[key]
 
     return get
@@ -193,6 +219,7 @@ _DRAFT_FNS = {}
 
 def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, fn=None):
     from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
+    from gemma4_mtp_jax.speculative import make_draft_head
 
     B = len(tokens)
     sampling = sampling or SamplingBatch.from_params([SamplingParams()] * B, B)
@@ -202,7 +229,7 @@ def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, f
             _DRAFT_FNS[key] = _draft_fn(eng, k)
         fn = _DRAFT_FNS[key]
     tables = eng._tables([eng._row(r) for r in reqs_for_tables], B)
-    return fn(eng.target.params, eng.assistant.params, eng.steps.draft_head, eng.pages,
+    return fn(eng.target.params, eng.assistant.params, make_draft_head(eng.assistant), eng.pages,
               tables, np.asarray(tokens, np.int32), eng.hidden[np.asarray(slots)],
               np.asarray(lengths, np.int32), sampling)
 
@@ -609,35 +636,24 @@ def test_sampled_drafts_follow_returned_q(family, engines):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 6. Forced drafts: 100% acceptance; 7. EOS inside an accepted run
+# 6. Drafts equal to the target's: 100% acceptance; 7. EOS inside an accepted run
 # ----------------------------------------------------------------------------------------------------------------------
-def test_forced_drafts_accept_everything(engines):
-    """Drafts forced equal to the target's own greedy continuation are all accepted: mean acceptance length k+1,
-    output = the reference. One request's reference ends exactly at max_new_tokens, so its last round is fed
-    padding drafts and may accept fewer; all its earlier rounds accept k."""
-    eng = engines("e2b", K, forced=True)
+def test_drafts_matching_the_target_are_all_accepted(engines):
+    """Drafts equal to the target's own greedy continuation (TargetGreedyDrafter plugged into the engine) are all
+    accepted: every round accepts k, mean acceptance length k+1, output = the plain engine's reference."""
+    eng = engines("e2b", K, oracle=True)
     prompts = _prompts(60, [4, 11, 19, 26])
     M = 22  # (22 - 1) % 5 != 0: the last round is cut by max_new_tokens inside an accepted run
-    long_ref = greedy_reference(engines, "e2b", prompts, M + K)
-    eng.config._forced_drafts.clear()
-    reqs = []
-    for i, (p, ref) in enumerate(zip(prompts, long_ref)):
-        rid = f"forced-{i}"
-        eng.config._forced_drafts[rid] = ref if i < 3 else ref[:M]
-        reqs.append(eng.add_request(p, M, request_id=rid))
+    refs = greedy_reference(engines, "e2b", prompts, M + K)
+    reqs = [eng.add_request(p, M) for p in prompts]
     eng.run()
-    for i, (r, ref) in enumerate(zip(reqs, long_ref)):
+    for r, ref in zip(reqs, refs):
         assert r.output == ref[:M] and r.finish_reason == "length"
         _check_round_stats(r, K)
-        if i < 3:
-            assert r.accepted_per_round == [K] * len(r.accepted_per_round)
-            assert r.num_accepted == r.num_drafted
-            assert r.stats()["mean_acceptance_length"] == K + 1
-        else:
-            assert r.accepted_per_round[:-1] == [K] * (len(r.accepted_per_round) - 1)
-            start, _ = _round_spans(r)[-1]
-            assert r.accepted_per_round[-1] >= min(K, M - start)  # the forced tokens that were real all matched
-    assert eng.metrics["accepted_per_position"][K - 1] > 0
+        assert r.accepted_per_round == [K] * len(r.accepted_per_round)
+        assert r.num_accepted == r.num_drafted
+        assert r.stats()["mean_acceptance_length"] == K + 1
+    assert eng.metrics["accepted_per_position"] == [sum(len(r.accepted_per_round) for r in reqs)] * K
     assert all(n == 0 for n in eng.pages_in_use().values())
 
 
@@ -656,9 +672,9 @@ def _stop_candidates(output, spans, min_accepted=2):
 
 def test_eos_inside_accepted_run_cuts_there(engines):
     """A stop id that falls on an accepted draft in the middle of a round ends the output right there (the rest of
-    the round's accepted drafts and its bonus token are dropped), finish_reason 'stop' (forced drafts guarantee
-    rounds of k accepted). max_new_tokens falling inside a naturally accepted run cuts there too."""
-    eng = engines("e2b", K, forced=True)
+    the round's accepted drafts and its bonus token are dropped), finish_reason 'stop' (TargetGreedyDrafter's
+    rounds accept k). max_new_tokens falling inside a naturally accepted run cuts there too."""
+    eng = engines("e2b", K, oracle=True)
     prompts = _prompts(70, [6, 10, 15, 21, 28])
     refs = greedy_reference(engines, "e2b", prompts, MAX_NEW + K)
     found = None
@@ -670,8 +686,6 @@ def test_eos_inside_accepted_run_cuts_there(engines):
             break
     assert found, "no prompt has a first-occurrence token in the middle of a round; change the prompts"
     p, ref, i = found
-    eng.config._forced_drafts.clear()
-    eng.config._forced_drafts["eos"] = ref
     r = eng.add_request(p, MAX_NEW, stop_ids=frozenset([ref[i]]), request_id="eos")
     eng.run()
     assert r.output == ref[: i + 1] and r.finish_reason == "stop", (i, r.output, ref)
