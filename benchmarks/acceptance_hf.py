@@ -25,7 +25,7 @@ out of the acceptance statistics, but not of `tokens_generated` / `wall_s`:
     accepted. We drop that one round per prompt rather than guess (with ~128 new tokens it is one round in tens).
 `rounds_excluded` reports how many were dropped.
 
-How transformers 5.24 drafts with a Gemma 4 assistant, and where it differs from our engine (DESIGN.md conventions),
+How transformers 5.24 drafts with a Gemma 4 assistant, and where it differs from our engine (docs/DESIGN.md conventions),
 so that the figures are compared knowingly:
   * Same: query position P (the bonus token's) for all k steps; step 1 gets the target's post-norm hidden at P-1
     (`hidden_states[-1]`), later steps the assistant's `post_projection` output; full-acceptance rounds see exactly
