@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--assistant-seq-len", type=int, default=512)
     ap.add_argument("--assistant-lr", type=float, default=1e-3)
     ap.add_argument("--assistant-train-seqs", type=int, default=8000,
-                    help="training sequences the assistant reads (a fifth continued by the target itself)")
+                    help="training sequences the assistant reads (--self-distill-fraction of them continued by "
+                         "the target itself)")
+    ap.add_argument("--self-distill-fraction", type=float, default=0.2,
+                    help="share of the assistant's training sequences continued by the target itself (greedy)")
     ap.add_argument("--gen-batch", type=int, default=128, help="sequences the target continues at once")
     ap.add_argument("--k", type=int, default=4, help="draft steps the assistant is trained to unroll")
     ap.add_argument("--install", action="store_true",
@@ -185,7 +188,8 @@ def stage_assistant(args, out: Path) -> dict:
             "--dtype", "bfloat16", "--k", str(args.k), "--steps", str(args.assistant_steps),
             "--batch-size", str(args.assistant_batch), "--seq-len", str(args.assistant_seq_len),
             "--lr", str(args.assistant_lr), "--max-train-seqs", str(args.assistant_train_seqs),
-            "--self-distill-fraction", "0.2", "--gen-batch", str(args.gen_batch), "--seed", str(args.seed),
+            "--self-distill-fraction", str(args.self_distill_fraction), "--gen-batch", str(args.gen_batch),
+            "--seed", str(args.seed),
             "--save-every", str(max(args.assistant_steps, 1))]
     _info("assistant: python -m gemma4_mtp_jax.train_assistant " + " ".join(argv))
     return cli.run(cli.build_parser().parse_args(argv))
