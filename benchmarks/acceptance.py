@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gemma4_mtp_jax import demo
 from gemma4_mtp_jax.api import load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
 from gemma4_mtp_jax.generate import generate, load_tokenizer
@@ -119,13 +120,7 @@ def main() -> None:
     ap.add_argument("--out", default="acceptance.json")
     args = ap.parse_args()
 
-    ckpt, assistant_ckpt = args.ckpt, args.assistant
-    if "demo" in (ckpt, assistant_ckpt):
-        from gemma4_mtp_jax.demo import demo_pair
-
-        t_dir, a_dir = demo_pair()
-        ckpt = t_dir if ckpt == "demo" else ckpt
-        assistant_ckpt = a_dir if assistant_ckpt == "demo" else assistant_ckpt
+    ckpt, assistant_ckpt = demo.resolve(args.ckpt, args.assistant)
     target, assistant = load_target(ckpt, args.dtype), load_assistant(assistant_ckpt, args.dtype)
     tok = load_tokenizer(target.path)
     n = args.prompts_per_source

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.acceptance import chat_prompts, heldout_prompts  # noqa: E402
+from gemma4_mtp_jax import demo  # noqa: E402
 from gemma4_mtp_jax.api import load_assistant, load_target  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 from gemma4_mtp_jax.generate import generate, load_tokenizer  # noqa: E402
@@ -51,13 +52,7 @@ def main() -> None:
     ap.add_argument("--out", default="realized_speedup.json")
     args = ap.parse_args()
 
-    ckpt, assistant_ckpt = args.ckpt, args.assistant
-    if "demo" in (ckpt, assistant_ckpt):
-        from gemma4_mtp_jax.demo import demo_pair
-
-        t_dir, a_dir = demo_pair()
-        ckpt = t_dir if ckpt == "demo" else ckpt
-        assistant_ckpt = a_dir if assistant_ckpt == "demo" else assistant_ckpt
+    ckpt, assistant_ckpt = demo.resolve(args.ckpt, args.assistant)
     target, assistant = load_target(ckpt), load_assistant(assistant_ckpt)
     if args.prompts:
         records = json.loads(Path(args.prompts).read_text())

@@ -199,6 +199,15 @@ def demo_pair() -> tuple[Path, Path]:
     return tdir, adir
 
 
+def resolve(target: str | os.PathLike | None, assistant: str | os.PathLike | None) -> tuple[str | None, str | None]:
+    """Command-line checkpoint arguments with the name 'demo' replaced by the packaged pair's directory (the
+    target's for a target argument, the assistant's for an assistant argument); other values pass unchanged."""
+    if "demo" not in (target, assistant):
+        return target, assistant
+    t_dir, a_dir = demo_pair()
+    return (str(t_dir) if target == "demo" else target), (str(a_dir) if assistant == "demo" else assistant)
+
+
 def build_random_pair(root: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path]:
     """Write the random-weight test pair under `root` (default ~/.cache/gemma4_mtp_jax/demo-vN) unless there."""
     from gemma4_mtp_jax.api import abstract_assistant_params, abstract_target_params

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from gemma4_mtp_jax import demo
 from gemma4_mtp_jax.api import Assistant, Target, load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
 from gemma4_mtp_jax.sampling import SamplingParams
@@ -118,14 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.prompt and not args.prompt_ids:
             raise RequestError("give at least one --prompt or --prompt-ids")
         t0 = time.perf_counter()
-        ckpt, assistant_ckpt = args.ckpt, args.assistant
-        if "demo" in (ckpt, assistant_ckpt):
-            from gemma4_mtp_jax.demo import demo_pair
-
-            demo_target, demo_assistant = demo_pair()
-            ckpt = demo_target if ckpt == "demo" else ckpt
-            assistant_ckpt = demo_assistant if assistant_ckpt == "demo" else assistant_ckpt
-            info(f"demo pair: {demo_target.parent}")
+        ckpt, assistant_ckpt = demo.resolve(args.ckpt, args.assistant)
+        if "demo" in (args.ckpt, args.assistant):
+            info(f"demo pair: {demo.PACKAGED}")
         target = load_target(ckpt, args.dtype)
         assistant = load_assistant(assistant_ckpt, args.dtype) if assistant_ckpt else None
         info(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s")

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4_mtp_jax import demo
 from gemma4_mtp_jax.api import abstract_assistant_params, load_assistant, load_target
 from gemma4_mtp_jax.config import ConfigError, read_config_json
 from gemma4_mtp_jax.train import arch, checkpoint
@@ -131,17 +132,6 @@ def _info(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _resolve_demo(args) -> tuple[str, str | None]:
-    target, init = args.target, args.init
-    if "demo" in (target, init):
-        from gemma4_mtp_jax.demo import demo_pair
-
-        demo_target, demo_assistant = demo_pair()
-        target = str(demo_target) if target == "demo" else target
-        init = str(demo_assistant) if init == "demo" else init
-    return target, init
-
-
 def _train_config(args, k: int) -> TrainConfig:
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
                         ("--positions-per-seq", args.positions_per_seq), ("--k", k), ("--save-every", args.save_every)):
@@ -181,7 +171,7 @@ def _check_resume(run: dict, new: dict, out: Path, full: bool) -> None:
 
 def _architecture(args, target) -> tuple[dict, dict, Any, str | None]:
     """(assistant config.json, generation_config base, the --init assistant or None, its source)."""
-    _, init_src = _resolve_demo(args)
+    _, init_src = demo.resolve(args.target, args.init)
     if init_src is None:
         config_json = arch.default_assistant_config(read_config_json(target.path), target.config)
         if args.assistant_config is not None:
@@ -235,7 +225,7 @@ def _fit_centroid_head(args, acfg, progs, params, target, dataset: Dataset, init
 def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     out = Path(args.out).expanduser()
-    target_src, _ = _resolve_demo(args)
+    target_src, _ = demo.resolve(args.target, args.init)
     target = load_target(target_src, args.dtype)
     dtype = jnp.dtype(target.dtype).name
     _info(f"target {target_src} ({target.config.num_layers} layers, hidden {target.config.hidden_size}, {dtype})")
