@@ -8,9 +8,7 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("optax")
-
-from gemma4_mtp_jax.demo import BOS_ID, EOS_ID, SPECIALS  # noqa: E402
+from gemma4_mtp_jax.demo import BOS_ID, EOS_ID, SPECIALS
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife.\n\nIn the beginning, God created the heavens and the earth.\n\ndef f(x):\n    return x + 1\n")

@@ -13,3 +13,17 @@ pretrain.py    a target from scratch (next-token cross-entropy)
 corpus.py      the demo corpus from packages that ship public-domain text
 demo_recipe.py `python -m gemma4_mtp_jax.train_demo`: tokenizer, target, assistant, the shipped pair
 """
+
+import importlib
+from typing import Callable
+
+
+def entry_point(module: str) -> Callable[..., int]:
+    """The `main` of a training CLI module, or a clear exit naming the extra when optax (training's one extra
+    dependency) is not installed."""
+    try:
+        return importlib.import_module(module).main
+    except ModuleNotFoundError as e:
+        if e.name != "optax":
+            raise
+        raise SystemExit("error: training needs optax: pip install -e '.[train]'") from None
