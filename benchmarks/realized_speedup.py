@@ -13,6 +13,11 @@ the decode step and the speculative step timed alone, as compiled programs),
     projected = L x t_decode / t_spec.
 Medians over prompts; realized / projected says how much of the step-time arithmetic survives in the generation
 loop (host work between steps, rounds cut short at the end of a reply).
+
+Greedy speculative output equals plain output exactly when both run in float32 (`--dtype float32`; the script
+then fails on any difference). In bf16 the verify forward (k+1 tokens) and the decode step (1 token) round
+differently, so at a near-tie of the target's top two logits the two can part ways: the report gives the share of
+identical outputs and where they first differ, and the timings compare decode time per token either way.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.acceptance import chat_prompts, heldout_prompts  # noqa: E402
 from gemma4_mtp_jax import demo  # noqa: E402
@@ -49,11 +56,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=None, help="drafts per round (default: the assistant's)")
     ap.add_argument("--bench-spec", default=None, help="bench_spec.py's JSON (decode_ms, spec_ms at batch 1)")
+    ap.add_argument("--dtype", default=None, help="default: the checkpoint's (bf16 for the demo pair)")
     ap.add_argument("--out", default="realized_speedup.json")
     args = ap.parse_args()
 
     ckpt, assistant_ckpt = demo.resolve(args.ckpt, args.assistant)
-    target, assistant = load_target(ckpt), load_assistant(assistant_ckpt)
+    target, assistant = load_target(ckpt, args.dtype), load_assistant(assistant_ckpt, args.dtype)
+    exact = target.dtype == jnp.float32
     if args.prompts:
         records = json.loads(Path(args.prompts).read_text())
     else:
@@ -72,11 +81,15 @@ def main() -> None:
         generate(target, [prompts[0][1]], args.max_new_tokens, engine=engine, speculative=spec)
     print(f"engine + warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
 
-    rows = []
+    rows, compared = [], []
     for source, ids in prompts:
         plain = generate(target, [ids], args.max_new_tokens, engine=engine, speculative=False)[0]
         spec = generate(target, [ids], args.max_new_tokens, engine=engine, speculative=True)[0]
-        assert spec.tokens == plain.tokens, f"greedy speculative output differs from plain ({source} prompt)"
+        same = spec.tokens == plain.tokens
+        if exact and not same:
+            raise SystemExit(f"greedy speculative output differs from plain in float32 ({source} prompt {ids[:8]}...)")
+        diverge = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b), None)
+        compared.append({"source": source, "same": same, "first_divergence": diverge, "plain_tokens": len(plain.tokens)})
         n = len(plain.tokens)
         if n < 8:
             continue  # a reply of a few tokens measures prefill, not decoding
@@ -96,10 +109,13 @@ def main() -> None:
             r["projected"] = r["L"] * b1[0]["decode_ms"] / b1[0]["spec_ms"]
         med["projected"] = statistics.median(r["projected"] for r in rows)
         med["realized_over_projected"] = statistics.median(r["realized"] / r["projected"] for r in rows)
-    report = {"ckpt": str(ckpt), "assistant": str(assistant_ckpt), "k": engine.k, "batch": 1,
-              "max_new_tokens": args.max_new_tokens, "prompts": len(rows), "median": med, "rows": rows}
+    med["same_output"] = sum(c["same"] for c in compared) / len(compared)
+    report = {"ckpt": str(ckpt), "assistant": str(assistant_ckpt), "dtype": jnp.dtype(target.dtype).name,
+              "k": engine.k, "batch": 1, "max_new_tokens": args.max_new_tokens, "prompts": len(rows), "median": med,
+              "rows": rows, "spec_vs_plain_output": compared}
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps({"k": engine.k, "prompts": len(rows), "median": med}, indent=2))
+    print(json.dumps({"dtype": report["dtype"], "k": engine.k, "prompts": len(rows), "median": med,
+                      "first_divergence": [c["first_divergence"] for c in compared]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -55,51 +55,79 @@ def _key_for(seed: Array, position: Array, stream: int) -> Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(seed, position)
 
 
-def _draft_distribution(assistant: Assistant, params_a, head: DraftHead, hn: Array, sampling: SamplingBatch,
-                        sampled_rows: Array, attention_impl: str) -> tuple[Array, Array, Array]:
-    """From the normed draft hidden hn [B, Ha]: (greedy token [B], filtered draft logits over candidate ids
-    [B, N], the candidates' canonical ids [B, N]). The dense head's candidates are the whole vocabulary."""
+def _draft_tokens(assistant: Assistant, params_a, head: DraftHead, hn: Array, sampling: SamplingBatch,
+                  sampled_rows: Array, key_position: Array, step: int,
+                  attention_impl: str) -> tuple[Array, Array, Array | None]:
+    """One draft per row from the normed draft hidden hn [B, Ha]: (token [B], q [B, N], candidate ids [B, N]).
+
+    q is the distribution a sampled row's draft was drawn from, over N candidates: the centroid head's
+    top_k * V / C tokens (ids: their canonical ids), or the whole vocabulary for the dense head (ids None: the
+    vocabulary in order). Greedy rows take the argmax and get q = 0. Everything that only sampling needs (the
+    sparse logits, the top-k/top-p filter, the draw, the softmax) runs in one `lax.cond` branch taken only when some
+    row samples: a greedy batch launches the head's argmax and nothing else."""
     cfg = assistant.config
+    B = hn.shape[0]
+    any_sampled = jnp.any(sampled_rows)
+    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+
+    def draw(logits: Array, ids: Array | None) -> tuple[Array, Array]:
+        filtered = filter_logits(logits / temp[:, None], sampling.top_k, sampling.top_p)
+        pick = jax.vmap(jax.random.categorical)(_key_for(sampling.seed, key_position, 1 + step), filtered)
+        pick = jnp.where(sampled_rows, pick, jnp.argmax(logits, -1))
+        token = pick if ids is None else jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
+        q = jnp.where(sampled_rows[:, None], jax.nn.softmax(filtered, -1), 0.0)
+        return token.astype(jnp.int32), q
+
     if cfg.use_ordered_embeddings:
         me = params_a["masked_embedding"]
         impl = "xla" if attention_impl == "xla" else "auto"
         head_args = (hn, me["centroids"]["weight"], me["ordered_embedding"], me["token_ordering"], cfg.centroid_top_k,
                      head.suppress)
+        n = cfg.centroid_top_k * (cfg.text.vocab_size // cfg.num_centroids)
 
-        def greedy_only():  # the fused gather-dot + argmax kernel; no draft distribution is needed
+        def greedy_only():  # the fused gather-dot + argmax kernel; no distribution is needed
             token, _ = centroid_head(*head_args, mode="argmax", impl=impl)
-            n = cfg.centroid_top_k * (cfg.text.vocab_size // cfg.num_centroids)
-            return token, jnp.zeros((hn.shape[0], n), jnp.float32), jnp.zeros((hn.shape[0], n), jnp.int32)
+            return token.astype(jnp.int32), jnp.zeros((B, n), jnp.float32), jnp.zeros((B, n), jnp.int32)
 
-        def with_distribution():
+        def sampled():
             logits, ids = centroid_head(*head_args, mode="sparse", impl=impl)
-            logits = logits.astype(jnp.float32)
-            return jnp.take_along_axis(ids, jnp.argmax(logits, -1)[:, None], 1)[:, 0], logits, ids
+            return (*draw(logits.astype(jnp.float32), ids), ids)
 
-        greedy, logits, ids = jax.lax.cond(jnp.any(sampled_rows), with_distribution, greedy_only)
-    else:
-        logits = assistant.module.apply({"params": params_a}, hn, method=Gemma4Assistant.logits)
-        if head.suppress is not None:
-            logits = jnp.where(head.suppress, _NEG, logits)
-        ids = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=jnp.int32), logits.shape)
-        logits = logits.astype(jnp.float32)
-        greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-    filtered = jax.lax.cond(
-        jnp.any(sampled_rows),
-        lambda: filter_logits(logits / temp[:, None], sampling.top_k, sampling.top_p),
-        lambda: logits,
-    )
-    return greedy, filtered, ids
+        return jax.lax.cond(any_sampled, sampled, greedy_only)
+    logits = assistant.module.apply({"params": params_a}, hn, method=Gemma4Assistant.logits)
+    if head.suppress is not None:
+        logits = jnp.where(head.suppress, _NEG, logits)
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    token, q = jax.lax.cond(any_sampled, lambda: draw(logits, None),
+                            lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
+    return token, q, None
+
+
+def q_at(q: Array, q_ids: Array | None, tokens: Array) -> Array:
+    """q [..., N] (over candidates q_ids [..., N], or the whole vocabulary if None) at tokens [...]."""
+    if q_ids is None:
+        return jnp.take_along_axis(q, tokens[..., None], -1)[..., 0]
+    return jnp.sum(jnp.where(q_ids == tokens[..., None], q, 0.0), -1)  # a row's candidates are distinct tokens
+
+
+def dense_q(q: Array, q_ids: Array | None, vocab_size: int) -> Array:
+    """q [..., N] over candidates q_ids [..., N] as a distribution over the vocabulary [..., V]."""
+    if q_ids is None:
+        return q
+    lead, n = q.shape[:-1], q.shape[-1]
+    rows = q.reshape(-1, n)
+    out = jnp.zeros((rows.shape[0], vocab_size), q.dtype).at[jnp.arange(rows.shape[0])[:, None],
+                                                             q_ids.reshape(-1, n)].set(rows)
+    return out.reshape(*lead, vocab_size)
 
 
 def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, params_a, head: DraftHead, pages,
           tables, tokens: Array, hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-          attention_impl: str = "auto") -> tuple[Array, Array, Array]:
-    """k draft steps. Returns drafts [B, k], q [B, k, V] (the draft distribution each draft was sampled from;
-    zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha]."""
+          attention_impl: str = "auto") -> tuple[Array, Array, Array | None, Array]:
+    """k draft steps. Returns drafts [B, k], q [B, k, N] and its candidate ids [B, k, N] or None (see
+    `_draft_tokens`; zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha]."""
     acfg = assistant.config
-    V = acfg.text.vocab_size
     source = {i: target.config.store_layers[t] for i, t in enumerate(acfg.text.layer_types)}
     kv = PagedDraftKV(pages=pages, tables=tables, lengths=lengths, source=source,
                       layer_group=dict(enumerate(acfg.text.layer_types)),
@@ -107,23 +135,18 @@ def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, para
                       attention_impl=attention_impl)
     sampled_rows = sampling.temperature > 0
     tok, h = tokens, hidden
-    drafts, qs, hns = [], [], []
+    drafts, qs, ids, hns = [], [], [], []
     for s in range(k):
         emb = target.module.apply({"params": params_t}, tok, method=Gemma4Target.embed)
         hn, h = assistant.module.apply({"params": params_a}, emb, h, kv)
-        greedy, logits, ids = _draft_distribution(assistant, params_a, head, hn, sampling, sampled_rows,
-                                                  attention_impl)
-        keys = _key_for(sampling.seed, lengths, 1 + s)
-        pick = jax.vmap(jax.random.categorical)(keys, logits)
-        sampled = jnp.take_along_axis(ids, pick[:, None], 1)[:, 0]
-        d = jnp.where(sampled_rows, sampled, greedy).astype(jnp.int32)
-        q_sparse = jax.nn.softmax(logits, -1)
-        q = jnp.zeros((tok.shape[0], V), jnp.float32).at[jnp.arange(tok.shape[0])[:, None], ids].set(q_sparse)
-        qs.append(jnp.where(sampled_rows[:, None], q, 0.0))
-        drafts.append(d)
+        tok, q, q_ids = _draft_tokens(assistant, params_a, head, hn, sampling, sampled_rows, lengths, s,
+                                      attention_impl)
+        drafts.append(tok)
+        qs.append(q)
+        ids.append(q_ids)
         hns.append(hn)
-        tok = d
-    return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(hns, 1)
+    q_ids = None if ids[0] is None else jnp.stack(ids, 1)
+    return jnp.stack(drafts, 1), jnp.stack(qs, 1), q_ids, jnp.stack(hns, 1)
 
 
 class Drafter(Protocol):
@@ -135,10 +158,11 @@ class Drafter(Protocol):
 
     def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
               hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-              attention_impl: str) -> tuple[Array, Array]:
+              attention_impl: str) -> tuple[Array, Array, Array | None]:
         """Drafts [B, k] int32 for rows whose newest token `tokens` sits at position `lengths` (the committed K/V
-        in `pages`, the target's hidden at P-1 in `hidden`), and q [B, k, V]: the distribution each draft was
-        sampled from (exact verification needs it; zeros on greedy rows)."""
+        in `pages`, the target's hidden at P-1 in `hidden`), and the distribution each draft was sampled from
+        (exact verification needs it; zeros on greedy rows): q [B, k, N] over candidate ids [B, k, N], or over
+        the whole vocabulary in order (N = V, ids None)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,16 +176,17 @@ class AssistantDrafter:
 
     def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
               hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-              attention_impl: str) -> tuple[Array, Array]:
+              attention_impl: str) -> tuple[Array, Array, Array | None]:
         params_a, head = params_d
-        drafts, q, _ = draft(target, self.assistant, layout, params_t, params_a, head, pages, tables, tokens, hidden,
-                             lengths, sampling, k, attention_impl)
-        return drafts, q
+        drafts, q, q_ids, _ = draft(target, self.assistant, layout, params_t, params_a, head, pages, tables, tokens,
+                                    hidden, lengths, sampling, k, attention_impl)
+        return drafts, q, q_ids
 
 
-def accept(drafts: Array, q: Array, target_logits: Array, sampling: SamplingBatch, spec_on: Array,
-           positions: Array) -> tuple[Array, Array]:
-    """Exact verification (docs/DESIGN.md convention 3). drafts [B, k], q [B, k, V], target_logits [B, k+1, V].
+def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, sampling: SamplingBatch,
+           spec_on: Array, positions: Array) -> tuple[Array, Array]:
+    """Exact verification (docs/DESIGN.md convention 3). drafts [B, k], target_logits [B, k+1, V], q [B, k, N] the
+    draft distributions over candidate ids q_ids [B, k, N] (None: N = V, the vocabulary in order).
 
     Greedy rows: the longest prefix of drafts equal to the target's argmax, then the target's token there.
     Sampled rows: accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
@@ -181,14 +206,16 @@ def accept(drafts: Array, q: Array, target_logits: Array, sampling: SamplingBatc
         flat = filter_logits(flat, jnp.repeat(sampling.top_k, k + 1), jnp.repeat(sampling.top_p, k + 1))
         p = jax.nn.softmax(flat, -1).reshape(B, k + 1, -1)
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
-        q_d = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+        q_d = q_at(q, q_ids, drafts)
         u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(_key_for(sampling.seed, positions, 100))
         ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 for a draft sampled from q
         n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)
         n = jnp.where(spec_on, n, 0)
         rows = jnp.arange(B)
         p_n = p[rows, n]
-        q_n = jnp.where((spec_on & (n < k))[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
+        m = jnp.minimum(n, k - 1)
+        q_m = dense_q(q[rows, m], None if q_ids is None else q_ids[rows, m], p.shape[-1])
+        q_n = jnp.where((spec_on & (n < k))[:, None], q_m, 0.0)
         residual = jnp.maximum(p_n - q_n, 0.0)
         residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
         bonus = jax.vmap(jax.random.categorical)(_key_for(sampling.seed, positions, 101), jnp.log(residual))
@@ -230,14 +257,14 @@ def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int,
     valid = lengths >= 0
     P = jnp.where(valid, lengths, 0)
     hidden = hidden_buf[slots]
-    drafts, q = drafter.draft(target, layout, params_t, params_d, pages, tables, tokens, hidden, P, sampling, k,
-                              attention_impl)
+    drafts, q, q_ids = drafter.draft(target, layout, params_t, params_d, pages, tables, tokens, hidden, P, sampling,
+                                     k, attention_impl)
     verify_tokens = jnp.concatenate([tokens[:, None], drafts], 1)  # [B, k+1]
     positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
     h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables,
                                  attention_impl=attention_impl)
     logits = lm_logits(target, params_t, h_all)  # [B, k+1, V]
-    emitted, n = accept(drafts, q, logits, sampling, spec_on & valid, P)
+    emitted, n = accept(drafts, q, q_ids, logits, sampling, spec_on & valid, P)
     h_next = h_all[jnp.arange(h_all.shape[0]), n]
     hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
     keep, finished = stop_check(emitted, n, stop_ids, remaining)

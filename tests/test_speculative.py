@@ -68,7 +68,7 @@ class TargetGreedyDrafter:
             drafts.append(tok)
         drafts = jnp.stack(drafts, 1)
         q = jax.nn.one_hot(drafts, target.config.vocab_size) * (sampling.temperature > 0)[:, None, None]
-        return drafts, q
+        return drafts, q, None
 
 
 @pytest.fixture(scope="module")
@@ -203,13 +203,14 @@ def _release(eng, req):
 
 
 def _draft_fn(eng, k: int):
-    """speculative.draft jitted on an engine's target/assistant/layout (traced anew per call site: monkeypatches of
-    the module taken at trace time are honoured)."""
+    """speculative.draft jitted on an engine's target/assistant/layout, q over the whole vocabulary (traced anew per
+    call site: monkeypatches of the module taken at trace time are honoured)."""
     from gemma4_mtp_jax import speculative
 
     def fn(pt, pa, head, pages, tables, tokens, hidden, lengths, sampling):
-        return speculative.draft(eng.target, eng.assistant, eng.layout, pt, pa, head, pages, tables, tokens, hidden,
-                                 lengths, sampling, k, eng.config.attention_impl)
+        drafts, q, q_ids, hn = speculative.draft(eng.target, eng.assistant, eng.layout, pt, pa, head, pages, tables,
+                                                 tokens, hidden, lengths, sampling, k, eng.config.attention_impl)
+        return drafts, speculative.dense_q(q, q_ids, eng.target.config.vocab_size), hn
 
     return jax.jit(fn)
 
@@ -421,7 +422,7 @@ def _run_accept(accept_fn, target_logits, q, n_rows, seed0, *, temperature=1.0, 
     drafts = np.minimum((u[..., None] > cdf[None]).sum(-1), MC_V - 1).astype(np.int32)  # d_j ~ q_j
     sampling = SamplingBatch(np.full(n_rows, temperature, np.float32), np.full(n_rows, top_k, np.int32),
                              np.full(n_rows, top_p, np.float32), (seed0 + np.arange(n_rows)).astype(np.uint32))
-    emitted, n = _jit(accept_fn)(drafts, np.broadcast_to(q, (n_rows,) + q.shape),
+    emitted, n = _jit(accept_fn)(drafts, np.broadcast_to(q, (n_rows,) + q.shape), None,
                                  np.broadcast_to(target_logits, (n_rows,) + target_logits.shape), sampling,
                                  np.ones(n_rows, bool), np.full(n_rows, 17, np.int32))
     return np.asarray(emitted), np.asarray(n)
