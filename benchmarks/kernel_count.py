@@ -1,0 +1,232 @@
+"""Kernels per step, counted in the optimized HLO of the decode, verify and speculative programs.
+
+On a GPU with command buffers on, a step's fixed cost is roughly a few microseconds per kernel, so for the small
+models the kernel count, not the bytes, sets the step time. This compiles each program from the parameters'
+shapes (no weights, no device memory for them) and walks the optimized HLO from the entry computation:
+a fusion, a custom call (cuBLAS GEMM, Pallas/Triton kernel) or any other non-trivial instruction is one kernel;
+loops count their body once per known trip count; command-buffer `call`s are descended into; of a conditional's
+branches, the one a greedy batch takes (the smaller). The result is the number of kernels one execution of a
+greedy batch launches, by kind (kernels_max: a batch that samples), and the host syncs (conditional predicates).
+
+    python benchmarks/kernel_count.py --models e2b 31b --batch 2 16          # on the GPU
+    python benchmarks/kernel_count.py --models demo --batch 2 --dump-hlo /tmp/hlo
+
+JSON to $OUT/kernel_count.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.common import ASSISTANTS, TARGETS, environment, write_json  # noqa: E402
+from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
+                                load_assistant, load_target)
+from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
+from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+
+# Instructions that launch nothing: bookkeeping of the HLO graph, or control flow whose bodies are walked.
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
+         "opt-barrier", "partition-id", "replica-id", "domain", "copy-done", "send-done", "recv-done"}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*?\b([a-z][a-z0-9\-]*)\((.*)$")
+
+
+def parse_hlo(text: str) -> tuple[str, dict[str, list[str]]]:
+    """(entry name, computation name -> its instruction lines) of an HLO module's text."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and " = " in line:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, comps
+
+
+def _kind(opcode: str, line: str) -> str:
+    if opcode == "fusion":
+        m = re.search(r'"kind":"(__[\w$]+)"', line)  # e.g. __triton_gemm, __cublas…, __custom_fusion
+        k = re.search(r"kind=(k\w+)", line)
+        return f"fusion:{m.group(1) if m else (k.group(1) if k else '?')}"
+    if opcode == "custom-call":
+        m = re.search(r'custom_call_target="([^"]+)"', line)
+        return f"custom-call:{m.group(1) if m else '?'}"
+    return opcode
+
+
+def count_kernels(text: str, branch: str = "max") -> collections.Counter:
+    """Kernels one execution of the module launches, by kind (see the module docstring). At each conditional the
+    branch with the most kernels is counted (branch "max": e.g. a batch that samples), or the fewest ("min": a
+    greedy batch, whose sampling branches are skipped)."""
+    entry, comps = parse_hlo(text)
+    pick = max if branch == "max" else min
+
+    def walk(name: str, times: int, out: collections.Counter, depth: int = 0) -> None:
+        if depth > 50:
+            raise ValueError(f"HLO call depth > 50 at {name}")
+        for line in comps.get(name, []):
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            opcode = m.group(1)
+            if opcode in _FREE:
+                continue
+            if opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(trips.group(1)) if trips else 1
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                walk(body, times * n, out, depth + 1)
+                walk(cond, times * (n + 1), out, depth + 1)
+                out["while-predicate-sync"] += times * (n + 1) if not trips else 0
+                continue
+            if opcode == "conditional":
+                # One branch is launched; the predicate costs a device-to-host copy.
+                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else [
+                    re.search(r"true_computation=%?([\w.\-]+)", line).group(1),
+                    re.search(r"false_computation=%?([\w.\-]+)", line).group(1)]
+                sub = [collections.Counter() for _ in names]
+                for b, c in zip(names, sub):
+                    walk(b, times, c, depth + 1)
+                out.update(pick(sub, key=lambda c: sum(c.values())))
+                out["conditional-predicate-sync"] += times
+                continue
+            if opcode in ("call", "async-start"):
+                callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", line)
+                if callee and callee.group(1) in comps and "fused" not in callee.group(1):
+                    walk(callee.group(1), times, out, depth + 1)
+                    continue
+            if opcode in ("async-done", "async-update"):
+                continue
+            out[_kind(opcode, line)] += times
+    total: collections.Counter = collections.Counter()
+    walk(entry, 1, total)
+    return total
+
+
+def summarize(text: str) -> dict:
+    """kernels: with every conditional's smaller branch (a greedy batch); kernels_max: with the larger one."""
+    out = {}
+    for branch in ("min", "max"):
+        counter = count_kernels(text, branch)
+        kernels = {k: v for k, v in counter.items() if not k.endswith("-sync")}
+        out["kernels" if branch == "min" else "kernels_max"] = sum(kernels.values())
+        if branch == "min":
+            out["by_kind"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+            out["host_syncs"] = sum(v for k, v in counter.items() if k.endswith("-sync"))
+    return out
+
+
+def load_model(name: str) -> tuple[Target, Assistant]:
+    if name == "demo":
+        from gemma4_mtp_jax.demo import demo_pair
+
+        t_dir, a_dir = demo_pair()
+        return load_target(t_dir), load_assistant(a_dir)
+    dtype = jnp.bfloat16
+    tcfg = parse_target_config(TARGETS[name], f"benchmarks/common.py TARGETS[{name!r}]")
+    acfg = parse_assistant_config(ASSISTANTS[name], f"benchmarks/common.py ASSISTANTS[{name!r}]")
+    return (Target(tcfg, abstract_target_params(tcfg, dtype), dtype, None, {}),
+            Assistant(acfg, abstract_assistant_params(acfg, dtype), dtype, None, {}))
+
+
+def programs(target: Target, assistant: Assistant, batch: int, k: int, context: int, page_size: int) -> dict:
+    """The three lowered programs of one batch size: decode, verify (forward on k+1 tokens + logits, the target
+    half of the speculative step), speculative (k draft steps + verify + acceptance + bookkeeping)."""
+    tcfg, acfg, dtype = target.config, assistant.config, target.dtype
+    geometry = dict(page_size=page_size, max_model_len=context, num_speculative_tokens=k,
+                    assistant_window=acfg.text.sliding_window)
+    probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
+    layout = make_layout(tcfg, num_pages={g: batch * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
+                         **geometry)
+    spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch)
+    plain = CompiledSteps(target, layout, dtype, "auto")
+    params, pages, tokens, _, tables, _, _ = plain._abstract(batch, k + 1)
+
+    def verify(params, pages, tokens, positions, tables):
+        h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")
+        return pages, jnp.argmax(lm_logits(target, params, h), -1)
+
+    return {"decode": lambda: plain._lower_decode(batch),
+            "verify": lambda: jax.jit(verify, donate_argnums=(1,)).lower(params, pages, tokens, tokens, tables),
+            "speculative": lambda: spec._lower_speculative(batch)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["demo", "e2b", "e4b", "26b", "31b"],
+                    choices=sorted(TARGETS) + ["demo"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[2, 16])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=4096, help="max_model_len of the layout (table widths)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--json-name", default="kernel_count.json", help="file name of the JSON under $OUT")
+    ap.add_argument("--programs", nargs="+", default=["decode", "verify", "speculative"],
+                    choices=["decode", "verify", "speculative"])
+    ap.add_argument("--dump-hlo", default=None, help="write each program's optimized HLO (gzip) here")
+    args = ap.parse_args()
+    env = environment()
+    print(env, flush=True)
+    rows = []
+    for name in args.models:
+        target, assistant = load_model(name)
+        layers = target.config.num_layers
+        for B in args.batch:
+            row = {"model": name, "batch": B, "k": args.k, "target_layers": layers}
+            for prog, lower in programs(target, assistant, B, args.k, args.context, args.page_size).items():
+                if prog not in args.programs:
+                    continue
+                t0 = time.perf_counter()
+                text = lower().compile().as_text()
+                row[f"{prog}_compile_s"] = round(time.perf_counter() - t0, 2)
+                row[prog] = summarize(text)
+                if args.dump_hlo:
+                    os.makedirs(args.dump_hlo, exist_ok=True)
+                    with gzip.open(os.path.join(args.dump_hlo, f"{name}_{prog}_b{B}.hlo.txt.gz"), "wt") as f:
+                        f.write(text)
+            if "decode" in row:
+                row["decode_per_layer"] = round(row["decode"]["kernels"] / layers, 1)
+            if "verify" in row and "speculative" in row:
+                row["per_draft_step"] = round((row["speculative"]["kernels"] - row["verify"]["kernels"]) / args.k, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    write_json(args.json_name, {"env": env, "rows": rows})
+
+    def cell(r, key, fmt="7d"):
+        v = r[key]["kernels"] if isinstance(r.get(key), dict) else r.get(key)
+        return format(v, fmt) if v is not None else f"{'-':>7}"
+
+    print(f"\n{'model':6} {'B':>3} {'decode':>7} {'/layer':>7} {'verify':>7} {'spec':>7} {'/draft':>7} {'syncs':>7}")
+    for r in rows:
+        syncs = r["speculative"]["host_syncs"] if "speculative" in r else None
+        print(f"{r['model']:6} {r['batch']:3d} {cell(r, 'decode')} {cell(r, 'decode_per_layer', '7.1f')} "
+              f"{cell(r, 'verify')} {cell(r, 'speculative')} {cell(r, 'per_draft_step', '7.1f')} "
+              f"{format(syncs, '7d') if syncs is not None else '-':>7}")
+
+
+if __name__ == "__main__":
+    main()
