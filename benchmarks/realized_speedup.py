@@ -3,8 +3,10 @@
     python benchmarks/realized_speedup.py --corpus CORPUS_DIR [--ckpt demo --assistant demo]
     python benchmarks/realized_speedup.py --prompts acceptance_prompts.json
 
-One engine (max_num_seqs 1) serves every prompt twice, plain and speculative (the same compiled programs, only the
-request's `speculative` flag differs), greedy, after a warm-up of both. Per request the decode phase is
+Two engines (max_num_seqs 1) serve every prompt, greedy, after a warm-up of both: plain (no assistant: the decode
+program) and speculative (the assistant's speculative program). Plain is not the speculative engine with a request's
+`speculative` flag off: that still runs the draft steps, and costs a whole round per token. Per request the decode
+phase is
 latency - TTFT (prefill excluded), so
     realized = plain decode time per token / speculative decode time per token
     L        = tokens emitted per round (accepted drafts + bonus)
@@ -77,14 +79,15 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=longest, num_speculative_tokens=args.k),
                     assistant=assistant)
-    for spec in (False, True):  # warm-up: every program these requests use is compiled before timing
-        generate(target, [prompts[0][1]], args.max_new_tokens, engine=engine, speculative=spec)
+    plain_engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=longest))
+    for eng in (plain_engine, engine):  # warm-up: every program these requests use is compiled before timing
+        generate(target, [prompts[0][1]], args.max_new_tokens, engine=eng)
     print(f"engine + warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
 
     rows, compared = [], []
     for source, ids in prompts:
-        plain = generate(target, [ids], args.max_new_tokens, engine=engine, speculative=False)[0]
-        spec = generate(target, [ids], args.max_new_tokens, engine=engine, speculative=True)[0]
+        plain = generate(target, [ids], args.max_new_tokens, engine=plain_engine)[0]
+        spec = generate(target, [ids], args.max_new_tokens, engine=engine)[0]
         same = spec.tokens == plain.tokens
         if exact and not same:
             raise SystemExit(f"greedy speculative output differs from plain in float32 ({source} prompt {ids[:8]}...)")
