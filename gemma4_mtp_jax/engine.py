@@ -1,8 +1,11 @@
 """The continuous-batching engine: requests join and leave between steps; every step is a compiled program.
 
-Data flows one way: a request is admitted when its pages are free (it waits otherwise, and is refused at once
-if it could never fit), its prompt is prefilled in bucketed chunks, then it joins the decode batch, padded to
-the next batch bucket. All programs are compiled at start-up; serving never compiles.
+Data flows one way: a request is admitted when the pages its prompt needs are free (it waits otherwise, and is
+refused at once if it could never fit), its prompt is prefilled in bucketed chunks, then it joins the decode batch,
+padded to the next batch bucket. Pages are taken as sequences grow; when the pool runs dry, the newest sequences
+are preempted: their pages go back, they wait at the head of the queue, and on resuming their K/V is recomputed
+from their tokens (prompt and output so far), so their output is the one an unpreempted run gives. All programs
+are compiled at start-up; serving never compiles.
 
 One request cannot fail another: each request's part of a step (its pages, its row of the batch's host arrays, taking
 its new tokens) is built and checked on its own, and a request whose part raises ends alone with finish reason
@@ -25,7 +28,7 @@ import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
 from gemma4_mtp_jax.config import check_pair
-from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout
+from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout, page_bytes
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter, Drafter
@@ -52,8 +55,11 @@ class EngineConfig:
     min_batch_bucket: int = 2
     max_model_len: int = 2048
     page_size: int = 16
-    # Pages per KV group's pool; None: enough for max_num_seqs sequences of max_model_len.
+    # Pages per KV group's pool; None: from kv_cache_bytes, or else enough for max_num_seqs sequences of
+    # max_model_len (then no sequence is ever preempted).
     num_pages: dict[str, int] | None = None
+    # Device memory for the KV pools: every running sequence's sliding ring, the rest for full-layer pages.
+    kv_cache_bytes: int | None = None
     prefill_chunk: int = 256
     min_prefill_bucket: int = 16
     cache_dtype: str | None = None  # default: the target's parameter dtype
@@ -94,6 +100,12 @@ class Request:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far: K/V is committed for all but the newest."""
+        return len(self.prompt) + len(self.output)
 
     @property
     def finished(self) -> bool:
@@ -109,6 +121,7 @@ class Request:
             "ttft_s": None if self.first_token_at is None else self.first_token_at - self.arrival,
             "latency_s": end - self.arrival,
             "mean_inter_token_s": float(gaps.mean()) if gaps.size else None,
+            "preemptions": self.num_preemptions,
             **({} if not self.accepted_per_round else {
                 "drafted": self.num_drafted,
                 "accepted": self.num_accepted,
@@ -173,12 +186,17 @@ class Engine:
         geometry = dict(page_size=cfg.page_size, max_model_len=cfg.max_model_len, prefill_chunk=cfg.prefill_chunk,
                         num_speculative_tokens=self.k,
                         assistant_window=assistant.config.text.sliding_window if assistant else 0)
+        self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
+        self.page_bytes = page_bytes(tc, cfg.page_size, self.cache_dtype)
         num_pages = cfg.num_pages
+        if num_pages is not None and cfg.kv_cache_bytes is not None:
+            raise ValueError("EngineConfig: give num_pages or kv_cache_bytes, not both")
         if num_pages is None:
             probe = make_layout(tc, num_pages={g: 1 << 30 for g in groups}, **geometry)
             num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + 1 for g in groups}
+            if cfg.kv_cache_bytes is not None:
+                num_pages = self._pages_for_memory(probe, num_pages, cfg.kv_cache_bytes)
         self.layout: KVLayout = make_layout(tc, num_pages=num_pages, **geometry)
-        self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
         self.pages = init_pages(tc, self.layout, self.cache_dtype)
         if assistant is not None and drafter is None:
@@ -193,10 +211,31 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
-        self.metrics = {"drafted": 0, "accepted": 0, "rounds": 0, "accepted_per_position": [0] * self.k}
+        self.metrics = {"drafted": 0, "accepted": 0, "rounds": 0, "accepted_per_position": [0] * self.k,
+                        "preemptions": 0}
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
+
+    def _pages_for_memory(self, probe: KVLayout, roomy: dict[str, int], budget: int) -> dict[str, int]:
+        """Pool sizes within `budget` bytes: every sliding ring of max_num_seqs sequences (a ring is taken whole at
+        admission), and the rest split evenly, in pages, between the groups whose pages grow with the sequence."""
+        rings = {g: n for g, n in roomy.items() if probe.ring_pages(g)}
+        growing = [g for g in roomy if g not in rings]
+        left = budget - sum(n * self.page_bytes[g] for g, n in rings.items())
+        n = left // sum(self.page_bytes[g] for g in growing) if growing else 0
+        short = [g for g in growing if n - 1 < probe.table_width(g)]
+        if left < 0 or short:
+            need = (sum(n * self.page_bytes[g] for g, n in rings.items())
+                    + sum((probe.table_width(g) + 1) * self.page_bytes[g] for g in growing))
+            raise ValueError(f"kv_cache_bytes={budget} cannot hold the sliding rings of max_num_seqs="
+                             f"{self.config.max_num_seqs} sequences plus one sequence of max_model_len="
+                             f"{self.config.max_model_len}: that needs at least {need} bytes")
+        return {**rings, **{g: int(n) for g in growing}}
+
+    def kv_cache_bytes(self) -> int:
+        """Device memory of the KV pools (page 0 of each included)."""
+        return sum(self.layout.pages(g) * self.page_bytes[g] for g in self.allocators)
 
     def _eos_ids(self) -> frozenset[int]:
         eos = self.target.generation_config.get("eos_token_id", self.target.config.eos_token_ids)
@@ -257,12 +296,59 @@ class Engine:
         req.status, req.finish_reason, req.finished_at = "finished", reason, time.perf_counter()
         if req in self.running:
             self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Give back `req`'s slot and pages."""
         slot, req.slot = req.slot, None
         if slot is not None:
             self._free_slots.append(slot)
         pages, req.pages = req.pages, {}
         for g, group_pages in pages.items():
             self.allocators[g].free(group_pages)
+
+    def _preempt(self, req: Request) -> None:
+        """Take a running sequence out to free its pages: it waits at the head of the queue and, when admitted
+        again, recomputes its K/V from its tokens (`_prefill` of prompt + output but the newest)."""
+        log.info("preempting request %s (%d tokens) to free KV pages", req.id, req.num_tokens)
+        self.running.remove(req)
+        self._release(req)
+        req.status = "waiting"
+        req.num_preemptions += 1
+        self.metrics["preemptions"] += 1
+        self.waiting.appendleft(req)
+
+    def _pages_short(self, req: Request) -> dict[str, int]:
+        """Pages `req` still lacks per KV group for its next step: K/V up to its newest token, plus the k drafts
+        a speculative round verifies past it."""
+        return {g: self.layout.pages_needed(g, req.num_tokens) - len(req.pages.get(g, ())) for g in self.allocators}
+
+    def _take_pages(self, req: Request, short: dict[str, int]) -> None:
+        for g, n in short.items():  # one group at a time: _finish frees what was taken if one fails
+            if n > 0:
+                req.pages[g] = req.pages.get(g, []) + self.allocators[g].allocate(n)
+
+    def _grow(self, decoding: list[Request], events: list[StepEvent]) -> list[Request]:
+        """Pages for this step's writes, oldest sequence first. When the pool cannot give them, the newest running
+        sequences are preempted until it can (a sequence preempts itself if it is the newest). Returns the
+        sequences that still decode this step; one whose allocation raises fails alone."""
+        for req in decoding:
+            if req.status != "running":
+                continue  # preempted for an older one
+            try:
+                short = self._pages_short(req)
+            except Exception as e:
+                events.append(self._fail(req, "counting its pages", e))
+                continue
+            while req.status == "running" and any(n > self.allocators[g].num_free for g, n in short.items()):
+                self._preempt(self.running[-1])
+            if req.status != "running":
+                continue
+            try:
+                self._take_pages(req, short)
+            except Exception as e:
+                events.append(self._fail(req, "allocating its pages", e))
+        return [r for r in decoding if r.status == "running"]
 
     def _fail(self, req: Request, stage: str, exc: Exception) -> StepEvent:
         """`req`'s own part of the step raised: it alone ends with "error", its pages freed."""
@@ -275,21 +361,21 @@ class Engine:
         return StepEvent(req, [], True)
 
     def _admit(self, events: list[StepEvent] | None = None) -> list[Request]:
-        """Move the requests that fit from `waiting` to `running` with their pages; one whose pages cannot be taken
-        fails alone (its StepEvent goes to `events`)."""
+        """Move the requests that fit from `waiting` to `running` with the pages of their tokens so far; one whose
+        pages cannot be taken fails alone (its StepEvent goes to `events`). A page per running sequence stays free
+        in each growing group, so that admitting does not force a preemption at the next step."""
         admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            total = len(req.prompt) + req.max_new_tokens
-            need = {g: self.layout.pages_needed(g, total) for g in self.allocators}
-            if any(need[g] > a.num_free for g, a in self.allocators.items()):
+            need = self._pages_short(req)
+            reserve = {g: 0 if self.layout.ring_pages(g) else len(self.running) for g in self.allocators}
+            if any(need[g] + reserve[g] > a.num_free for g, a in self.allocators.items()):
                 break  # first come, first served: wait for pages to free up
             self.waiting.popleft()
             req.status = "running"
             self.running.append(req)
             try:
-                for g, n in need.items():  # one group at a time: _finish frees what was taken if one fails
-                    req.pages[g] = self.allocators[g].allocate(n)
+                self._take_pages(req, need)
                 req.slot = self._free_slots.pop()
             except Exception as e:
                 failed = self._fail(req, "allocating its pages", e)
@@ -350,14 +436,17 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def _prefill(self, req: Request, row: _Row) -> int:
-        """Prefill `req`'s prompt (`row`: its row of host arrays); returns its first token."""
+        """Write the K/V of `req`'s tokens but the newest (`row`: its row of host arrays): its prompt, or for a
+        preempted sequence its prompt and output so far, whose newest token then feeds the next decode step.
+        Returns the token sampled after the last one prefilled: a new request's first token."""
         chunk = self.config.prefill_chunk
         buckets = self.config.prefill_buckets()
         tables = self._tables([row], 1)
         sampling = self._sampling([row], 1)
+        tokens_so_far = req.prompt + req.output[:-1]
         token = None
-        for start in range(0, len(req.prompt), chunk):
-            piece = req.prompt[start : start + chunk]
+        for start in range(0, len(tokens_so_far), chunk):
+            piece = tokens_so_far[start : start + chunk]
             T = self._bucket(buckets, len(piece))
             tokens = np.zeros((1, T), np.int32)
             positions = np.full((1, T), -1, np.int32)
@@ -453,14 +542,17 @@ class Engine:
         return StepEvent(req, kept, req.finished)
 
     def step(self) -> list[StepEvent]:
-        """Admit what fits, prefill the newly admitted, then one decode step for the others."""
+        """Pages for the running sequences' next tokens (preempting the newest if the pool is dry), admit what fits
+        and prefill it, then one decode step for the sequences that were running."""
         events: list[StepEvent] = []
-        decoding = [r for r in self.running if r.output]
+        decoding = self._grow([r for r in self.running if r.output], events)
         for req in self._admit(events):
             prefill = self._rows([req], events)  # empty if its row could not be built (it failed alone)
             if prefill:
+                resumed = bool(req.output)  # a preempted sequence: recompute its K/V, it decodes from next step
                 token = self._prefill(req, prefill[0])
-                events.append(self._take(req, np.array([token]), time.perf_counter()))
+                if not resumed:
+                    events.append(self._take(req, np.array([token]), time.perf_counter()))
         rows = self._rows(decoding, events)
         if rows:
             result = self._speculate(rows) if self.assistant is not None else self._decode(rows)

@@ -80,6 +80,16 @@ def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_page
                     num_speculative_tokens)
 
 
+def page_bytes(cfg: TextConfig, page_size: int, dtype) -> dict[str, int]:
+    """Bytes one page takes in each KV group's pool: K and V of every layer of the group that owns K/V."""
+    itemsize = jnp.dtype(dtype).itemsize
+    out: dict[str, int] = {}
+    for i in owning_layers(cfg):
+        lc = cfg.layers[i]
+        out[lc.layer_type] = out.get(lc.layer_type, 0) + 2 * lc.num_kv_heads * page_size * lc.head_dim * itemsize
+    return out
+
+
 def owning_layers(cfg: TextConfig) -> list[int]:
     return [i for i, lc in enumerate(cfg.layers) if lc.kv_mode != "reuse"]
 

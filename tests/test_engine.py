@@ -188,6 +188,65 @@ def test_pages_never_leak_and_admission(jax_models, tiny_ckpts):
         engine.add_request([], 2)
 
 
+def test_preemption_keeps_output_and_pages(jax_models, tiny_ckpts):
+    """Pages are taken as sequences grow: four requests whose peak needs (39 full-layer pages) exceed a pool of 19
+    run together anyway; when the pool runs dry the newest are preempted and later resume by recomputing their K/V.
+    Every output (greedy and seeded sampling) equals the run with pages to spare, and every page comes back."""
+    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.sampling import SamplingParams
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    prompts = _prompts(11, [6, 14, 9, 21])
+    sampling = [SamplingParams(), SamplingParams(temperature=0.8, seed=5), SamplingParams(),
+                SamplingParams(temperature=1.1, top_k=30, seed=9)]
+
+    def run(num_pages):
+        engine = Engine(target, _engine_config(num_pages=num_pages, max_model_len=48, compile_at_start=False))
+        reqs = [engine.add_request(p, 24, s) for p, s in zip(prompts, sampling)]
+        max_running = 0
+        while engine.has_work:
+            engine.step()
+            max_running = max(max_running, len(engine.running))
+            assert engine.pages_in_use()["full_attention"] <= engine.pages_total()["full_attention"]
+        assert engine.pages_in_use() == {g: 0 for g in engine.allocators}
+        assert sorted(engine._free_slots) == list(range(engine.config.max_num_seqs))
+        assert all(r.finish_reason == "length" and len(r.output) == 24 for r in reqs)
+        return engine, reqs, max_running
+
+    roomy, want, _ = run(None)
+    assert roomy.metrics["preemptions"] == 0
+    tight, got, max_running = run({"full_attention": 20, "sliding_attention": 17})
+    assert [r.output for r in got] == [r.output for r in want]
+    assert tight.metrics["preemptions"] == sum(r.num_preemptions for r in got) > 0
+    assert got[0].num_preemptions == 0, "the oldest request must never be the one preempted"
+    assert max_running == 4, "on-demand pages should let all four start together"
+    assert got[3].stats()["preemptions"] == got[3].num_preemptions
+
+
+def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
+    """kv_cache_bytes: every running sequence's sliding ring, the rest as full-layer pages (within the budget);
+    a budget below one max_model_len sequence is refused with the bytes it needs; num_pages and kv_cache_bytes
+    together are refused."""
+    from gemma4_mtp_jax.engine import Engine
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    roomy = Engine(target, _engine_config(compile_at_start=False))
+    per_page = roomy.page_bytes
+    assert set(per_page) == {"full_attention", "sliding_attention"}
+    ring = roomy.layout.table_width("sliding_attention")
+    rings = (4 * ring + 1) * per_page["sliding_attention"]
+    budget = rings + 40 * per_page["full_attention"] + 123
+    engine = Engine(target, _engine_config(kv_cache_bytes=budget, compile_at_start=False))
+    assert engine.pages_total() == {"sliding_attention": 4 * ring, "full_attention": 39}
+    assert budget - per_page["full_attention"] < engine.kv_cache_bytes() <= budget
+    assert roomy.kv_cache_bytes() == sum(roomy.layout.pages(g) * per_page[g] for g in per_page)
+    with pytest.raises(ValueError, match="needs at least"):
+        Engine(target, _engine_config(kv_cache_bytes=rings + 5 * per_page["full_attention"], compile_at_start=False))
+    with pytest.raises(ValueError, match="not both"):
+        Engine(target, _engine_config(kv_cache_bytes=budget, num_pages={"full_attention": 40,
+                                                                         "sliding_attention": 40}))
+
+
 def test_stop_on_eos(engines, tiny_ckpts):
     """Generation stops at (and includes) a stop id; the rest of max_new_tokens is not generated."""
     from gemma4_mtp_jax.generate import generate

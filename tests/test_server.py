@@ -131,8 +131,11 @@ def test_models_health_metrics(srv, client):
     h = json.loads(body)
     assert status == 200 and h["status"] == "ok" and h["model"] == MODEL
     assert set(h["kv_pages_in_use"]) == set(h["kv_pages_total"]) and all(v > 0 for v in h["kv_pages_total"].values())
+    assert h["kv_cache_bytes"] == srv.engine.kv_cache_bytes() > 0 and h["preemptions"] == 0
     samples = metric_samples(srv.host, srv.port)
     assert sample(samples, "gemma4_model_info", model=MODEL) == 1.0
+    assert sample(samples, "gemma4_kv_cache_bytes") == h["kv_cache_bytes"]
+    assert sample(samples, "gemma4_num_preemptions_total") == 0
 
 
 @pytest.mark.parametrize("prompt", ["Hello", "Once upon a time"])

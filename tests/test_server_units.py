@@ -152,6 +152,20 @@ def test_chat_template_from_jinja_file(tmp_path, demo_tok):
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
+def test_kv_cache_memory_sizes():
+    import argparse
+
+    from gemma4_mtp_jax.server.cli import build_parser, parse_size
+
+    assert parse_size("8GiB") == 8 * 2**30 and parse_size("512MB") == 512 * 10**6 and parse_size("1.5 gib") == 3 * 2**29
+    assert parse_size("4096") == 4096
+    for bad in ("", "GiB", "-1GiB", "0", "5XB", "1.2.3MB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+    assert build_parser().parse_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 * 2**30
+    assert build_parser().parse_args([]).kv_cache_memory is None
+
+
 def test_parse_defaults_and_extensions():
     p = parse_completion({"prompt": ["hi"], "n": 1, "logprobs": None, "top_k": -1, "seed": -1, "stop": "x",
                           "user": "u", "stream": True, "stream_options": {"include_usage": True}})

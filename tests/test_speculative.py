@@ -186,6 +186,28 @@ def test_greedy_speculative_equals_plain(family, k, engines):
     assert sorted(eng._free_slots) == list(range(eng.config.max_num_seqs)) and not eng.running
 
 
+def test_preempted_speculative_sequences_resume_exactly(engines, tiny_ckpts, jax_models):
+    """A speculative engine whose full-layer pool cannot hold every sequence's growth: the newest are preempted
+    (pages and drafter slot freed) and resume by recomputing their K/V and the drafter's h; every greedy output
+    equals the plain engine's, and every page and slot comes back."""
+    from gemma4_mtp_jax.engine import Engine
+
+    p = tiny_ckpts["e2b"]
+    eng = Engine(jax_models.target(p["target"]), _config(num_speculative_tokens=K, max_model_len=64,
+                                                         num_pages={F: 26, S: 25}, compile_at_start=False),
+                 assistant=jax_models.assistant(p["assistant"]))
+    prompts = _prompts(12, [7, 19, 12, 25])
+    want = greedy_reference(engines, "e2b", prompts, MAX_NEW)
+    reqs = [eng.add_request(q, MAX_NEW) for q in prompts]
+    eng.run()
+    assert [r.output for r in reqs] == want
+    assert eng.metrics["preemptions"] > 0 and reqs[0].num_preemptions == 0
+    for r in reqs:
+        _check_round_stats(r, K)
+    assert all(n == 0 for n in eng.pages_in_use().values()), eng.pages_in_use()
+    assert sorted(eng._free_slots) == list(range(eng.config.max_num_seqs)) and not eng.running
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Helpers: an engine's state right after a prefill, and the draft loop jitted on it
 # ----------------------------------------------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ class AsyncEngine:
         self.last_error: str | None = None
         self._latency_ema: float | None = None
         self.snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_pages_in_use": engine.pages_in_use(),
-                                         "kv_pages_total": self._pages_total()}
+                                         "kv_pages_total": self._pages_total(),
+                                         "kv_cache_bytes": engine.kv_cache_bytes(), "preemptions": 0}
         self._publish()
 
     # ------------------------------------------------------------------ any thread
@@ -338,11 +339,15 @@ class AsyncEngine:
     def _publish(self) -> None:
         eng = self.engine
         snap = {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_in_use": eng.pages_in_use(),
-                "kv_pages_total": self.snapshot["kv_pages_total"],
-                "in_flight": len(self._active)}
+                "kv_pages_total": self.snapshot["kv_pages_total"], "kv_cache_bytes": self.snapshot["kv_cache_bytes"],
+                "preemptions": eng.metrics["preemptions"], "in_flight": len(self._active)}
+        preempted = snap["preemptions"] - self.snapshot["preemptions"]
         self.snapshot = snap
         m = self.metrics
         if m:
+            m.kv_cache_bytes.set(snap["kv_cache_bytes"])
+            if preempted > 0:
+                m.preemptions.inc(preempted)
             m.waiting.set(snap["waiting"])
             m.running.set(snap["running"])
             for g, n in snap["kv_pages_in_use"].items():

@@ -30,6 +30,24 @@ class _HelpFormatter(argparse.HelpFormatter):
         return h + " (default: %(default)s)"
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB, ...), e.g. '8GiB', '512MB'."""
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (a number with an optional unit such as GiB, MB)")
+    if unit not in _SIZE_UNITS or not value > 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive size (units: B, KB, MB, GB, KiB, MiB, GiB)")
+    return int(value * _SIZE_UNITS[unit])
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m gemma4_mtp_jax.serve",
@@ -59,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"max prompt + generated tokens per request (default: the model's max_position_embeddings, "
                         f"capped at {DEFAULT_MAX_MODEL_LEN_CAP})")
     e.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+    e.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
+                   help="device memory for the KV cache, e.g. 8GiB or 512MiB: every running sequence's sliding-"
+                        "window ring, the rest for full-layer pages taken as sequences grow (the newest are "
+                        "preempted and recomputed later when it runs out). Default: enough for --max-num-seqs "
+                        "sequences of --max-model-len")
     e.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per program call "
                                                                    "(largest prefill bucket)")
     e.add_argument("--attention-impl", choices=["auto", "pallas", "xla"], default="auto",
@@ -201,7 +224,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
     cfg_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl)
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
+                      kv_cache_bytes=args.kv_cache_memory)
     engine_kwargs = {}
     spec_k = 0
     if assistant is not None:

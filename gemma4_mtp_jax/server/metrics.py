@@ -50,6 +50,9 @@ class Metrics:
                                      registry=r)
         self.kv_pages_total = Gauge(f"{p}_kv_pages_total", "KV cache pages in the pool, by KV group", ["group"],
                                     registry=r)
+        self.kv_cache_bytes = Gauge(f"{p}_kv_cache_bytes", "Device memory of the KV cache pools", registry=r)
+        self.preemptions = Counter(f"{p}_num_preemptions", "Running sequences preempted to free KV pages (they "
+                                   "resume later by recomputing their K/V)", registry=r)
         self.draft_tokens = Counter(f"{p}_spec_decode_draft_tokens", "Draft tokens proposed by the assistant",
                                     registry=r)
         self.accepted_tokens = Counter(f"{p}_spec_decode_accepted_tokens", "Draft tokens accepted by the target",
