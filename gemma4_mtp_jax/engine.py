@@ -61,6 +61,10 @@ class EngineConfig:
     # Device memory for the KV pools: every running sequence's sliding ring, the rest for full-layer pages.
     kv_cache_bytes: int | None = None
     prefill_chunk: int = 256
+    # Prompt tokens prefilled per step while other sequences decode (None: prefill_chunk): a long prompt delays
+    # the running streams by at most this many tokens' prefill per step. With nothing decoding, prompts prefill
+    # at once.
+    max_num_batched_tokens: int | None = None
     min_prefill_bucket: int = 16
     cache_dtype: str | None = None  # default: the target's parameter dtype
     attention_impl: str = "auto"  # "auto" | "pallas" | "xla"
@@ -101,6 +105,8 @@ class Request:
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     num_preemptions: int = 0
+    prefilled: int = 0  # K/V positions written by the prefill since (re)admission
+    decoding: bool = False  # prefill complete: the sequence is in the decode batch
 
     @property
     def num_tokens(self) -> int:
@@ -171,6 +177,8 @@ class Engine:
         tc = target.config
         if cfg.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
+        if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {cfg.max_num_batched_tokens}")
         self.k = 0
         if assistant is not None:
             check_pair(tc, assistant.config)
@@ -313,7 +321,7 @@ class Engine:
         log.info("preempting request %s (%d tokens) to free KV pages", req.id, req.num_tokens)
         self.running.remove(req)
         self._release(req)
-        req.status = "waiting"
+        req.status, req.prefilled, req.decoding = "waiting", 0, False
         req.num_preemptions += 1
         self.metrics["preemptions"] += 1
         self.waiting.appendleft(req)
@@ -435,29 +443,36 @@ class Engine:
         raise AssertionError(f"no bucket for {n} (buckets {buckets})")
 
     # ------------------------------------------------------------------ steps
-    def _prefill(self, req: Request, row: _Row) -> int:
+    def _prefill(self, req: Request, row: _Row, budget: int | None) -> tuple[int, int | None]:
         """Write the K/V of `req`'s tokens but the newest (`row`: its row of host arrays): its prompt, or for a
-        preempted sequence its prompt and output so far, whose newest token then feeds the next decode step.
-        Returns the token sampled after the last one prefilled: a new request's first token."""
+        preempted sequence its prompt and output so far, whose newest token then feeds the next decode step. Goes
+        on from where the last call stopped, in chunks, for up to `budget` tokens (None: to the end). Returns
+        (tokens prefilled, the token sampled after the last one when the prefill is complete, else None): a new
+        request's first token."""
         chunk = self.config.prefill_chunk
         buckets = self.config.prefill_buckets()
         tables = self._tables([row], 1)
         sampling = self._sampling([row], 1)
-        tokens_so_far = req.prompt + req.output[:-1]
-        token = None
-        for start in range(0, len(tokens_so_far), chunk):
-            piece = tokens_so_far[start : start + chunk]
-            T = self._bucket(buckets, len(piece))
+        todo = req.prompt + req.output[:-1]
+        done, token = 0, None
+        while req.prefilled < len(todo) and (budget is None or done < budget):
+            start = req.prefilled
+            n = min(chunk, len(todo) - start, budget - done if budget is not None else chunk)
+            T = self._bucket(buckets, n)
             tokens = np.zeros((1, T), np.int32)
             positions = np.full((1, T), -1, np.int32)
-            tokens[0, : len(piece)] = piece
-            positions[0, : len(piece)] = np.arange(start, start + len(piece))
+            tokens[0, :n] = todo[start : start + n]
+            positions[0, :n] = np.arange(start, start + n)
             fn = self.steps.compile_prefill(1, T)
             self.pages, token, h_last = fn(self.target.params, self.pages, tokens, positions, tables,
-                                           np.array([len(piece) - 1], np.int32), sampling)
+                                           np.array([n - 1], np.int32), sampling)
+            req.prefilled += n
+            done += n
+        if req.prefilled < len(todo):
+            return done, None
         if self.hidden is not None:  # the drafter's first h: the target's post-norm hidden at P-1
             self.hidden = self.steps.write_hidden(self.hidden, np.array([req.slot], np.int32), h_last)
-        return int(np.asarray(token)[0])
+        return done, int(np.asarray(token)[0])
 
     def _decode(self, rows: list[_Row]) -> np.ndarray:
         """One decode step; returns per row the next token (a [len(rows), 1] array)."""
@@ -542,15 +557,25 @@ class Engine:
         return StepEvent(req, kept, req.finished)
 
     def step(self) -> list[StepEvent]:
-        """Pages for the running sequences' next tokens (preempting the newest if the pool is dry), admit what fits
-        and prefill it, then one decode step for the sequences that were running."""
+        """Pages for the decoding sequences' next tokens (preempting the newest if the pool is dry), admit what
+        fits, prefill up to the token budget (everything when nothing decodes), then one decode step for the
+        sequences that were decoding. A sequence whose prefill completes decodes from the next step."""
         events: list[StepEvent] = []
-        decoding = self._grow([r for r in self.running if r.output], events)
-        for req in self._admit(events):
+        decoding = self._grow([r for r in self.running if r.decoding], events)
+        self._admit(events)
+        budget = (self.config.max_num_batched_tokens or self.config.prefill_chunk) if decoding else None
+        for req in [r for r in self.running if not r.decoding]:
+            if budget is not None and budget <= 0:
+                break
             prefill = self._rows([req], events)  # empty if its row could not be built (it failed alone)
-            if prefill:
-                resumed = bool(req.output)  # a preempted sequence: recompute its K/V, it decodes from next step
-                token = self._prefill(req, prefill[0])
+            if not prefill:
+                continue
+            resumed = bool(req.output)  # a preempted sequence: its K/V is recomputed, its output kept
+            used, token = self._prefill(req, prefill[0], budget)
+            if budget is not None:
+                budget -= used
+            if token is not None:
+                req.decoding = True
                 if not resumed:
                     events.append(self._take(req, np.array([token]), time.perf_counter()))
         rows = self._rows(decoding, events)

@@ -223,6 +223,45 @@ def test_preemption_keeps_output_and_pages(jax_models, tiny_ckpts):
     assert got[3].stats()["preemptions"] == got[3].num_preemptions
 
 
+def test_long_prompt_prefills_a_budget_per_step(engines):
+    """A 40-token prompt arriving while two sequences decode is prefilled one chunk (8 tokens) per step, each step
+    still decoding the others, who thus wait at most one chunk per token; with nothing decoding, a prompt
+    prefills at once. Every output equals its run alone."""
+    from gemma4_mtp_jax.generate import generate
+
+    engine = engines("e2b")
+    short, long_ = _prompts(21, [5, 7]), _prompts(22, [40])[0]
+    alone = [r.tokens for r in generate(engine.target, short + [long_], 12, engine=engine)]
+    chunks = []
+    real = engine._prefill
+
+    def spy(req, row, budget):
+        before = req.prefilled
+        out = real(req, row, budget)
+        chunks.append((len(engine.running) - 1, req.prefilled - before, budget))
+        return out
+
+    engine._prefill = spy
+    try:
+        reqs = [engine.add_request(p, 12) for p in short]
+        engine.step()  # nothing decodes yet: both prompts prefill at once
+        assert [c[1] for c in chunks] == [5, 7] and all(c[2] is None for c in chunks)
+        late = engine.add_request(long_, 12)
+        chunks.clear()
+        steps = 0
+        while not late.decoding:
+            before = [len(r.output) for r in reqs]
+            engine.step()
+            steps += 1
+            assert [len(r.output) for r in reqs] == [b + 1 for b in before], "the running streams stalled"
+        assert [c[1] for c in chunks] == [8] * 5 and steps == 5
+        engine.run()
+    finally:
+        del engine._prefill
+    assert [r.output for r in reqs + [late]] == alone
+    assert all(n == 0 for n in engine.pages_in_use().values())
+
+
 def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
     """kv_cache_bytes: every running sequence's sliding ring, the rest as full-layer pages (within the budget);
     a budget below one max_model_len sequence is refused with the bytes it needs; num_pages and kv_cache_bytes

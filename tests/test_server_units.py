@@ -200,6 +200,7 @@ class FakeEngine:
         self.waiting, self.running = [], []
         self.tokens = [BYTE0 + b for b in tokens]
         self.allocators = {"full_attention": SimpleNamespace(capacity=8)}
+        self.metrics = {"preemptions": 0}
 
     @property
     def has_work(self):
@@ -211,8 +212,13 @@ class FakeEngine:
     def pages_in_use(self):
         return {"full_attention": len(self.running)}
 
+    def kv_cache_bytes(self):
+        return 9 * 4096
+
     def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None):
-        req = self._Request(request_id, list(prompt), max_new_tokens, sampling, stop_ids or self.eos_ids)
+        self.stop_ids_asked = stop_ids
+        req = self._Request(request_id, list(prompt), max_new_tokens, sampling,
+                            self.eos_ids if stop_ids is None else stop_ids)
         self.waiting.append(req)
         return req
 
@@ -249,6 +255,9 @@ class FakeEngine:
         return events
 
 
+fake_server_engine: list = []  # the fake_server fixture's engine
+
+
 @pytest.fixture(scope="module")
 def fake_server(demo_tok):
     import threading
@@ -263,6 +272,7 @@ def fake_server(demo_tok):
 
     metrics = Metrics("fake")
     engine = FakeEngine()
+    fake_server_engine[:] = [engine]
     server = OpenAIServer(AsyncEngine(engine, max_queue_len=4, metrics=metrics), demo_tok,
                           ServerSettings("fake", max_model_len=64, vocab_size=512, num_speculative_tokens=3), metrics,
                           engine.eos_ids)
@@ -275,6 +285,21 @@ def fake_server(demo_tok):
     yield port
     uv.should_exit = True
     t.join(30)
+
+
+def test_ignore_eos_reaches_the_engine(fake_server):
+    """`ignore_eos` (vLLM's extension, for benchmarks): the request's stop ids are empty, not the model's EOS ids;
+    without it the engine gets None (its default: the EOS ids). A non-boolean value is a 400 naming the field."""
+    from test_server_support import request
+
+    engine = fake_server_engine[0]
+    for flag, want in ((True, frozenset()), (False, None)):
+        status, _, raw = request("127.0.0.1", fake_server, "POST", "/v1/completions",
+                                 {"prompt": "x", "max_tokens": 3, "ignore_eos": flag})
+        assert status == 200 and engine.stop_ids_asked == want, raw
+    status, _, raw = request("127.0.0.1", fake_server, "POST", "/v1/completions",
+                             {"prompt": "x", "max_tokens": 3, "ignore_eos": "yes"})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "ignore_eos"
 
 
 def test_fake_engine_multi_token_chunks_and_speculative_metrics(fake_server):

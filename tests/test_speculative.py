@@ -216,7 +216,7 @@ def _prefill_only(eng, prompt):
     assert not eng.has_work
     req = eng.add_request(prompt, 8)
     assert eng._admit() == [req]
-    return req, eng._prefill(req, eng._row(req))
+    return req, eng._prefill(req, eng._row(req), None)[1]
 
 
 def _release(eng, req):
@@ -284,7 +284,7 @@ def _parity_mismatch(eng, tiny_ckpts, family, prompt, *, tables_of=None, fn=None
         if tables_of is not None:  # a wrong page table: another sequence's pages
             other = eng.add_request(tables_of, 8)
             assert eng._admit() == [other]
-            eng._prefill(other, eng._row(other))
+            eng._prefill(other, eng._row(other), None)
             others.append(other)
         assert tok == ref[0]["token"], "the engine's first token differs from transformers' bonus token"
         drafts, q, hn = _run_draft(eng, K, others or [req], [tok], [req.slot], [len(prompt)], fn=fn)

@@ -269,7 +269,8 @@ class OpenAIServer:
             max_tokens = self._max_tokens(params, len(prompt_ids))
             sampling = self._sampling(params)
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-            stream = await self.engine.submit(prompt_ids, max_tokens, sampling, None, rid)
+            stop_ids = frozenset() if params.ignore_eos else None  # None: the model's EOS ids
+            stream = await self.engine.submit(prompt_ids, max_tokens, sampling, stop_ids, rid)
         except APIError as e:
             return self._rejected(endpoint, e)
         except QueueFull as e:

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequences of --max-model-len")
     e.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per program call "
                                                                    "(largest prefill bucket)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens prefilled per engine step while other sequences decode (default: "
+                        "--prefill-chunk): a long prompt delays the running streams by at most N tokens' prefill "
+                        "per step")
     e.add_argument("--attention-impl", choices=["auto", "pallas", "xla"], default="auto",
                    help="paged attention implementation")
     e.add_argument("--compilation-cache-dir", default=None,
@@ -114,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
+        ap.error("--max-num-batched-tokens must be >= 1")
     for name in ("max_num_seqs", "page_size", "prefill_chunk"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -225,7 +231,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     cfg_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
-                      kv_cache_bytes=args.kv_cache_memory)
+                      kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
     engine_kwargs = {}
     spec_k = 0
     if assistant is not None:

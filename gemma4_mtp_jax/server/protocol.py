@@ -43,6 +43,7 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # extension (as in vLLM): token ids of the prompt and of each choice / chunk
+    ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens whatever the model's EOS (benchmarks)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -232,7 +233,7 @@ _UNSUPPORTED_CHAT = {
 _IGNORED = {"user", "metadata", "service_tier"}  # accepted and ignored (they change nothing about the output)
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "return_token_ids"}
+           "return_token_ids", "ignore_eos"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_UNSUPPORTED_COMPLETION) | _IGNORED
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_UNSUPPORTED_CHAT) | _IGNORED
 
@@ -287,6 +288,7 @@ def _common(body: dict, kind: str) -> GenerationParams:
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_get_bool(body, "return_token_ids") or False,
+        ignore_eos=_get_bool(body, "ignore_eos") or False,
     )
 
 
