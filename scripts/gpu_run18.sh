@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run 18 (issue 9, planned): the realized speedup of the shipped pair with every figure from one call, against the
-# projection from step times measured in the same call. `.whl/` carried, acceptance_prompts.json in the tree
-# (benchmarks/acceptance.py --prompts-out writes it). About 8 minutes:
+# projection from step times measured in the same call. Carry `.whl/` and acceptance_prompts.json (git-ignored;
+# benchmarks/acceptance.py --prompts-out writes it). About 8 minutes:
 # (1) the pair's decode and speculative steps at B = 1, 8, 32 (bench_spec.py: the projection L x t_decode / t_spec);
 # (2) `generate` at batch 1, an engine with the assistant vs one without (realized_speedup.py, fixed in 729f9a4);
 # (3) the server under load, spec vs plain, C = 1, 8, 32, 96 requests per level (serve_load.py).
