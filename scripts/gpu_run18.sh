@@ -4,7 +4,7 @@
 # benchmarks/acceptance.py --prompts-out writes it). About 8 minutes:
 # (1) the pair's decode and speculative steps at B = 1, 8, 32 (bench_spec.py: the projection L x t_decode / t_spec);
 # (2) `generate` at batch 1, an engine with the assistant vs one without (realized_speedup.py, fixed in 729f9a4);
-# (3) the server under load, spec vs plain, C = 1, 8, 32, 96 requests per level (serve_load.py).
+# (3) the server under load, spec vs plain, C = 1, 8, 32, 96 requests per level (bench_serve.py).
 # Few files come back from $OUT: everything but the log goes into one tarball.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +17,8 @@ run() { echo "== $(date +%T) $*"; "$@"; echo "== rc=$?"; }
   OUT=$res run timeout 110 python3 benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 256 --repeats 100
   run timeout 130 python3 benchmarks/realized_speedup.py --prompts acceptance_prompts.json --max-new-tokens 128 \
       --bench-spec "$res/bench_spec.json" --out "$res/realized_bf16.json"
-  run timeout 260 python3 benchmarks/serve_load.py --concurrency 1,8,32 --requests-per-level 96 --max-tokens 128 \
-      --out "$res/serve_load.json" --log-dir "$res/logs"
+  run timeout 260 python3 benchmarks/bench_serve.py --concurrency 1,8,32 --requests-per-level 96 --max-tokens 128 \
+      --out "$res/bench_serve.json" --log-dir "$res/logs"
   echo "== $(date +%T) done"
 } > "$out/run18.log" 2>&1
 tar czf "$out/results.tar.gz" -C "$res" .

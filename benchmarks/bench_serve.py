@@ -1,15 +1,23 @@
-"""Realized speculative-decoding speedup through the HTTP server, under load.
+"""Serving benchmark in the manner of `vllm bench serve`: the HTTP server under load, with and without speculation.
 
 The same workload is sent to `python -m gemma4_mtp_jax.serve` twice: with the MTP assistant (mode "spec") and with
-`--assistant none` (mode "plain"). At each concurrency level a closed loop keeps exactly C streaming chat requests
-in flight (greedy, `max_tokens` each; the server has no ignore_eos, so the actual output lengths are reported) until
-`--requests-per-level` have finished. Per (mode, level): output tokens/s, requests/s, TTFT, inter-chunk latency, time
-per output token, and the server's own speculative counters from /metrics (acceptance rate, mean acceptance length),
+`--assistant none` (mode "plain"). Each level is either a concurrency C (a closed loop keeps exactly C streaming
+requests in flight) or a request rate R (an open loop: requests arrive as a Poisson process of R per second, `inf`
+= all at once), until `--requests-per-level` have finished. The workload:
+- `--dataset chat` (default): greedy chat requests from a list of short prompts (built in, or --prompts-json), each
+  asking `--max-tokens`; the actual output lengths are reported (EOS ends a reply unless --ignore-eos).
+- `--dataset random`: completions with random token-id prompts; prompt and output lengths drawn uniformly from
+  [L(1-r), L(1+r)] around `--input-len` / `--output-len` (r = `--range-ratio`), seeded. With `--ignore-eos` (vLLM's
+  request extension, which this server has) every request generates exactly its output length: what random weights
+  need.
+Per (mode, level): output tokens/s, requests/s, TTFT, inter-chunk latency, time per output token, end-to-end latency
+(p50/p90/p99), and the server's own speculative counters from /metrics (acceptance rate, mean acceptance length),
 then a spec-vs-plain speedup table.
 
-    python benchmarks/serve_load.py [--ckpt demo] [--assistant DIR] [--assistant-modes spec,plain]
-        [--concurrency 1,8,32] [--requests-per-level N] [--max-tokens 128] [--prompts-json FILE]
-        [--out results.json] [--port 8011] [--server-arg=--flag ...]
+    python benchmarks/bench_serve.py [--ckpt demo] [--assistant DIR] [--assistant-modes spec,plain]
+        [--concurrency 1,8,32 | --request-rate 2,8,inf] [--requests-per-level N] [--max-tokens 128]
+        [--dataset chat [--prompts-json FILE] | --dataset random --input-len 256 --output-len 128 --range-ratio 0.25]
+        [--ignore-eos] [--out results.json] [--port 8011] [--server-arg=--flag ...]
 
 Why the pieces are as they are:
 - The client is a small asyncio HTTP/1.1 reader from the standard library (one connection per request), so the
@@ -25,6 +33,7 @@ Why the pieces are as they are:
   warm-up and the other levels do not leak into them.
 
 Exits 1 if a server did not start or exit 0, a request failed, or something compiled during a timed level.
+(Until 2026-12-01 this script was benchmarks/serve_load.py, closed loop and chat prompts only.)
 Server logs go to --log-dir ($OUT or the temp directory).
 """
 
@@ -51,6 +60,7 @@ from benchmarks.serve_check import ServerStartError, _get, start_server, stop_se
 
 HOST = "127.0.0.1"
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 MODES = ("spec", "plain")
 
 # Short, varied chat prompts (novels, the Bible, poetry, Python): different prompt lengths and topics, so the
@@ -153,13 +163,50 @@ async def _sse_events(reader: asyncio.StreamReader, chunked: bool) -> AsyncItera
                 yield t, b"\n".join(lines).decode("utf-8", "replace")
 
 
-async def stream_chat(port: int, index: int, prompt: str, max_tokens: int, timeout: float) -> RequestResult:
-    """One greedy streaming chat request; never raises for the request's own failure (see `error`), including
-    taking longer than `timeout` seconds."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                       "return_token_ids": True}).encode()
-    head = (f"POST {CHAT_PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
+@dataclasses.dataclass
+class Workload:
+    """What request i asks: POST `path` with `bodies[i % len(bodies)]` (streaming, greedy, token ids returned)."""
+
+    path: str
+    bodies: list[dict]
+    description: str
+
+    def request(self, i: int) -> tuple[str, dict]:
+        return self.path, self.bodies[i % len(self.bodies)]
+
+
+def _streaming(body: dict, ignore_eos: bool) -> dict:
+    return {**body, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, **({"ignore_eos": True} if ignore_eos else {})}
+
+
+def chat_workload(prompts: Sequence[str], max_tokens: int, ignore_eos: bool) -> Workload:
+    bodies = [_streaming({"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens}, ignore_eos)
+              for p in prompts]
+    return Workload(CHAT_PATH, bodies, f"chat: {len(prompts)} prompts, max_tokens {max_tokens}")
+
+
+def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, token_range: tuple[int, int],
+                    ignore_eos: bool, seed: int) -> Workload:
+    """n completions with random token-id prompts; lengths uniform in [L(1-r), L(1+r)] (at least 1)."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, size=n)
+
+    ins, outs = lengths(input_len), lengths(output_len)
+    bodies = [_streaming({"prompt": rng.integers(*token_range, size=int(a)).tolist(), "max_tokens": int(b)},
+                         ignore_eos) for a, b in zip(ins, outs)]
+    return Workload(COMPLETIONS_PATH, bodies, f"random: {n} prompts, input {input_len}, output {output_len}, "
+                    f"range ratio {range_ratio}, token ids in [{token_range[0]}, {token_range[1]}), seed {seed}")
+
+
+async def stream_request(port: int, index: int, path: str, payload: dict, timeout: float) -> RequestResult:
+    """One streaming request; never raises for the request's own failure (see `error`), including taking longer
+    than `timeout` seconds."""
+    body = json.dumps(payload).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
             f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     res = RequestResult(index=index, start=time.perf_counter())
     try:
@@ -218,10 +265,22 @@ async def _exchange(port: int, request: bytes, res: RequestResult) -> None:
         writer.close()
 
 
-async def _closed_loop(port: int, prompts: Sequence[str], concurrency: int, n_requests: int, max_tokens: int,
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """A load level: a concurrency (closed loop) or a request rate per second (Poisson arrivals; inf: at once)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate:g}/s"
+
+
+async def _closed_loop(port: int, workload: Workload, concurrency: int, n_requests: int,
                        timeout: float) -> tuple[list[RequestResult], float]:
-    """Keep exactly `concurrency` requests in flight until `n_requests` have finished; request i asks prompt
-    i mod len(prompts), so both modes get the same workload. Returns the results and the wall time."""
+    """Keep exactly `concurrency` requests in flight until `n_requests` have finished; request i is the workload's
+    request i, so both modes get the same workload. Returns the results and the wall time."""
     results: list[RequestResult] = []
     next_index = 0
 
@@ -230,17 +289,35 @@ async def _closed_loop(port: int, prompts: Sequence[str], concurrency: int, n_re
         while next_index < n_requests:
             i = next_index
             next_index += 1
-            results.append(await stream_chat(port, i, prompts[i % len(prompts)], max_tokens, timeout))
+            results.append(await stream_request(port, i, *workload.request(i), timeout))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return sorted(results, key=lambda r: r.index), time.perf_counter() - t0
 
 
-def run_level(args: argparse.Namespace, prompts: Sequence[str], concurrency: int,
+async def _open_loop(port: int, workload: Workload, rate: float, n_requests: int, timeout: float,
+                     seed: int) -> tuple[list[RequestResult], float]:
+    """Send request i at the i-th arrival of a Poisson process of `rate` per second (seeded: both modes get the same
+    arrival times), whatever is still in flight. Returns the results and the wall time."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n_requests) if np.isfinite(rate) else \
+        np.zeros(n_requests)
+    t0 = time.perf_counter()
+    tasks = []
+    for i in range(n_requests):
+        arrival = t0 + float(gaps[: i + 1].sum())
+        if (wait := arrival - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(stream_request(port, i, *workload.request(i), timeout)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
+
+
+def run_level(args: argparse.Namespace, workload: Workload, level: Level,
               n_requests: int) -> tuple[list[RequestResult], float]:
-    return asyncio.run(_closed_loop(args.port, prompts, concurrency, n_requests, args.max_tokens,
-                                    args.request_timeout))
+    if level.concurrency is not None:
+        return asyncio.run(_closed_loop(args.port, workload, level.concurrency, n_requests, args.request_timeout))
+    return asyncio.run(_open_loop(args.port, workload, level.rate, n_requests, args.request_timeout, args.seed))
 
 
 # ------------------------------------------------------------------------------------------------ measurements
@@ -356,6 +433,36 @@ def _load_prompts(path: str | None) -> list[str]:
     return prompts
 
 
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rate: expected comma-separated numbers or inf, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"--request-rate: expected rates > 0, got {text!r}")
+    return values
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    if args.dataset == "chat":
+        if args.max_tokens < 1:
+            raise ValueError("--max-tokens must be >= 1")
+        return chat_workload(_load_prompts(args.prompts_json), args.max_tokens, args.ignore_eos)
+    if min(args.input_len, args.output_len, args.num_prompts) < 1 or not 0 <= args.range_ratio < 1:
+        raise ValueError("--input-len, --output-len and --num-prompts must be >= 1, --range-ratio in [0, 1)")
+    lo_hi = _int_list("--token-range", args.token_range)
+    if len(lo_hi) != 2 or lo_hi[0] >= lo_hi[1]:
+        raise ValueError(f"--token-range: expected lo,hi with lo < hi, got {args.token_range!r}")
+    return random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                           (lo_hi[0], lo_hi[1]), args.ignore_eos, args.seed)
+
+
+def max_num_seqs(args: argparse.Namespace, levels: list[Level]) -> int:
+    """The server's batch: --max-num-seqs, else the largest concurrency (32 when every level is a rate)."""
+    biggest = max((lv.concurrency or 0 for lv in levels), default=0)
+    return max(args.max_num_seqs or 0, biggest) or 32
+
+
 def server_flags(args: argparse.Namespace, mode: str, max_num_seqs: int) -> list[str]:
     flags = ["--ckpt", args.ckpt, "--max-num-seqs", str(max_num_seqs), "--no-access-log"]
     if mode == "plain":
@@ -367,12 +474,12 @@ def server_flags(args: argparse.Namespace, mode: str, max_num_seqs: int) -> list
     return flags
 
 
-def run_mode(args: argparse.Namespace, mode: str, prompts: list[str], levels: list[int],
+def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: list[Level],
              log_dir: str) -> tuple[dict, list[dict], list[list[RequestResult]]]:
     """Start the server for `mode`, warm it up, time every level, stop it. Returns (server record, level records,
     each level's request results)."""
-    flags = server_flags(args, mode, max(max(levels), args.max_num_seqs or 0))
-    log_path = os.path.join(log_dir, f"serve_load_{mode}.log")
+    flags = server_flags(args, mode, max_num_seqs(args, levels))
+    log_path = os.path.join(log_dir, f"bench_serve_{mode}.log")
     server = {"mode": mode, "flags": flags, "log": log_path}
     env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     print(f"[{mode}] starting: python -m gemma4_mtp_jax.serve --port {args.port} {shlex.join(flags)}", flush=True)
@@ -393,25 +500,27 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[str], levels: li
                   flush=True)
         offset = os.path.getsize(log_path)
         t0 = time.perf_counter()
-        for c in levels:  # a full wave at each level: every batch size and prefill shape the level will use
-            warm, _ = run_level(args, prompts, c, c)
+        # A full wave at each concurrency (every batch size and prefill shape the level will use); rate levels
+        # warm up with a wave as wide as the server's batch.
+        for c in sorted({lv.concurrency or max_num_seqs(args, levels) for lv in levels}):
+            warm, _ = run_level(args, workload, Level(concurrency=c), c)
             failed = [r.error for r in warm if r.error]
             if failed:
                 raise RequestFailed(f"warm-up at concurrency {c}: {len(failed)} request(s) failed: {failed[0]}")
         server["warmup_s"] = round(time.perf_counter() - t0, 2)
         server["warmup_compiles"] = count_compiles(log_path, offset)
-        for c in levels:
-            n = args.requests_per_level or max(8, 2 * c)
+        for lv in levels:
+            n = args.requests_per_level or max(8, 2 * (lv.concurrency or max_num_seqs(args, levels)))
             before, offset = scrape_metrics(args.port), os.path.getsize(log_path)
-            results, wall = run_level(args, prompts, c, n)
+            results, wall = run_level(args, workload, lv, n)
             after = scrape_metrics(args.port)
-            rec = {"mode": mode, "concurrency": c, **summarize(results, wall),
-                   "server": spec_counters(before, after),
+            rec = {"mode": mode, "level": lv.label, "concurrency": lv.concurrency, "request_rate": lv.rate,
+                   **summarize(results, wall), "server": spec_counters(before, after),
                    "compiles_during_timed": count_compiles(log_path, offset) if startup_compiles else None}
             records.append(rec)
             raw.append(results)
             s = rec["server"]
-            print(f"[{mode}] c={c}: {rec['output_tokens']} tokens in {rec['wall_s']:.2f}s = "
+            print(f"[{mode}] {lv.label}: {rec['output_tokens']} tokens in {rec['wall_s']:.2f}s = "
                   f"{rec['output_tokens_per_s']} tok/s, TTFT p50 {rec['ttft_ms']['p50']} ms, TPOT p50 "
                   f"{rec['tpot_ms']['p50']} ms, acceptance {s['acceptance_rate']}, failed {rec['failed']}, "
                   f"compiles {rec['compiles_during_timed']}", flush=True)
@@ -432,16 +541,16 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 def speedups(records: list[dict], raw: dict[tuple[str, int], list[RequestResult]]) -> list[dict]:
     """spec vs plain at each level; every ratio is > 1 when speculation helps. same_text: the fraction of requests
     whose greedy output was identical in both modes (speculative decoding is lossless up to numerics)."""
-    by = {(r["mode"], r["concurrency"]): r for r in records}
+    by = {(r["mode"], r["level"]): r for r in records}
     out = []
-    for (mode, c), spec in sorted(by.items(), key=lambda kv: kv[0][1]):
-        plain = by.get(("plain", c))
+    for (mode, level), spec in by.items():
+        plain = by.get(("plain", level))
         if mode != "spec" or plain is None:
             continue
-        pairs = list(zip(raw[("spec", c)], raw[("plain", c)]))
+        pairs = list(zip(raw[("spec", level)], raw[("plain", level)]))
         same = [a.text == b.text for a, b in pairs if a.error is None and b.error is None]
         out.append({
-            "concurrency": c,
+            "level": level,
             "output_tokens_per_s": _ratio(spec["output_tokens_per_s"], plain["output_tokens_per_s"]),
             "tpot_p50": _ratio(plain["tpot_ms"]["p50"], spec["tpot_ms"]["p50"]),
             "tpot_mean": _ratio(plain["tpot_ms"]["mean"], spec["tpot_ms"]["mean"]),
@@ -468,21 +577,23 @@ def markdown(servers: list[dict], records: list[dict], ratios: list[dict]) -> st
         timed_txt = "unchecked" if None in timed else str(sum(timed)) if timed else "-"
         lines.append(f"| {s['mode']} | {_fmt(s.get('ready_s'))} | {_fmt(s.get('warmup_s'))} | "
                      f"{_fmt(s.get('warmup_compiles'))} | {timed_txt} | {_fmt(s.get('exit_code'))} |")
-    lines += ["","| mode | conc | reqs | out tok | mean len | wall s | tok/s | req/s | TTFT ms p50/p90/p99 | "
-             "inter-chunk ms p50/p90/p99 | TPOT ms p50/p90/p99 | tok/chunk | accept rate | mean accept len |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
+    lines += ["", "| mode | level | reqs | out tok | mean len | wall s | tok/s | req/s | TTFT ms p50/p90/p99 | "
+              "inter-chunk ms p50/p90/p99 | TPOT ms p50/p90/p99 | e2e ms p50/p90/p99 | tok/chunk | accept rate | "
+              "mean accept len |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|"]
     for r in records:
         s = r["server"]
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests'] - r['failed']}/{r['requests']} | "
+        lines.append(f"| {r['mode']} | {r['level']} | {r['requests'] - r['failed']}/{r['requests']} | "
                      f"{r['output_tokens']} | {_fmt(r['mean_output_tokens'])} | {_fmt(r['wall_s'])} | "
                      f"{_fmt(r['output_tokens_per_s'])} | {_fmt(r['requests_per_s'])} | {_p3(r['ttft_ms'])} | "
-                     f"{_p3(r['inter_chunk_ms'])} | {_p3(r['tpot_ms'])} | {_fmt(r['tokens_per_chunk'])} | "
-                     f"{_fmt(s['acceptance_rate'])} | {_fmt(s['mean_acceptance_length'])} |")
+                     f"{_p3(r['inter_chunk_ms'])} | {_p3(r['tpot_ms'])} | {_p3(r['e2e_ms'])} | "
+                     f"{_fmt(r['tokens_per_chunk'])} | {_fmt(s['acceptance_rate'])} | "
+                     f"{_fmt(s['mean_acceptance_length'])} |")
     if ratios:
         lines += ["", "Speedup of spec over plain (> 1: spec is better)", "",
-                  "| conc | tok/s | TPOT p50 | TPOT mean | TTFT p50 | same text |", "|---:|---:|---:|---:|---:|---:|"]
+                  "| level | tok/s | TPOT p50 | TPOT mean | TTFT p50 | same text |", "|---|---:|---:|---:|---:|---:|"]
         for q in ratios:
-            lines.append(f"| {q['concurrency']} | {_fmt(q['output_tokens_per_s'])} | {_fmt(q['tpot_p50'])} | "
+            lines.append(f"| {q['level']} | {_fmt(q['output_tokens_per_s'])} | {_fmt(q['tpot_p50'])} | "
                          f"{_fmt(q['tpot_mean'])} | {_fmt(q['ttft_p50'])} | {_fmt(q['same_text'])} |")
     return "\n".join(lines)
 
@@ -496,15 +607,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--assistant-modes", default="spec,plain",
                     help="comma-separated modes, run in this order: spec (with the assistant), plain "
                          "(--assistant none) (default: spec,plain)")
-    ap.add_argument("--concurrency", default="1,8,32",
-                    help="comma-separated in-flight request counts (default: 1,8,32)")
+    load = ap.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", default=None,
+                      help="comma-separated in-flight request counts, a closed loop each (default: 1,8,32)")
+    load.add_argument("--request-rate", default=None,
+                      help="comma-separated request rates per second (Poisson arrivals; inf: all at once)")
     ap.add_argument("--requests-per-level", type=int, default=None,
-                    help="requests timed at each level (default: 2 x concurrency, at least 8)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default: 128)")
+                    help="requests timed at each level (default: 2 x concurrency or x the server's batch, >= 8)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="the server's --max-num-seqs (default and minimum: the largest concurrency)")
-    ap.add_argument("--prompts-json", default=None, help="a JSON list of prompt strings (default: built-in list)")
-    ap.add_argument("--out", default=None, help="results JSON (default: $OUT/serve_load.json or the temp dir)")
+                    help="the server's --max-num-seqs (default: the largest concurrency, or 32 with --request-rate)")
+    ap.add_argument("--dataset", choices=["chat", "random"], default="chat", help="the workload (see above)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="chat: max_tokens of every request (default: 128)")
+    ap.add_argument("--prompts-json", default=None, help="chat: a JSON list of prompt strings (default: built-in)")
+    ap.add_argument("--input-len", type=int, default=256, help="random: mean prompt tokens (default: 256)")
+    ap.add_argument("--output-len", type=int, default=128, help="random: mean max_tokens (default: 128)")
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="random: lengths uniform in [L(1-r), L(1+r)] (default: 0, every length L)")
+    ap.add_argument("--token-range", default="10,1000", help="random: token ids drawn from [lo, hi) (default: "
+                    "10,1000, inside every Gemma 4 vocabulary and the demo's)")
+    ap.add_argument("--num-prompts", type=int, default=256, help="random: distinct prompts (default: 256)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every request generates its max_tokens whatever EOS the model emits (random weights)")
+    ap.add_argument("--seed", type=int, default=0, help="random prompts and Poisson arrivals (default: 0)")
+    ap.add_argument("--out", default=None, help="results JSON (default: $OUT/bench_serve.json or the temp dir)")
     ap.add_argument("--log-dir", default=None, help="server logs (default: $OUT or the temp dir)")
     ap.add_argument("--port", type=int, default=8011, help="server port, for both modes in turn (default: 8011)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for a server's /health "
@@ -523,16 +648,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
         ap.error(f"--assistant-modes: expected distinct values among {','.join(MODES)}, got {args.assistant_modes!r}")
     try:
-        levels = _int_list("--concurrency", args.concurrency)
-        prompts = _load_prompts(args.prompts_json)
+        if args.request_rate is not None:
+            levels = [Level(rate=r) for r in _rate_list(args.request_rate)]
+        else:
+            levels = [Level(concurrency=c) for c in _int_list("--concurrency", args.concurrency or "1,8,32")]
+        workload = make_workload(args)
     except ValueError as e:
         ap.error(str(e))
     if args.requests_per_level is not None and args.requests_per_level < 1:
         ap.error("--requests-per-level must be >= 1")
-    if args.max_tokens < 1:
-        ap.error("--max-tokens must be >= 1")
-    if args.max_num_seqs is not None and args.max_num_seqs < max(levels):
-        ap.error(f"--max-num-seqs ({args.max_num_seqs}) must be >= the largest --concurrency ({max(levels)})")
+    biggest = max((lv.concurrency or 0 for lv in levels), default=0)
+    if args.max_num_seqs is not None and args.max_num_seqs < biggest:
+        ap.error(f"--max-num-seqs ({args.max_num_seqs}) must be >= the largest --concurrency ({biggest})")
     if not (args.ready_timeout > 0 and args.request_timeout > 0):
         ap.error("--ready-timeout and --request-timeout must be > 0")
     if not 0 < args.port < 65536:
@@ -540,26 +667,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = os.environ.get("OUT") or tempfile.gettempdir()
     log_dir = args.log_dir or out_dir
     os.makedirs(log_dir, exist_ok=True)
-    out_path = args.out or os.path.join(out_dir, "serve_load.json")
+    out_path = args.out or os.path.join(out_dir, "bench_serve.json")
 
     servers, records, raw = [], [], {}
     for mode in modes:
-        server, recs, results = run_mode(args, mode, prompts, levels, log_dir)
+        server, recs, results = run_mode(args, mode, workload, levels, log_dir)
         servers.append(server)
         records += recs
-        raw.update({(mode, r["concurrency"]): res for r, res in zip(recs, results)})
+        raw.update({(mode, r["level"]): res for r, res in zip(recs, results)})
     ratios = speedups(records, raw)
     problems = [f"{s['mode']}: {s['error']}" for s in servers if s.get("error")]
     problems += [f"{s['mode']}: server exit code {s['exit_code']}" for s in servers
                  if s.get("exit_code") != 0 and not s.get("error")]
-    problems += [f"{r['mode']} c={r['concurrency']}: {r['failed']} request(s) failed ({r['errors'][0]})"
+    problems += [f"{r['mode']} {r['level']}: {r['failed']} request(s) failed ({r['errors'][0]})"
                  for r in records if r["failed"]]
-    problems += [f"{r['mode']} c={r['concurrency']}: {r['compiles_during_timed']} compilation(s) in the timed part"
+    problems += [f"{r['mode']} {r['level']}: {r['compiles_during_timed']} compilation(s) in the timed part"
                  for r in records if r["compiles_during_timed"]]
     result = {
-        "config": {"ckpt": args.ckpt, "assistant": args.assistant, "modes": modes, "concurrency": levels,
-                   "requests_per_level": args.requests_per_level, "max_tokens": args.max_tokens,
-                   "prompts": args.prompts_json or f"built-in ({len(prompts)})", "server_args": args.server_arg},
+        "config": {"ckpt": args.ckpt, "assistant": args.assistant, "modes": modes,
+                   "levels": [lv.label for lv in levels], "requests_per_level": args.requests_per_level,
+                   "workload": workload.description, "ignore_eos": args.ignore_eos, "server_args": args.server_arg},
         "servers": servers,
         "results": records,
         "speedup": ratios,
