@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import logging
 import os
 import signal
@@ -228,22 +226,11 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     if max_len is None:
         mpe = _max_position_embeddings(Path(target.path))
         max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
-    cfg_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine_kwargs = {}
-    spec_k = 0
     if assistant is not None:
-        k = args.num_speculative_tokens or int(assistant.generation_config.get("num_assistant_tokens") or 4)
-        if "assistant" in inspect.signature(Engine).parameters:
-            engine_kwargs["assistant"] = assistant
-            if "num_speculative_tokens" in cfg_fields:
-                cfg_kwargs["num_speculative_tokens"] = k
-            spec_k = k
-        else:
-            log.warning("speculative decoding is not available in this engine yet: the assistant was loaded and "
-                        "checked, but the target decodes alone")
+        cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:
         log.warning("--num-speculative-tokens has no effect without --assistant")
     config = EngineConfig(**cfg_kwargs)
@@ -257,10 +244,9 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         log.info("compiled %s in %.2fs (%d)", prog, seconds, done[0])
 
     with _Timer("compiling all programs"):
-        engine = Engine(target, config, progress=progress, **engine_kwargs)
-    if spec_k:
-        spec_k = int(getattr(engine, "k", spec_k))
-        log.info("speculative decoding: on, %d draft tokens per round", spec_k)
+        engine = Engine(target, config, progress=progress, assistant=assistant)
+    if engine.k:
+        log.info("speculative decoding: on, %d draft tokens per round", engine.k)
 
     gen = target.generation_config or {}
     settings = ServerSettings(
@@ -273,11 +259,11 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         if gen.get("do_sample", True) else 0.0,
         default_top_k=int(gen.get("top_k") or 0),
         default_top_p=float(gen.get("top_p") or 1.0),
-        num_speculative_tokens=spec_k,
+        num_speculative_tokens=engine.k,
     )
     metrics = Metrics(name)
     aengine = AsyncEngine(engine, max_queue_len=args.max_queue_len, metrics=metrics)
-    server = OpenAIServer(aengine, tokenizer, settings, metrics, eos_ids=getattr(engine, "eos_ids", frozenset()))
+    server = OpenAIServer(aengine, tokenizer, settings, metrics, eos_ids=engine.eos_ids)
     log.info("ready in %.1fs", time.perf_counter() - t_start)
     return server, args
 
