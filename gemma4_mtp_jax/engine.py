@@ -98,15 +98,27 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
-    # Speculative decoding: drafts proposed / accepted, acceptance by draft position, accepted count per round.
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # Speculative decoding: drafts per round (k), and the drafts accepted in each of the request's rounds; the
+    # other counts derive from these.
+    num_speculative_tokens: int = 0
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     num_preemptions: int = 0
     prefilled: int = 0  # K/V positions written by the prefill since (re)admission
     decoding: bool = False  # prefill complete: the sequence is in the decode batch
+
+    @property
+    def num_drafted(self) -> int:
+        return self.num_speculative_tokens * len(self.accepted_per_round)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted_per_round)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Rounds that accepted at least j+1 drafts, for each draft position j."""
+        return [sum(n > j for n in self.accepted_per_round) for j in range(self.num_speculative_tokens)]
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +156,7 @@ class StepEvent:
     request: Request
     new_tokens: list[int]
     finished: bool
+    accepted: int | None = None  # drafts accepted in this step's speculative round (None: no round)
 
 
 @dataclasses.dataclass
@@ -219,8 +232,7 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
-        self.metrics = {"drafted": 0, "accepted": 0, "rounds": 0, "accepted_per_position": [0] * self.k,
-                        "preemptions": 0}
+        self.num_preemptions = 0
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
@@ -323,7 +335,7 @@ class Engine:
         self._release(req)
         req.status, req.prefilled, req.decoding = "waiting", 0, False
         req.num_preemptions += 1
-        self.metrics["preemptions"] += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _pages_short(self, req: Request) -> dict[str, int]:
@@ -508,24 +520,18 @@ class Engine:
             self._tables(rows, B), self._sampling(rows, B), spec_on, stop_ids, remaining)
         return np.asarray(packed)[: len(rows)]  # the one host read of the step
 
-    def _unpack(self, req: Request, packed: np.ndarray) -> tuple[list[int], bool]:
+    def _unpack(self, req: Request, packed: np.ndarray) -> tuple[list[int], bool, int | None]:
         """A row of the speculative step's result: the tokens it keeps of the emitted ones (accepted drafts + bonus,
-        cut at a stop id or max_new_tokens on the device), whether it finished; counts its drafts."""
+        cut at a stop id or max_new_tokens on the device), whether it finished, and the drafts it accepted (None
+        with speculation off for the request), which the request records."""
         k = self.k
         n, keep, finished = (int(x) for x in packed[k + 1 : k + 4])
+        accepted = None
         if req.speculative:
-            req.num_drafted += k
-            req.num_accepted += n
+            req.num_speculative_tokens = k
             req.accepted_per_round.append(n)
-            if len(req.accepted_per_position) < k:
-                req.accepted_per_position = [0] * k
-            for j in range(n):
-                req.accepted_per_position[j] += 1
-                self.metrics["accepted_per_position"][j] += 1
-            self.metrics["drafted"] += k
-            self.metrics["accepted"] += n
-            self.metrics["rounds"] += 1
-        return [int(t) for t in packed[:keep]], bool(finished)
+            accepted = n
+        return [int(t) for t in packed[:keep]], bool(finished), accepted
 
     def _append(self, req: Request, tokens: list[int], now: float) -> list[int]:
         kept = []
@@ -547,14 +553,15 @@ class Engine:
         """`req`'s new tokens from its row of the step's result (`packed`: the speculative step's), through the stop
         rules."""
         try:
-            toks, device_finished = self._unpack(req, result) if packed else ([int(t) for t in result], None)
+            toks, device_finished, accepted = (self._unpack(req, result) if packed
+                                               else ([int(t) for t in result], None, None))
             kept = self._append(req, toks, now)
             if device_finished is not None and (device_finished != req.finished or kept != toks):
                 raise AssertionError(f"the step's finished flag ({device_finished}) disagrees with the stop rules "
                                      f"({req.finished}, kept {len(kept)} of {len(toks)})")
         except Exception as e:
             return self._fail(req, "taking its new tokens", e)
-        return StepEvent(req, kept, req.finished)
+        return StepEvent(req, kept, req.finished, accepted)
 
     def step(self) -> list[StepEvent]:
         """Pages for the decoding sequences' next tokens (preempting the newest if the pool is dry), admit what

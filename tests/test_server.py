@@ -728,10 +728,10 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
         aengine = srv.server.engine
         real_count = aengine._count_speculation
 
-        def count_speculation(stream, req):
-            if hit(req):
+        def count_speculation(ev):
+            if hit(ev.request):
                 raise RuntimeError("injected: metrics bookkeeping failed")
-            return real_count(stream, req)
+            return real_count(ev)
 
         monkeypatch.setattr(aengine, "_count_speculation", count_speculation)
     else:

@@ -200,7 +200,8 @@ class FakeEngine:
         self.waiting, self.running = [], []
         self.tokens = [BYTE0 + b for b in tokens]
         self.allocators = {"full_attention": SimpleNamespace(capacity=8)}
-        self.metrics = {"preemptions": 0}
+        self.num_preemptions = 0
+        self.k = 3
 
     @property
     def has_work(self):
@@ -243,15 +244,12 @@ class FakeEngine:
             n = len(req.output)
             new = [self.tokens[(n + i) % len(self.tokens)] for i in range(3)][: req.max_new_tokens - n]
             req.output += new
-            req.num_drafted += 3
-            req.num_accepted += 2
-            req.accepted_per_position = [a + b for a, b in
-                                         zip(req.accepted_per_position or [0, 0, 0], [1, 1, 0])]
+            req.num_speculative_tokens = 3
             req.accepted_per_round.append(2)
             if len(req.output) >= req.max_new_tokens:
                 req.status, req.finish_reason = "finished", "length"
                 self.running.remove(req)
-            events.append(StepEvent(req, new, req.finished))
+            events.append(StepEvent(req, new, req.finished, accepted=2))
         return events
 
 

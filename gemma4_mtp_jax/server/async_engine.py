@@ -72,7 +72,6 @@ class RequestStream:
         self.accepted: asyncio.Future = loop.create_future()
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._closed = False  # engine thread: the final Delta was sent
-        self._spec_seen = (0, 0, (), 0)  # engine thread: drafted, accepted, per position, rounds already counted
         self.done = False  # handler: the final Delta was received
 
     # engine thread -> loop
@@ -306,8 +305,8 @@ class AsyncEngine:
 
     def _deliver(self, stream: RequestStream, ev: StepEvent, now: float) -> None:
         req = ev.request
-        if self.metrics:
-            self._count_speculation(stream, req)
+        if self.metrics and ev.accepted is not None:
+            self._count_speculation(ev)
         reason = req.finish_reason if ev.finished else None
         d = Delta(list(ev.new_tokens), now, ev.finished, reason, REQUEST_FAILED if reason == "error" else None)
         if ev.finished:
@@ -315,23 +314,15 @@ class AsyncEngine:
         else:
             stream._post(stream._queue.put_nowait, d)
 
-    def _count_speculation(self, stream: RequestStream, req: Request) -> None:
-        """Add this step's drafted / accepted tokens (the request keeps running totals) to the metrics."""
-        drafted, accepted, per_pos, rounds = stream._spec_seen
-        m = self.metrics
-        if req.num_drafted > drafted:
-            m.draft_tokens.inc(req.num_drafted - drafted)
-        if req.num_accepted > accepted:
-            m.accepted_tokens.inc(req.num_accepted - accepted)
-        pos = tuple(req.accepted_per_position)
-        for i, n in enumerate(pos):
-            prev = per_pos[i] if i < len(per_pos) else 0
-            if n > prev:
-                m.accepted_per_position.labels(position=str(i)).inc(n - prev)
-        new_rounds = req.accepted_per_round[rounds:]
-        for n in new_rounds:
-            m.accepted_per_round.observe(n)
-        stream._spec_seen = (req.num_drafted, req.num_accepted, pos, rounds + len(new_rounds))
+    def _count_speculation(self, ev: StepEvent) -> None:
+        """The step's speculative round of one sequence (k drafts, `ev.accepted` of them accepted) into the
+        metrics."""
+        m, accepted = self.metrics, ev.accepted
+        m.draft_tokens.inc(self.engine.k)
+        m.accepted_tokens.inc(accepted)
+        for j in range(accepted):
+            m.accepted_per_position.labels(position=str(j)).inc()
+        m.accepted_per_round.observe(accepted)
 
     def _pages_total(self) -> dict[str, int]:
         return self.engine.pages_total()
@@ -340,7 +331,7 @@ class AsyncEngine:
         eng = self.engine
         snap = {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_in_use": eng.pages_in_use(),
                 "kv_pages_total": self.snapshot["kv_pages_total"], "kv_cache_bytes": self.snapshot["kv_cache_bytes"],
-                "preemptions": eng.metrics["preemptions"], "in_flight": len(self._active)}
+                "preemptions": eng.num_preemptions, "in_flight": len(self._active)}
         preempted = snap["preemptions"] - self.snapshot["preemptions"]
         self.snapshot = snap
         m = self.metrics
