@@ -24,10 +24,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import TARGETS, copy_bandwidth, environment, random_params, write_json  # noqa: E402
+from benchmarks.common import (TARGETS, copy_bandwidth, environment, layout_for, random_params,  # noqa: E402
+                               write_json)
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.kv_state import abstract_pages, make_layout  # noqa: E402
+from gemma4_mtp_jax.kv_state import abstract_pages  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -95,10 +96,7 @@ def main() -> None:
         print(f"[{name}] random weights in {time.perf_counter() - t0:.1f}s", flush=True)
         context = 64 if name == "smoke" else args.context
         max_b = max(args.batch)
-        layout0 = make_layout(cfg, page_size=args.page_size, max_model_len=context + 16,
-                              num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")})
-        num_pages = {g: max_b * layout0.table_width(g) + 1 for g, _ in layout0.pages_per_seq}
-        layout = make_layout(cfg, page_size=args.page_size, max_model_len=context + 16, num_pages=num_pages)
+        layout = layout_for(cfg, max_b, page_size=args.page_size, max_model_len=context + 16)
         target = Target(cfg, params, dtype, None, {})
         steps = CompiledSteps(target, layout, dtype, args.attention)
         pages = random_pages(cfg, layout, dtype)

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE  # noqa: E402
 from benchmarks.bench_spec import SMOKE_ASSISTANT  # noqa: E402
-from benchmarks.common import ASSISTANTS, TARGETS, environment, random_params, write_json  # noqa: E402
+from benchmarks.common import ASSISTANTS, TARGETS, environment, median_time, random_params, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
@@ -67,15 +64,6 @@ def program_call(engine: Engine):
     return call
 
 
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="e2b", choices=sorted(TARGETS))
@@ -110,8 +98,8 @@ def main() -> None:
             engine.step()
         for _ in range(warmup):
             engine.step()
-        step_s = timed(lambda: engine.step(), args.steps)
-        program_s = timed(program_call(engine), args.steps)
+        step_s = median_time(engine.step, (), repeats=args.steps, warmup=0)
+        program_s = median_time(program_call(engine), (), repeats=args.steps, warmup=0)
         row = {"model": name, "spec": args.spec, "batch": B, "context": context, "engine_step_ms": step_s * 1e3,
                "program_ms": program_s * 1e3, "host_overhead_ms": (step_s - program_s) * 1e3,
                "host_overhead_fraction": (step_s - program_s) / step_s}

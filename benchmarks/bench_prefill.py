@@ -20,10 +20,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
-from benchmarks.common import TARGETS, environment, random_params, write_json  # noqa: E402
+from benchmarks.common import TARGETS, environment, layout_for, random_params, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_target_config  # noqa: E402
-from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -59,10 +58,7 @@ def main() -> None:
         dtype = jnp.float32 if name == "smoke" else jnp.dtype(args.dtype).type
         prompt_len, chunk = (100, 32) if name == "smoke" else (args.prompt, args.chunk)
         target = Target(cfg, random_params(abstract_target_params(cfg, dtype)), dtype, None, {})
-        geometry = dict(page_size=args.page_size, max_model_len=prompt_len + 16, prefill_chunk=chunk)
-        probe = make_layout(cfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
-        layout = make_layout(cfg, num_pages={g: probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
-                             **geometry)
+        layout = layout_for(cfg, 1, page_size=args.page_size, max_model_len=prompt_len + 16, prefill_chunk=chunk)
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
         tables = {g: rng.permutation(np.arange(1, layout.pages(g)))[:w][None].astype(np.int32)

@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
-from benchmarks.common import ASSISTANTS, TARGETS, copy_bandwidth, environment, random_params, write_json  # noqa: E402
+from benchmarks.common import (ASSISTANTS, TARGETS, copy_bandwidth, environment, layout_for,  # noqa: E402
+                               random_params, write_json)
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
     Target,
@@ -38,7 +39,6 @@ from gemma4_mtp_jax.api import (  # noqa: E402
 )
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
-from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
@@ -86,11 +86,8 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     print(f"[{name}] weights in {time.perf_counter() - t0:.1f}s", flush=True)
     context = 64 if name == "smoke" else args.context
     max_b = max(args.batch)
-    geometry = dict(page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
-                    assistant_window=acfg.text.sliding_window)
-    probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
-    layout = make_layout(tcfg, num_pages={g: max_b * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
-                         **geometry)
+    layout = layout_for(tcfg, max_b, page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
+                        assistant_window=acfg.text.sliding_window)
     steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b)
     plain = CompiledSteps(target, layout, dtype, "auto")
     pages = random_pages(tcfg, layout, dtype)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4_mtp_jax.kv_state import KVLayout, make_layout
+
 _S, _F = "sliding_attention", "full_attention"
 
 # Text configs of the released checkpoints (gemma4_architecture.md §6), as HF config.json dicts.
@@ -85,6 +87,13 @@ def random_params(abstract: Any, seed: int = 0) -> Any:
         out.append(_random_leaf(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype), kind))
     jax.block_until_ready(out)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def layout_for(cfg, sequences: int, **geometry) -> KVLayout:
+    """A KV layout (`make_layout` geometry) whose pools hold `sequences` sequences of max_model_len each."""
+    probe = make_layout(cfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
+    return make_layout(cfg, num_pages={g: sequences * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
+                       **geometry)
 
 
 def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:

@@ -30,12 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import ASSISTANTS, TARGETS, environment, write_json  # noqa: E402
+from benchmarks.common import ASSISTANTS, TARGETS, environment, layout_for, write_json  # noqa: E402
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
-from gemma4_mtp_jax.kv_state import make_layout  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -158,11 +157,8 @@ def programs(target: Target, assistant: Assistant, batch: int, k: int, context: 
     """The three lowered programs of one batch size: decode, verify (forward on k+1 tokens + logits, the target
     half of the speculative step), speculative (k draft steps + verify + acceptance + bookkeeping)."""
     tcfg, acfg, dtype = target.config, assistant.config, target.dtype
-    geometry = dict(page_size=page_size, max_model_len=context, num_speculative_tokens=k,
-                    assistant_window=acfg.text.sliding_window)
-    probe = make_layout(tcfg, num_pages={g: 1 << 30 for g in ("sliding_attention", "full_attention")}, **geometry)
-    layout = make_layout(tcfg, num_pages={g: batch * probe.table_width(g) + 1 for g, _ in probe.pages_per_seq},
-                         **geometry)
+    layout = layout_for(tcfg, batch, page_size=page_size, max_model_len=context, num_speculative_tokens=k,
+                        assistant_window=acfg.text.sliding_window)
     spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch)
     plain = CompiledSteps(target, layout, dtype, "auto")
     params, pages, tokens, _, tables, _, _ = plain._abstract(batch, k + 1)
