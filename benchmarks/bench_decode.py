@@ -38,13 +38,19 @@ SMOKE = dict(model_type="gemma4_text", vocab_size=512, hidden_size=64, intermedi
              vocab_size_per_layer_input=512, num_kv_shared_layers=1, final_logit_softcapping=30.0)
 
 
-def bytes_per_step(cfg, params, batch: int, context: int, dtype_bytes: int = 2) -> dict[str, int]:
+def bytes_per_step(cfg, params, batch: int, context: int, dtype_bytes: int = 2,
+                   experts_touched: float | None = None) -> dict[str, int]:
+    """Bytes one decode step must read. MoE models: every expert, or with `experts_touched` (mean distinct
+    experts per layer) only those the routing chose."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     weights = 0
     for path, leaf in leaves:
         name = ".".join(str(k.key) for k in path)
         if name.startswith("embed_tokens_per_layer"):
             continue  # PLE: only the rows of the batch's tokens are read
+        if experts_touched is not None and ".experts." in f".{name}.":
+            weights += int(leaf.nbytes * experts_touched / cfg.num_experts)
+            continue
         weights += leaf.size * leaf.dtype.itemsize
     if cfg.hidden_size_per_layer_input:
         weights += batch * cfg.num_layers * cfg.hidden_size_per_layer_input * dtype_bytes
@@ -53,6 +59,23 @@ def bytes_per_step(cfg, params, batch: int, context: int, dtype_bytes: int = 2) 
         keys = min(context, cfg.sliding_window) if lc.layer_type == SLIDING else context
         kv += batch * keys * lc.num_kv_heads * lc.head_dim * 2 * dtype_bytes
     return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def experts_touched(target: Target, tokens: np.ndarray, position: int) -> float:
+    """Mean over MoE layers of the distinct experts the routing of `tokens` [B] chose (the model's
+    `experts_touched` statistic, from a forward of one token per sequence)."""
+    B = len(tokens)
+    fwd = jax.jit(lambda p, t, pos: target.module.apply({"params": p}, t, pos, logits=False,
+                                                        mutable=["intermediates"])[1])
+    stats = fwd(target.params, jnp.asarray(tokens, jnp.int32).reshape(B, 1), jnp.full((B, 1), position, jnp.int32))
+    counts = [int(v) for v in jax.tree_util.tree_leaves(stats["intermediates"])]
+    return float(np.mean(counts))
+
+
+def expected_experts(cfg, tokens: int) -> float:
+    """Distinct experts per layer for `tokens` tokens routed uniformly (top-k distinct experts each)."""
+    E, k = cfg.num_experts, cfg.top_k_experts
+    return E * (1 - (1 - k / E) ** tokens)
 
 
 def time_decode(fn, params, pages, args, repeats: int, warmup: int = 3) -> tuple[float, Any]:
@@ -118,6 +141,13 @@ def main() -> None:
             row = {"model": name, "batch": B, "context": context, "step_ms": t * 1e3, "roofline_ms": floor * 1e3,
                    "roofline_fraction": floor / t, "weights_GB": need["weights"] / 1e9, "kv_GB": need["kv"] / 1e9,
                    "achieved_TBps": need["total"] / t / 1e12, "compile_s": compile_s}
+            if cfg.enable_moe_block:  # the roofline of what the step actually had to read
+                touched = experts_touched(target, tokens, context - 1)
+                for key, n in (("touched", touched), ("uniform", expected_experts(cfg, B))):
+                    b = bytes_per_step(cfg, params, B, context, experts_touched=n)["total"]
+                    row[f"experts_{key}"] = n
+                    row[f"roofline_{key}_ms"] = b / bw * 1e3
+                    row[f"roofline_{key}_fraction"] = b / bw / t
             rows.append(row)
             print(row, flush=True)
         del params, pages, steps
@@ -127,6 +157,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:6} {r['batch']:3d} {r['context']:6d} {r['step_ms']:9.3f} {r['roofline_ms']:11.3f} "
               f"{r['roofline_fraction']:6.2f} {r['achieved_TBps']:6.2f} {r['compile_s']:9.1f}")
+        if "experts_touched" in r:
+            print(f"{'':17} MoE: {r['experts_touched']:.1f} experts/layer touched ({r['experts_uniform']:.1f} "
+                  f"uniform): roofline {r['roofline_touched_ms']:.3f} ms, step at "
+                  f"{r['roofline_touched_fraction']:.0%} of it ({r['roofline_uniform_fraction']:.0%} of uniform's)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import RopeConfig
+from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 
 Array = jax.Array
 
@@ -130,9 +131,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """The MoE experts. `gate_up_proj` [E, 2*Im, H] (first Im rows: gate), `down_proj` [E, H, Im].
 
-    Every expert runs on every token, weighted by a dense [N, E] routing matrix that is zero off the top-k:
-    exact, never materialises per-token weight copies, and at decode batch sizes reads each expert's weights
-    once, which is what a memory-bound step costs anyway. Long prefills will want a grouped (ragged) matmul.
+    Only the routed experts run (`routed_experts`: (token, expert) pairs sorted by expert through a grouped
+    matmul that never reads an expert no token chose); all shapes are static, the routing decides only which
+    rows land in which group.
     """
 
     num_experts: int
@@ -144,11 +145,12 @@ class Experts(nn.Module):
         E, Im, H = self.num_experts, self.moe_intermediate_size, x.shape[-1]
         gate_up = self.param("gate_up_proj", nn.initializers.normal(0.02), (E, 2 * Im, H), self.param_dtype)
         down = self.param("down_proj", nn.initializers.normal(0.02), (E, H, Im), self.param_dtype)
-        combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * weights[..., None], axis=-2)  # [..., E]
-        gu = jnp.einsum("...h,eoh->...eo", x, gate_up.astype(x.dtype))  # [..., E, 2Im]
-        act = gelu_tanh(gu[..., :Im]) * gu[..., Im:]
-        out = jnp.einsum("...ei,ehi->...eh", act, down.astype(x.dtype))  # [..., E, H]
-        return jnp.einsum("...eh,...e->...h", out, combine.astype(x.dtype))
+        lead, k = x.shape[:-1], idx.shape[-1]
+        # Router statistics for the benchmarks (a no-op unless "intermediates" is mutable): the experts this call
+        # had to read, which is what a memory-bound step costs.
+        self.sow("intermediates", "experts_touched", jnp.sum(jnp.any(jax.nn.one_hot(idx.reshape(-1), E) > 0, axis=0)))
+        out = routed_experts(x.reshape(-1, H), weights.reshape(-1, k), idx.reshape(-1, k), gate_up, down)
+        return out.reshape(*lead, H)
 
 
 class Embedding(nn.Module):

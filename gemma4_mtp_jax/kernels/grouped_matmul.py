@@ -1,0 +1,280 @@
+"""Grouped matmul for the MoE experts: each row is multiplied by the weights of its own group (expert) only.
+
+Rows arrive sorted by group (`sort_by_group`), so group g owns rows [start_g, end_g). The weights keep the
+checkpoint layout `w [G, O, I]` (rows are outputs), so nothing is transposed at load time or per step.
+
+    out[r] = x[r] @ w[group(r)].T                               (plain)
+    out[r] = gelu_tanh(x[r] @ w_gate.T) * (x[r] @ w_up.T)      (glu: w[g] = [w_gate; w_up], O = 2 * O')
+
+Two implementations with the same contract:
+
+- `grouped_matmul_reference`: plain XLA (`lax.ragged_dot_general` contracting the weights' last axis). CPU path
+  and test oracle. On the GPU, XLA lowers it to a masked dense dot over every group: it reads all experts.
+- `grouped_matmul`: a Pallas kernel (Triton lowering) over row tiles. `row_tiles` cuts each group's rows into
+  tiles of `block_rows` (a group's last tile is partial); the static tile count is the most any routing can
+  need, `(M + min(G, M) * (block_rows - 1)) // block_rows`, and unused tiles are empty. Grid (tile, output
+  block): a program loads its tile's group id, streams that group's [block_out, I] weight rows through a loop
+  over I with float32 accumulation, and writes its rows. Groups that own no row are never read, so a decode step
+  reads only the experts its tokens were routed to. With `glu` a program holds two accumulators (gate rows and
+  the matching up rows) and writes the activated product, so the [M, 2 O'] intermediate never exists.
+
+`grouped_matmul_auto` picks the kernel on GPU and the reference elsewhere; `routed_experts` is the whole MoE
+expert block on top of it (sort the (token, expert) pairs, two grouped matmuls, weighted sum per token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+
+def _gelu_tanh(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routing: sort rows by group, cut groups into tiles
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sort_by_group(group_ids: Array, num_groups: int) -> tuple[Array, Array]:
+    """group_ids [M] int -> (order [M] int32, group_sizes [G] int32): `order` lists row indices grouped by id
+    (stable, so rows of one group keep their order); `group_sizes[g]` counts rows with id g."""
+    order = jnp.argsort(group_ids, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((num_groups,), jnp.int32).at[group_ids].add(1)
+    return order, sizes
+
+
+def max_tiles(num_rows: int, num_groups: int, block_rows: int) -> int:
+    """The most tiles any split of `num_rows` sorted rows into `num_groups` groups can need."""
+    return (num_rows + min(num_groups, num_rows) * (block_rows - 1)) // block_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiles:
+    """Tile t covers sorted rows [start[t], end[t]) of group `group[t]`; empty tiles have start == end."""
+
+    group: Array  # [T] int32
+    start: Array  # [T] int32
+    end: Array  # [T] int32
+
+
+jax.tree_util.register_dataclass(RowTiles, data_fields=["group", "start", "end"], meta_fields=[])
+
+
+def row_tiles(group_sizes: Array, num_rows: int, block_rows: int) -> RowTiles:
+    """Cut each group's rows into tiles of at most `block_rows` rows (static count `max_tiles`)."""
+    G = group_sizes.shape[0]
+    T = max_tiles(num_rows, G, block_rows)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    per_group = (group_sizes + block_rows - 1) // block_rows
+    tile_end = jnp.cumsum(per_group)  # exclusive end of each group's tiles in tile order
+    t = jnp.arange(T, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), G - 1).astype(jnp.int32)
+    local = t - (tile_end[g] - per_group[g])
+    start = starts[g] + local * block_rows
+    used = t < tile_end[-1]
+    start = jnp.where(used, start, 0).astype(jnp.int32)
+    end = jnp.where(used, jnp.minimum(start + block_rows, ends[g]), 0).astype(jnp.int32)
+    return RowTiles(g, start, end)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (plain XLA)
+# ----------------------------------------------------------------------------------------------------------
+
+_CONTRACT_LAST = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def grouped_matmul_reference(x: Array, w: Array, group_sizes: Array, *, glu: bool = False) -> Array:
+    """x [M, I] sorted by group, w [G, O, I], group_sizes [G] -> [M, O] (glu: [M, O/2]) in x.dtype."""
+    _check_shapes(x, w, group_sizes, glu)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, _CONTRACT_LAST, precision=precision,
+                               preferred_element_type=jnp.float32)
+    if glu:
+        half = w.shape[1] // 2
+        # Gate and up are rounded to the activation dtype first, as a separate matmul per projection would.
+        gate, up = y[:, :half].astype(x.dtype), y[:, half:].astype(x.dtype)
+        return _gelu_tanh(gate) * up
+    return y.astype(x.dtype)
+
+
+def _check_shapes(x, w, group_sizes, glu):
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped matmul: x must be [M, I] and w [G, O, I], got x {x.shape}, w {w.shape}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"grouped matmul: group_sizes must be [{w.shape[0]}], got {group_sizes.shape}")
+    if glu and w.shape[1] % 2:
+        raise ValueError(f"grouped matmul: glu needs an even number of output rows, got w {w.shape}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas kernel (Triton lowering)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_rows: int
+    block_out: int
+    block_in: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def kernel_config(num_rows: int, out_features: int, in_features: int, glu: bool) -> KernelConfig:
+    """Tiles for a memory-bound grouped matmul: few rows per group at decode (16, the smallest tensor-core tile),
+    more for prefill; output blocks small enough that one expert's weights spread over many programs."""
+    block_rows = 16 if num_rows <= 256 else 64
+    block_out = 64 if glu else 128
+    block_in = 128 if in_features >= 128 else max(16, _next_pow2(in_features))
+    block_out = min(block_out, max(16, _next_pow2(out_features // (2 if glu else 1))))
+    return KernelConfig(block_rows, block_out, block_in, num_warps=4, num_stages=4)
+
+
+def _triton_compiler_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _masked_load(ref, mask, other):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.load(ref, mask=mask, other=other)
+
+
+def _masked_store(ref, value, mask):
+    from jax.experimental.pallas import triton as pltriton
+
+    pltriton.store(ref, value, mask=mask)
+
+
+def _dot_t(a, b):
+    """a @ b.T with float32 accumulation."""
+    from jax.experimental.pallas import triton as pltriton
+
+    dot = getattr(pltriton, "dot", None) or pl.dot
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return dot(a, b, trans_b=True, precision=precision)
+
+
+def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_group: int, in_features: int,
+            out_features: int, glu_half: int | None, block_rows: int, block_out: int, block_in: int):
+    """One program: the rows of one tile times one block of output columns of the tile's group.
+
+    x_ref [M, I]; w_ref [G * O, I] (group g's rows at g * O ...); o_ref [M, O] (glu: [M, O / 2])."""
+    t = pl.program_id(0)
+    n0 = pl.program_id(1) * block_out
+    g, start, end = group_ref[t], start_ref[t], end_ref[t]
+
+    @pl.when(end > start)
+    def _():
+        rows = start + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+        live_rows = rows < end
+        n = n0 + lax.broadcasted_iota(jnp.int32, (block_out,), 0)
+        n_out = glu_half if glu_half is not None else out_features
+        live_n = n < n_out
+        w_rows = g * rows_per_group + n  # gate rows (or the plain rows)
+        k_offs = lax.broadcasted_iota(jnp.int32, (block_in,), 0)
+
+        def body(i, accs):
+            k = i * block_in + k_offs
+            live_k = k < in_features
+            a = _masked_load(x_ref.at[rows[:, None], k[None, :]], live_rows[:, None] & live_k[None, :], 0)
+            wmask = live_n[:, None] & live_k[None, :]
+            b = _masked_load(w_ref.at[w_rows[:, None], k[None, :]], wmask, 0)
+            new = [accs[0] + _dot_t(a, b)]
+            if glu_half is not None:
+                u = _masked_load(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, 0)
+                new.append(accs[1] + _dot_t(a, u))
+            return tuple(new)
+
+        n_acc = 2 if glu_half is not None else 1
+        accs = tuple(jnp.zeros((block_rows, block_out), jnp.float32) for _ in range(n_acc))
+        accs = lax.fori_loop(0, pl.cdiv(in_features, block_in), body, accs)
+        dt = o_ref.dtype
+        if glu_half is not None:
+            gate = accs[0].astype(dt).astype(jnp.float32)
+            up = accs[1].astype(dt).astype(jnp.float32)
+            y = _gelu_tanh(gate) * up
+        else:
+            y = accs[0]
+        _masked_store(o_ref.at[rows[:, None], n[None, :]], y.astype(dt), live_rows[:, None] & live_n[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("glu", "interpret", "config"))
+def _grouped_matmul_pallas(x, w, tiles: RowTiles, *, glu: bool, interpret: bool, config: KernelConfig):
+    M, I = x.shape
+    G, O, _ = w.shape
+    n_out = O // 2 if glu else O
+    T = tiles.group.shape[0]
+    kernel = functools.partial(
+        _kernel, rows_per_group=O, in_features=I, out_features=O, glu_half=n_out if glu else None,
+        block_rows=config.block_rows, block_out=config.block_out, block_in=config.block_in)
+    whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(T, pl.cdiv(n_out, config.block_out)),
+        in_specs=[whole((T,)), whole((T,)), whole((T,)), whole((M, I)), whole((G * O, I))],
+        out_specs=whole((M, n_out)),
+        out_shape=jax.ShapeDtypeStruct((M, n_out), x.dtype),
+        compiler_params=_triton_compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name=f"grouped_matmul{'_glu' if glu else ''}_r{config.block_rows}_o{config.block_out}",
+    )(tiles.group, tiles.start, tiles.end, x, w.astype(x.dtype).reshape(G * O, I))
+
+
+def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, interpret: bool = False,
+                   config: KernelConfig | None = None) -> Array:
+    """Pallas grouped matmul (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
+    `grouped_matmul_reference`."""
+    _check_shapes(x, w, group_sizes, glu)
+    M, I = x.shape
+    config = config or kernel_config(M, w.shape[1], I, glu)
+    tiles = row_tiles(group_sizes.astype(jnp.int32), M, config.block_rows)
+    return _grouped_matmul_pallas(x, w, tiles, glu=glu, interpret=interpret, config=config)
+
+
+def grouped_matmul_auto(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, impl: str = "auto",
+                        interpret: bool = False) -> Array:
+    """The kernel ("pallas"; `interpret=True` runs it anywhere), the XLA reference ("xla"), or "auto": the kernel
+    on GPU, the reference elsewhere."""
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl == "pallas":
+        return grouped_matmul(x, w, group_sizes, glu=glu, interpret=interpret)
+    if impl == "xla":
+        return grouped_matmul_reference(x, w, group_sizes, glu=glu)
+    raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+
+
+def routed_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array, *, impl: str = "auto",
+                   interpret: bool = False) -> Array:
+    """The MoE experts on their routed rows only. x [N, H]; weights, idx [N, k] (router output); gate_up
+    [E, 2 Im, H] (gate rows first); down [E, H, Im] -> sum_j weights[n, j] * expert_{idx[n, j]}(x[n]): [N, H].
+
+    The N*k (token, expert) pairs are sorted by expert; both projections run as grouped matmuls over the sorted
+    rows (the gate|up one with the activation fused), and each token sums its k outputs."""
+    N, k = idx.shape
+    mm = functools.partial(grouped_matmul_auto, impl=impl, interpret=interpret)
+    order, group_sizes = sort_by_group(idx.reshape(-1), gate_up.shape[0])  # pair p = token * k + j
+    xs = jnp.take(x, order // k, axis=0)  # [N*k, H]
+    act = mm(xs, gate_up, group_sizes, glu=True)  # gelu(gate) * up: [N*k, Im]
+    ys = mm(act, down, group_sizes)  # [N*k, H]
+    y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(N, k, -1)
+    return jnp.einsum("nkh,nk->nh", y, weights.astype(x.dtype))
