@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 10, 16, 2048])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--no-tokamax", action="store_true")
+    ap.add_argument("--sweep-at", nargs="*", type=int, default=[2, 2048], help="token counts to try kernel tilings at")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
     args = ap.parse_args()
     env = environment()
@@ -93,6 +94,12 @@ def main() -> None:
         "grouped": lambda xs, w, sz, *_: gm.grouped_matmul(xs, w, sz, glu=True, interpret=not on_gpu),
         "ragged": lambda xs, w, sz, *_: gm.grouped_matmul_reference(xs, w, sz, glu=True),
     }
+    sweep = {}  # gate|up kernel tilings tried at the --sweep-at sizes: (block_rows, block_out, block_in, warps, stages)
+    for br, bo, bi, nw, ns in ((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3), (16, 32, 128, 2, 4),
+                               (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)):
+        cfg = gm.KernelConfig(br, bo, bi, nw, ns)
+        sweep[f"grouped[{br}x{bo}x{bi},w{nw},s{ns}]"] = functools.partial(
+            lambda xs, w, sz, cfg: gm.grouped_matmul(xs, w, sz, glu=True, interpret=not on_gpu, config=cfg), cfg=cfg)
     tokamax_error = None
     if not args.no_tokamax:
         try:
@@ -142,7 +149,8 @@ def main() -> None:
         order, sizes = gm.sort_by_group(idx.reshape(-1), E)
         xs = jnp.take(x, order // k, axis=0)
         gu_bytes = touched * gate_up[0].size * jnp.dtype(dt).itemsize
-        for name, fn in gu_alone.items():
+        extra = sweep if N in args.sweep_at else {}
+        for name, fn in {**gu_alone, **extra}.items():
             f = jax.jit(fn)
             try:
                 t = median_time(f, (xs, gate_up, sizes), repeats=args.repeats)

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gemma4_mtp_jax.kernels import grouped_matmul as gm
+from gemma4_mtp_jax.kernels.device_budget import HOPPER
 from testenv import INTERPRET
 
 
@@ -164,3 +165,14 @@ def test_routed_experts_equal_dense_experts_on_the_tiny_moe_checkpoint(tiny_ckpt
         got = gm.routed_experts(x, weights, idx, gate_up, down, impl=impl, interpret=INTERPRET)
         want = _dense_experts(x, weights, idx, gate_up, down)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("M", [8, 16, 80, 640, 16384])
+@pytest.mark.parametrize("glu", [False, True])
+def test_planned_tiles_fit_shared_memory_at_26b_shapes(M, glu):
+    E, H, Im = 128, 2816, 704
+    O, I = (2 * Im, H) if glu else (H, Im)
+    cfg = gm.kernel_config(M, E, O, I, glu)
+    per_stage = (cfg.block_rows + (2 if glu else 1) * cfg.block_out) * cfg.block_in * 2
+    assert cfg.num_stages * per_stage <= HOPPER.smem_per_block
+    assert cfg.block_rows == (16 if M <= 16 * E else 64)

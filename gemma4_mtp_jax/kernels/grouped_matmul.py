@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from gemma4_mtp_jax.kernels.device_budget import default_budget
+
 Array = jax.Array
 
 
@@ -136,14 +138,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def kernel_config(num_rows: int, out_features: int, in_features: int, glu: bool) -> KernelConfig:
-    """Tiles for a memory-bound grouped matmul: few rows per group at decode (16, the smallest tensor-core tile),
-    more for prefill; output blocks small enough that one expert's weights spread over many programs."""
-    block_rows = 16 if num_rows <= 256 else 64
-    block_out = 64 if glu else 128
+def kernel_config(num_rows: int, num_groups: int, out_features: int, in_features: int, glu: bool,
+                  itemsize: int = 2) -> KernelConfig:
+    """Tiles for a memory-bound grouped matmul: few rows per group at decode and verify (16, the smallest
+    tensor-core tile), more for prefill; output blocks small enough that one expert's weights spread over many
+    programs."""
+    small = num_rows <= 16 * num_groups
+    block_rows = 16 if small else 64
+    # At decode ~16 experts are touched: 32-row glu blocks (gate + up = 64 weight rows) give ~350 programs, a few
+    # per SM, where 64-row blocks would leave a third of the SMs a second program.
+    block_out = (32 if small else 64) if glu else 128
     block_in = 128 if in_features >= 128 else max(16, _next_pow2(in_features))
     block_out = min(block_out, max(16, _next_pow2(out_features // (2 if glu else 1))))
-    return KernelConfig(block_rows, block_out, block_in, num_warps=4, num_stages=4)
+    stages = 4
+    per_stage = (block_rows + (2 if glu else 1) * block_out) * block_in * itemsize
+    while stages > 2 and stages * per_stage > default_budget().smem_per_block:
+        stages -= 1  # Triton keeps `stages` copies of each loop iteration's tiles in shared memory
+    return KernelConfig(block_rows, block_out, block_in, num_warps=4, num_stages=stages)
 
 
 def _triton_compiler_params(num_warps: int, num_stages: int):
@@ -245,7 +256,7 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, glu: bool = False,
     `grouped_matmul_reference`."""
     _check_shapes(x, w, group_sizes, glu)
     M, I = x.shape
-    config = config or kernel_config(M, w.shape[1], I, glu)
+    config = config or kernel_config(M, w.shape[0], w.shape[1], I, glu, jnp.dtype(x.dtype).itemsize)
     tiles = row_tiles(group_sizes.astype(jnp.int32), M, config.block_rows)
     return _grouped_matmul_pallas(x, w, tiles, glu=glu, interpret=interpret, config=config)
 
