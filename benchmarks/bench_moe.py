@@ -95,8 +95,8 @@ def main() -> None:
         "ragged": lambda xs, w, sz, *_: gm.grouped_matmul_reference(xs, w, sz, glu=True),
     }
     sweep = {}  # gate|up kernel tilings tried at the --sweep-at sizes: (block_rows, block_out, block_in, warps, stages)
-    for br, bo, bi, nw, ns in ((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3), (16, 32, 128, 2, 4),
-                               (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)):
+    for br, bo, bi, nw, ns in ((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 32, 128, 4, 3), (16, 32, 256, 4, 3),
+                               (64, 64, 128, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3)):
         cfg = gm.KernelConfig(br, bo, bi, nw, ns)
         sweep[f"grouped[{br}x{bo}x{bi},w{nw},s{ns}]"] = functools.partial(
             lambda xs, w, sz, cfg: gm.grouped_matmul(xs, w, sz, glu=True, interpret=not on_gpu, config=cfg), cfg=cfg)
