@@ -18,6 +18,11 @@ Two implementations with the same contract:
   reads only the experts its tokens were routed to. With `glu` a program holds two accumulators (gate rows and
   the matching up rows) and writes the activated product, so the [M, 2 O'] intermediate never exists.
 
+Performance (benchmarks/RESULTS.md, runs 21-22, H200): 26B-A4B decode 16.8 -> 9.2 ms at B = 2, and 2.4x-40x
+faster than lax.ragged_dot, but at decode sizes the kernel streams only 0.2-0.4 TB/s of the touched experts: a
+program's loop over I is latency-bound with so few rows. A variant with contiguous `pl.ds` block loads measured
+slower (run 22) and was not kept; split-K or a Mosaic GPU (TMA) version is the next thing to try.
+
 `grouped_matmul_auto` picks the kernel on GPU and the reference elsewhere; `routed_experts` is the whole MoE
 expert block on top of it (sort the (token, expert) pairs, two grouped matmuls, weighted sum per token).
 """
@@ -138,29 +143,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _block(dim: int, largest: int) -> int:
-    """The largest power-of-two block <= `largest` (>= 16, Triton's smallest dot) that divides `dim`; else one
-    that covers it with masking."""
-    b = largest
-    while b >= 16:
-        if dim % b == 0:
-            return b
-        b //= 2
-    return min(largest, max(16, _next_pow2(dim)))
-
-
 def kernel_config(num_rows: int, num_groups: int, out_features: int, in_features: int, glu: bool,
                   itemsize: int = 2) -> KernelConfig:
     """Tiles for a memory-bound grouped matmul: few rows per group at decode and verify (16, the smallest
-    tensor-core tile), more for prefill; blocks that divide the dimensions where one exists (no column masks);
-    output blocks small enough that one expert's weights spread over many programs."""
+    tensor-core tile), more for prefill; output blocks small enough that one expert's weights spread over many
+    programs."""
     small = num_rows <= 16 * num_groups
     block_rows = 16 if small else 64
-    n_out = out_features // 2 if glu else out_features
     # At decode ~16 experts are touched: 32-row glu blocks (gate + up = 64 weight rows) give ~350 programs, a few
     # per SM, where 64-row blocks would leave a third of the SMs a second program.
-    block_out = _block(n_out, (32 if small else 64) if glu else 128)
-    block_in = _block(in_features, 128)
+    block_out = (32 if small else 64) if glu else 128
+    block_in = 128 if in_features >= 128 else max(16, _next_pow2(in_features))
+    block_out = min(block_out, max(16, _next_pow2(out_features // (2 if glu else 1))))
     stages = 4
     per_stage = (block_rows + (2 if glu else 1) * block_out) * block_in * itemsize
     while stages > 2 and stages * per_stage > default_budget().smem_per_block:
@@ -195,45 +189,35 @@ def _dot_t(a, b):
     return dot(a, b, trans_b=True, precision=precision)
 
 
-def _load(ref, mask):
-    """ref[...], or with `mask` (broadcast to the block) the lanes where it is False never read (they give 0)."""
-    return ref[...] if mask is None else _masked_load(ref, jnp.broadcast_to(mask, ref.shape), 0)
-
-
 def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_group: int, in_features: int,
             out_features: int, glu_half: int | None, block_rows: int, block_out: int, block_in: int):
     """One program: the rows of one tile times one block of output columns of the tile's group.
 
-    x_ref [M, I]; w_ref [G * O, I] (group g's rows at g * O ...); o_ref [M, O] (glu: [M, O / 2]). Every load is a
-    contiguous block (`pl.ds`), masked only along the rows (and along columns where a dimension is not a multiple
-    of its block), so Triton issues wide vector loads of the weights."""
+    x_ref [M, I]; w_ref [G * O, I] (group g's rows at g * O ...); o_ref [M, O] (glu: [M, O / 2])."""
     t = pl.program_id(0)
     n0 = pl.program_id(1) * block_out
     g, start, end = group_ref[t], start_ref[t], end_ref[t]
-    n_out = glu_half if glu_half is not None else out_features
 
     @pl.when(end > start)
     def _():
-        rows = pl.ds(start, block_rows)
-        live_rows = (start + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)) < end  # [br, 1]
-        cols = pl.ds(n0, block_out)
-        live_n = None
-        if n_out % block_out:
-            live_n = (n0 + lax.broadcasted_iota(jnp.int32, (block_out, 1), 0)) < n_out  # [bo, 1]
-        w0 = g * rows_per_group + n0  # first gate row (or plain row) of this block
+        rows = start + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+        live_rows = rows < end
+        n = n0 + lax.broadcasted_iota(jnp.int32, (block_out,), 0)
+        n_out = glu_half if glu_half is not None else out_features
+        live_n = n < n_out
+        w_rows = g * rows_per_group + n  # gate rows (or the plain rows)
+        k_offs = lax.broadcasted_iota(jnp.int32, (block_in,), 0)
 
         def body(i, accs):
-            k0 = pl.multiple_of(i * block_in, block_in)
-            ks = pl.ds(k0, block_in)
-            live_k = None
-            if in_features % block_in:
-                live_k = (k0 + lax.broadcasted_iota(jnp.int32, (1, block_in), 1)) < in_features  # [1, bi]
-            a = _load(x_ref.at[rows, ks], live_rows if live_k is None else live_rows & live_k)
-            wmask = live_n if live_k is None else (live_k if live_n is None else live_n & live_k)
-            new = [accs[0] + _dot_t(a, _load(w_ref.at[pl.ds(w0, block_out), ks], wmask))]
+            k = i * block_in + k_offs
+            live_k = k < in_features
+            a = _masked_load(x_ref.at[rows[:, None], k[None, :]], live_rows[:, None] & live_k[None, :], 0)
+            wmask = live_n[:, None] & live_k[None, :]
+            b = _masked_load(w_ref.at[w_rows[:, None], k[None, :]], wmask, 0)
+            new = [accs[0] + _dot_t(a, b)]
             if glu_half is not None:
-                up = _load(w_ref.at[pl.ds(w0 + glu_half, block_out), ks], wmask)
-                new.append(accs[1] + _dot_t(a, up))
+                u = _masked_load(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, 0)
+                new.append(accs[1] + _dot_t(a, u))
             return tuple(new)
 
         n_acc = 2 if glu_half is not None else 1
@@ -246,8 +230,7 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_grou
             y = _gelu_tanh(gate) * up
         else:
             y = accs[0]
-        mask = live_rows if live_n is None else live_rows & live_n.reshape(1, block_out)
-        _masked_store(o_ref.at[rows, cols], y.astype(dt), jnp.broadcast_to(mask, y.shape))
+        _masked_store(o_ref.at[rows[:, None], n[None, :]], y.astype(dt), live_rows[:, None] & live_n[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("glu", "interpret", "config"))
