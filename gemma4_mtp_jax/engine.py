@@ -4,8 +4,9 @@ Data flows one way: a request is admitted when the pages its prompt needs are fr
 refused at once if it could never fit), its prompt is prefilled in bucketed chunks, then it joins the decode batch,
 padded to the next batch bucket. Pages are taken as sequences grow; when the pool runs dry, the newest sequences
 are preempted: their pages go back, they wait at the head of the queue, and on resuming their K/V is recomputed
-from their tokens (prompt and output so far), so their output is the one an unpreempted run gives. All programs
-are compiled at start-up; serving never compiles.
+from their tokens (prompt and output so far), so their output is the one an unpreempted run gives. With the prefix
+cache, a request's leading full pages whose tokens another request already computed are shared instead of
+recomputed (docs/DESIGN.md, "Prefix cache"). All programs are compiled at start-up; serving never compiles.
 
 One request cannot fail another: each request's part of a step (its pages, its row of the batch's host arrays, taking
 its new tokens) is built and checked on its own, and a request whose part raises ends alone with finish reason
@@ -16,6 +17,7 @@ it raises, `step` raises.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import secrets
@@ -71,6 +73,9 @@ class EngineConfig:
     compile_at_start: bool = True
     # Drafts per round when an assistant is given (k); None: the assistant's num_assistant_tokens, else 4.
     num_speculative_tokens: int | None = None
+    # Share the K/V of full pages between requests whose tokens up to that page are equal (allocator.py). Free
+    # while the pool has room: cached pages are only the ones that would otherwise sit free.
+    enable_prefix_caching: bool = True
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200
@@ -104,8 +109,13 @@ class Request:
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     num_preemptions: int = 0
-    prefilled: int = 0  # K/V positions written by the prefill since (re)admission
+    prefilled: int = 0  # K/V positions written (or found in the prefix cache) since (re)admission
     decoding: bool = False  # prefill complete: the sequence is in the decode batch
+    # Prefix caching: the chained hash of the tokens up to the end of each full page, the pages registered in the
+    # cache so far, and per sliding ring the next logical page to enter (its slot is re-pointed if shared).
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    registered: int = 0
+    ring_next: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_drafted(self) -> int:
@@ -233,6 +243,9 @@ class Engine:
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
         self.num_preemptions = 0
+        # Prefix cache, in tokens: looked up at admission, and found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
@@ -319,7 +332,9 @@ class Engine:
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        """Give back `req`'s slot and pages."""
+        """Give back `req`'s slot and pages (its complete pages stay in the prefix cache unless it failed)."""
+        if req.finish_reason != "error":
+            self._register(req)
         slot, req.slot = req.slot, None
         if slot is not None:
             self._free_slots.append(slot)
@@ -333,7 +348,7 @@ class Engine:
         log.info("preempting request %s (%d tokens) to free KV pages", req.id, req.num_tokens)
         self.running.remove(req)
         self._release(req)
-        req.status, req.prefilled, req.decoding = "waiting", 0, False
+        req.status, req.prefilled, req.decoding, req.registered, req.ring_next = "waiting", 0, False, 0, {}
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -366,6 +381,7 @@ class Engine:
                 continue
             try:
                 self._take_pages(req, short)
+                self._advance_rings(req, (req.num_tokens - 1 + self.k) // self.layout.page_size)
             except Exception as e:
                 events.append(self._fail(req, "allocating its pages", e))
         return [r for r in decoding if r.status == "running"]
@@ -387,7 +403,11 @@ class Engine:
         admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            n_cached, cached = self._cached_prefix(req)
             need = self._pages_short(req)
+            if n_cached:  # the cached pages are shared, not taken: fewer fresh ones, but the evictable ones count
+                need = {g: need[g] - len(cached[g][1]) + self.allocators[g].evictable(cached[g][1])
+                        for g in need}
             reserve = {g: 0 if self.layout.ring_pages(g) else len(self.running) for g in self.allocators}
             if any(need[g] + reserve[g] > a.num_free for g, a in self.allocators.items()):
                 break  # first come, first served: wait for pages to free up
@@ -395,7 +415,7 @@ class Engine:
             req.status = "running"
             self.running.append(req)
             try:
-                self._take_pages(req, need)
+                self._take_admission_pages(req, n_cached, cached)
                 req.slot = self._free_slots.pop()
             except Exception as e:
                 failed = self._fail(req, "allocating its pages", e)
@@ -404,6 +424,122 @@ class Engine:
                 continue
             admitted.append(req)
         return admitted
+
+    # ------------------------------------------------------------------ prefix cache
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (vLLM's reset_prefix_cache): later requests recompute their prefixes."""
+        for alloc in self.allocators.values():
+            alloc.clear_cache()
+
+    def _extend_keys(self, req: Request, num_pages: int) -> None:
+        """`req.page_keys` up to `num_pages` pages: key j hashes key j-1 and the tokens of page j, so equal keys
+        mean equal tokens at every position up to the page's end (and so equal K/V)."""
+        ps = self.layout.page_size
+        if len(req.page_keys) >= num_pages:
+            return
+        tokens = req.prompt + req.output
+        while len(req.page_keys) < num_pages:
+            j = len(req.page_keys)
+            prev = req.page_keys[-1] if j else b""
+            chunk = np.asarray(tokens[j * ps : (j + 1) * ps], np.int32).tobytes()
+            req.page_keys.append(hashlib.blake2b(prev + chunk, digest_size=16).digest())
+
+    def _window_first_page(self, num_pages: int) -> int:
+        """The oldest logical page a sequence resuming after `num_pages` full pages still reads in a sliding layer:
+        the target's window before its first query, or the drafter's W+1 committed keys."""
+        ps = self.layout.page_size
+        window = self.target.config.sliding_window
+        reach = max(window - 1, self.assistant.config.text.sliding_window if self.assistant else 0) + 1
+        return max(0, (num_pages * ps - reach) // ps)
+
+    def _cached_prefix(self, req: Request) -> tuple[int, dict[str, tuple[int, list[int]]]]:
+        """The most full pages of `req`'s tokens (all but the newest, and at least one token left to prefill) whose
+        K/V the cache holds: every page for full layers, the window's for sliding rings. Returns (pages,
+        {group: (first logical page, cached pages from it)}); (0, {}) with the cache off or on a miss."""
+        if not self.config.enable_prefix_caching:
+            return 0, {}
+        todo = len(req.prompt) + max(len(req.output) - 1, 0)  # tokens the prefill would run (as _prefill)
+        limit = (todo - 1) // self.layout.page_size
+        self.prefix_cache_queries += todo
+        if limit <= 0:
+            return 0, {}
+        self._extend_keys(req, limit)
+        n = limit
+        for g, alloc in self.allocators.items():
+            if self.layout.ring_pages(g) is None:
+                j = 0
+                while j < n and alloc.lookup(req.page_keys[j]) is not None:
+                    j += 1
+                n = j
+        while n > 0:
+            found = {}
+            for g, alloc in self.allocators.items():
+                lo = 0 if self.layout.ring_pages(g) is None else self._window_first_page(n)
+                pages = [alloc.lookup(key) for key in req.page_keys[lo:n]]
+                if None in pages:
+                    break
+                found[g] = (lo, pages)
+            else:
+                self.prefix_cache_hits += n * self.layout.page_size
+                return n, found
+            n -= 1
+        return 0, {}
+
+    def _take_admission_pages(self, req: Request, n_cached: int, cached: dict[str, tuple[int, list[int]]]) -> None:
+        """The pages of an admitted request: the cached prefix shared, fresh ones for the rest (a sliding ring:
+        the cached window's pages in their slots, fresh ones in the others)."""
+        for g, alloc in self.allocators.items():  # one group at a time: _finish frees what was taken if one fails
+            lo, shared = cached.get(g, (0, []))
+            alloc.share(shared)
+            R = self.layout.ring_pages(g)
+            if R is None:
+                req.pages[g] = list(shared)
+                req.pages[g] += alloc.allocate(self.layout.pages_needed(g, req.num_tokens) - len(shared))
+            else:
+                slots: list[int | None] = [None] * R
+                for j, page in zip(range(lo, n_cached), shared):
+                    slots[j % R] = page
+                req.pages[g] = [p for p in slots if p is not None]  # held so far (freed if the next line raises)
+                fresh = iter(alloc.allocate(slots.count(None)))
+                req.pages[g] = [p if p is not None else next(fresh) for p in slots]
+                req.ring_next[g] = n_cached
+        req.registered = n_cached
+        req.prefilled = n_cached * self.layout.page_size
+
+    def _advance_rings(self, req: Request, last_page: int) -> None:
+        """Before a program writes up to logical page `last_page`: a sliding ring slot about to take a new logical
+        page gets a fresh page if its current one is shared (cached or held by another sequence), so cached K/V
+        is never overwritten. Without the prefix cache nothing is shared and the ring is overwritten in place."""
+        if not self.config.enable_prefix_caching:
+            return
+        for g, alloc in self.allocators.items():
+            R = self.layout.ring_pages(g)
+            if R is None:
+                continue
+            pages = req.pages[g]
+            for j in range(req.ring_next.get(g, 0), last_page + 1):
+                if alloc.shared(pages[j % R]):
+                    alloc.free([pages[j % R]])
+                    pages[j % R] = alloc.allocate(1)[0]
+            req.ring_next[g] = max(req.ring_next.get(g, 0), last_page + 1)
+
+    def _register(self, req: Request) -> None:
+        """Put `req`'s newly complete pages (every position's K/V committed) in the prefix cache."""
+        if not self.config.enable_prefix_caching or not req.pages:
+            return
+        committed = req.num_tokens - 1 if req.decoding else req.prefilled
+        n = committed // self.layout.page_size
+        if n <= req.registered:
+            return
+        self._extend_keys(req, n)
+        for j in range(req.registered, n):
+            for g, alloc in self.allocators.items():
+                R = self.layout.ring_pages(g)
+                if R is None:
+                    alloc.register(req.page_keys[j], req.pages[g][j])
+                elif j >= req.ring_next.get(g, 0) - R:  # still in its slot
+                    alloc.register(req.page_keys[j], req.pages[g][j % R])
+        req.registered = n
 
     # ------------------------------------------------------------------ host -> device arrays
     def _page_rows(self, req: Request) -> dict[str, np.ndarray]:
@@ -463,13 +599,14 @@ class Engine:
         request's first token."""
         chunk = self.config.prefill_chunk
         buckets = self.config.prefill_buckets()
-        tables = self._tables([row], 1)
         sampling = self._sampling([row], 1)
         todo = req.prompt + req.output[:-1]
         done, token = 0, None
         while req.prefilled < len(todo) and (budget is None or done < budget):
             start = req.prefilled
             n = min(chunk, len(todo) - start, budget - done if budget is not None else chunk)
+            self._advance_rings(req, (start + n - 1) // self.layout.page_size)
+            tables = {g: t[None] for g, t in self._page_rows(req).items()}
             T = self._bucket(buckets, n)
             tokens = np.zeros((1, T), np.int32)
             positions = np.full((1, T), -1, np.int32)
@@ -480,6 +617,7 @@ class Engine:
                                            np.array([n - 1], np.int32), sampling)
             req.prefilled += n
             done += n
+            self._register(req)
         if req.prefilled < len(todo):
             return done, None
         if self.hidden is not None:  # the drafter's first h: the target's post-norm hidden at P-1
@@ -591,6 +729,8 @@ class Engine:
             now = time.perf_counter()
             for row, row_result in zip(rows, result):
                 events.append(self._take(row.req, row_result, now, packed=self.assistant is not None))
+                if not row.req.finished:
+                    self._register(row.req)
         return events
 
     def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:

@@ -6,8 +6,8 @@ K and V array of its group's pool (a page id names the same slot in all of them)
 assistant own nothing and read their store layer's pages.
 
 Full layers map position p to page `table[p // page_size]`. Sliding layers keep a ring of R pages per
-sequence (R * page_size >= W + k + 2 slots): position p lives in `table[(p // page_size) % R]`, so a sliding
-layer's memory per sequence is bounded by its window, not by the context. Page 0 of each pool is never handed
+sequence (R * page_size >= W + k + 1 + page_size slots): position p lives in `table[(p // page_size) % R]`, so
+a sliding layer's memory per sequence is bounded by its window, not by the context. Page 0 of each pool is never handed
 out: padding rows point at it and write their garbage there.
 
 The jitted steps take the pages donated and return them; the writes below are scatters into the donated
@@ -65,8 +65,11 @@ def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_page
     for g in groups:
         if g == SLIDING:
             # The drafter reads P-1-W..P-1 while the verify step writes up to P+k: W + k + 2 slots; a prefill
-            # chunk of T tokens is written before its first query reads back W-1 keys: W + T slots.
-            slots = max(cfg.sliding_window, assistant_window) + max(num_speculative_tokens + 2, prefill_chunk)
+            # chunk of T tokens is written before its first query reads back W-1 keys: W + T slots. Plus a page
+            # less one slot: the engine may re-point a slot to a fresh page when its page is shared (prefix
+            # caching), which drops the slot's whole page at once, not one position at a time.
+            slots = (max(cfg.sliding_window, assistant_window) + max(num_speculative_tokens + 2, prefill_chunk)
+                     + page_size - 1)
             widths[g] = min(math.ceil(slots / page_size), math.ceil(max_positions / page_size))
         else:
             widths[g] = math.ceil(max_positions / page_size)

@@ -138,6 +138,27 @@ def test_models_health_metrics(srv, client):
     assert sample(samples, "gemma4_num_preemptions_total") == 0
 
 
+def test_prefix_cache_hits_are_counted(srv, client, tok, reference):
+    """The same prompt twice: the second finds every full page of its prompt in the prefix cache (hits and queries,
+    in tokens, in /health and /metrics), and both answers are the target's own greedy tokens."""
+    ids = tok.encode("The quick brown fox jumps over the lazy dog, and the dog sleeps on.").ids
+    page = srv.args.page_size
+    assert len(ids) > 2 * page
+    expected = reference(ids, 12)
+    before = wait_idle(srv.host, srv.port)
+    for _ in range(2):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert _extra(r.choices[0], "token_ids") == expected
+    h = wait_idle(srv.host, srv.port)
+    full_pages = (len(ids) - 1) // page  # at least one prompt token is left to prefill (it gives the first token)
+    assert h["prefix_cache_hits"] - before["prefix_cache_hits"] >= full_pages * page
+    assert h["prefix_cache_queries"] - before["prefix_cache_queries"] == 2 * len(ids)
+    samples = metric_samples(srv.host, srv.port)
+    assert sample(samples, "gemma4_prefix_cache_hits_total") == h["prefix_cache_hits"]
+    assert sample(samples, "gemma4_prefix_cache_queries_total") == h["prefix_cache_queries"]
+
+
 @pytest.mark.parametrize("prompt", ["Hello", "Once upon a time"])
 def test_completion_greedy_equals_generate(client, tok, reference, prompt):
     ids = tok.encode(prompt).ids

@@ -201,6 +201,7 @@ class FakeEngine:
         self.tokens = [BYTE0 + b for b in tokens]
         self.allocators = {"full_attention": SimpleNamespace(capacity=8)}
         self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.k = 3
 
     @property

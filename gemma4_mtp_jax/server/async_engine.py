@@ -116,7 +116,8 @@ class AsyncEngine:
         self._latency_ema: float | None = None
         self.snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_pages_in_use": engine.pages_in_use(),
                                          "kv_pages_total": self._pages_total(),
-                                         "kv_cache_bytes": engine.kv_cache_bytes(), "preemptions": 0}
+                                         "kv_cache_bytes": engine.kv_cache_bytes(), "preemptions": 0,
+                                         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._publish()
 
     # ------------------------------------------------------------------ any thread
@@ -331,14 +332,18 @@ class AsyncEngine:
         eng = self.engine
         snap = {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_in_use": eng.pages_in_use(),
                 "kv_pages_total": self.snapshot["kv_pages_total"], "kv_cache_bytes": self.snapshot["kv_cache_bytes"],
-                "preemptions": eng.num_preemptions, "in_flight": len(self._active)}
-        preempted = snap["preemptions"] - self.snapshot["preemptions"]
+                "preemptions": eng.num_preemptions, "prefix_cache_queries": eng.prefix_cache_queries,
+                "prefix_cache_hits": eng.prefix_cache_hits, "in_flight": len(self._active)}
+        grown = {key: snap[key] - self.snapshot[key] for key in ("preemptions", "prefix_cache_queries",
+                                                                 "prefix_cache_hits")}
         self.snapshot = snap
         m = self.metrics
         if m:
             m.kv_cache_bytes.set(snap["kv_cache_bytes"])
-            if preempted > 0:
-                m.preemptions.inc(preempted)
+            for key, counter in (("preemptions", m.preemptions), ("prefix_cache_queries", m.prefix_cache_queries),
+                                 ("prefix_cache_hits", m.prefix_cache_hits)):
+                if grown[key] > 0:
+                    counter.inc(grown[key])
             m.waiting.set(snap["waiting"])
             m.running.set(snap["running"])
             for g, n in snap["kv_pages_in_use"].items():

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per engine step while other sequences decode (default: "
                         "--prefill-chunk): a long prompt delays the running streams by at most N tokens' prefill "
                         "per step")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the K/V of full pages between requests with the same tokens up to that page (a "
+                        "chat's earlier turns, a common system prompt); free when unused, since only pages that "
+                        "would otherwise sit free stay cached (default: on)")
     e.add_argument("--attention-impl", choices=["auto", "pallas", "xla"], default="auto",
                    help="paged attention implementation")
     e.add_argument("--compilation-cache-dir", default=None,
@@ -228,7 +232,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
-                      kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
+                      kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                      enable_prefix_caching=args.enable_prefix_caching)
     if assistant is not None:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:

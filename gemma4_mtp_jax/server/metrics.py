@@ -53,6 +53,10 @@ class Metrics:
         self.kv_cache_bytes = Gauge(f"{p}_kv_cache_bytes", "Device memory of the KV cache pools", registry=r)
         self.preemptions = Counter(f"{p}_num_preemptions", "Running sequences preempted to free KV pages (they "
                                    "resume later by recomputing their K/V)", registry=r)
+        self.prefix_cache_queries = Counter(f"{p}_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache at admission", registry=r)
+        self.prefix_cache_hits = Counter(f"{p}_prefix_cache_hits", "Prompt tokens whose K/V the prefix cache "
+                                         "held (hit rate: hits / queries)", registry=r)
         self.draft_tokens = Counter(f"{p}_spec_decode_draft_tokens", "Draft tokens proposed by the assistant",
                                     registry=r)
         self.accepted_tokens = Counter(f"{p}_spec_decode_accepted_tokens", "Draft tokens accepted by the target",

@@ -1,0 +1,179 @@
+"""Prefix caching: the reference-counted page allocator with its cache of full pages, and the engine sharing cached
+pages between requests. Outputs with the cache equal outputs without it (greedy, seeded sampling, speculative),
+also for a shared prefix many times longer than the sliding window; every page is freed exactly once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gemma4_mtp_jax.allocator import OutOfPages, PageAllocator
+
+PAGE = 4
+
+
+# ------------------------------------------------------------------------------------------------- the allocator
+def test_refcounts_cache_and_lru_eviction():
+    a = PageAllocator(5)  # pages 1..4
+    p = a.allocate(3)
+    assert p == [1, 2, 3] and a.num_free == 1 and a.num_used == 3
+    a.share([p[0]])
+    assert a.shared(p[0]) and not a.shared(p[1])
+    a.free([p[0]])
+    assert a.num_used == 3, "one holder left"
+    a.register("k1", p[0])
+    a.register("k2", p[1])
+    a.register("k1", p[2])  # a key already cached keeps its page
+    assert a.lookup("k1") == p[0] and a.lookup("k2") == p[1] and a.num_cached == 2
+    a.free([p[1]])  # cached, nobody holds it: evictable, still findable
+    a.free([p[0]])
+    a.free([p[2]])  # not cached: free
+    assert a.num_used == 0 and a.num_free == 4 and a.evictable([p[0], p[1], p[2]]) == 2
+    got = a.allocate(2)  # free pages first, then the least recently released cached page
+    assert sorted(got) == [3, 4] and a.lookup("k1") == p[0]
+    assert a.allocate(1) == [p[1]] and a.lookup("k2") is None, "k2's page was released first: evicted first"
+    a.share([p[0]])  # a cache hit revives the other
+    assert a.num_free == 0 and a.num_used == 4
+    with pytest.raises(OutOfPages):
+        a.allocate(1)
+    a.free([p[0]])
+    a.clear_cache()
+    assert a.lookup("k1") is None and a.num_free == 1 and a.num_cached == 0
+
+
+def test_double_free_and_bad_calls_raise():
+    a = PageAllocator(4)
+    (p,) = a.allocate(1)
+    a.free([p])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([p])
+    with pytest.raises(ValueError, match="neither held nor cached"):
+        a.share([p])
+    with pytest.raises(ValueError, match="registered but not held"):
+        a.register("k", p)
+
+
+def test_random_operations_keep_every_page_in_exactly_one_state():
+    rng = np.random.default_rng(0)
+    a = PageAllocator(17)
+    holders: list[int] = []  # one entry per holder
+    for step in range(3000):
+        op = rng.integers(5)
+        if op == 0 and a.num_free:
+            holders += a.allocate(int(rng.integers(1, a.num_free + 1)))
+        elif op == 1 and holders:
+            a.free([holders.pop(int(rng.integers(len(holders))))])
+        elif op == 2 and holders:
+            p = holders[int(rng.integers(len(holders)))]
+            a.register(int(rng.integers(40)), p)
+        elif op == 3:
+            p = a.lookup(int(rng.integers(40)))
+            if p is not None:
+                a.share([p])
+                holders.append(p)
+        elif op == 4 and rng.random() < 0.01:
+            a.clear_cache()
+        held = set(holders)
+        assert a.num_used == len(held)
+        assert a.num_free + a.num_used == a.capacity, step
+        for key, page in list(a._page_of.items()):
+            assert a._key_of[page] == key
+
+
+# ------------------------------------------------------------------------------------------------- the engine
+def _config(**kw):
+    from gemma4_mtp_jax.engine import EngineConfig
+
+    base = dict(max_num_seqs=4, max_model_len=96, page_size=PAGE, prefill_chunk=8, min_prefill_bucket=4,
+                compile_at_start=False)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _workload(seed: int):
+    """Requests in two waves: one prompt alone (it fills the cache), then prompts sharing its prefix (44 tokens,
+    five sliding windows of the tiny models), a multi-turn follow-up (prompt + answer + new tokens), the same
+    prompt again, and one unrelated prompt; greedy and seeded sampling mixed."""
+    from gemma4_mtp_jax.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 400, size=44).tolist()
+    first = prefix + rng.integers(3, 400, size=5).tolist()
+    second = [prefix + rng.integers(3, 400, size=n).tolist() for n in (1, 6, 11)]
+    other = rng.integers(3, 400, size=17).tolist()
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=3), SamplingParams(),
+                SamplingParams(temperature=1.2, top_k=40, seed=8)]
+    return first, second, other, sampling
+
+
+def _run(engine, seed: int, max_new: int = 14):
+    first, second, other, sampling = _workload(seed)
+    a = engine.add_request(first, max_new)
+    engine.run()
+    follow_up = first + a.output + [7, 9, 11]
+    reqs = [engine.add_request(p, max_new, s) for p, s in zip(second + [first, follow_up, other],
+                                                              sampling + sampling[:2] + [sampling[1]])]
+    engine.run()
+    return [a] + reqs
+
+
+def _assert_all_pages_back(engine):
+    assert engine.pages_in_use() == {g: 0 for g in engine.allocators}
+    for alloc in engine.allocators.values():
+        assert alloc.num_free == alloc.capacity
+
+
+@pytest.mark.parametrize("family", ["e2b", "b31b"])
+def test_outputs_equal_with_and_without_the_cache(family, tiny_ckpts, jax_models):
+    from gemma4_mtp_jax.engine import Engine
+
+    target = jax_models.target(tiny_ckpts[family]["target_plain"])
+    runs = {}
+    for on in (False, True):
+        engine = Engine(target, _config(enable_prefix_caching=on))
+        reqs = _run(engine, seed=5)
+        _assert_all_pages_back(engine)
+        runs[on] = (engine, reqs)
+    (off, want), (on, got) = runs[False], runs[True]
+    assert [r.output for r in got] == [r.output for r in want]
+    assert off.prefix_cache_hits == 0 and off.prefix_cache_queries == 0
+    # The second wave's three shared-prefix prompts, the repeat and the follow-up each find whole pages.
+    prefix_pages = 44 // PAGE
+    assert on.prefix_cache_hits >= 3 * prefix_pages * PAGE + 2 * 12 * PAGE
+    assert on.prefix_cache_queries == sum(len(r.prompt) for r in got)
+
+
+def test_speculative_outputs_and_acceptance_equal_with_and_without_the_cache(tiny_ckpts, jax_models):
+    """With the assistant: the drafter reads the cached pages too (its window of committed keys and every full
+    page), so the drafts and each round's accepted count must not change."""
+    from gemma4_mtp_jax.engine import Engine
+
+    p = tiny_ckpts["e2b"]
+    target, assistant = jax_models.target(p["target"]), jax_models.assistant(p["assistant"])
+    runs = {}
+    for on in (False, True):
+        engine = Engine(target, _config(enable_prefix_caching=on, num_speculative_tokens=3), assistant=assistant)
+        reqs = _run(engine, seed=6)
+        _assert_all_pages_back(engine)
+        runs[on] = (engine, reqs)
+    (_, want), (on, got) = runs[False], runs[True]
+    assert [r.output for r in got] == [r.output for r in want]
+    greedy = [i for i, r in enumerate(got) if r.sampling.temperature == 0]
+    assert [got[i].accepted_per_round for i in greedy] == [want[i].accepted_per_round for i in greedy]
+    assert on.prefix_cache_hits > 0
+
+
+def test_cached_pages_survive_preemption_and_eviction(tiny_ckpts, jax_models):
+    """A full-layer pool too small for the workload: sequences are preempted and cached pages evicted to make
+    room, and outputs still equal the roomy run without the cache; every page comes back exactly once."""
+    from gemma4_mtp_jax.engine import Engine
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    roomy = Engine(target, _config(enable_prefix_caching=False))
+    want = _run(roomy, seed=7, max_new=20)
+    ring = roomy.layout.table_width("sliding_attention")
+    tight = Engine(target, _config(num_pages={"full_attention": 26, "sliding_attention": 4 * ring + 1}))
+    got = _run(tight, seed=7, max_new=20)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert tight.num_preemptions > 0 and tight.prefix_cache_hits > 0
+    _assert_all_pages_back(tight)
