@@ -16,7 +16,8 @@ then a spec-vs-plain speedup table.
 
     python benchmarks/bench_serve.py [--ckpt demo] [--assistant DIR] [--assistant-modes spec,plain]
         [--concurrency 1,8,32 | --request-rate 2,8,inf] [--requests-per-level N] [--max-tokens 128]
-        [--dataset chat [--prompts-json FILE] | --dataset random --input-len 256 --output-len 128 --range-ratio 0.25]
+        [--dataset chat [--prompts-json FILE] | --dataset random --input-len 256 --output-len 128 --range-ratio 0.25
+         [--random-prefix-len 2048] [--random-weights e2b]]
         [--ignore-eos] [--out results.json] [--port 8011] [--server-arg=--flag ...]
 
 Why the pieces are as they are:
@@ -56,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import TARGETS, write_random_checkpoint  # noqa: E402
 from benchmarks.serve_check import ServerStartError, _get, start_server, stop_server  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -187,19 +189,22 @@ def chat_workload(prompts: Sequence[str], max_tokens: int, ignore_eos: bool) -> 
 
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, token_range: tuple[int, int],
-                    ignore_eos: bool, seed: int) -> Workload:
-    """n completions with random token-id prompts; lengths uniform in [L(1-r), L(1+r)] (at least 1)."""
+                    ignore_eos: bool, seed: int, prefix_len: int = 0) -> Workload:
+    """n completions with random token-id prompts; lengths uniform in [L(1-r), L(1+r)] (at least 1), each after
+    the same `prefix_len` random tokens (a shared system prompt: what the prefix cache serves)."""
     rng = np.random.default_rng(seed)
+    prefix = rng.integers(*token_range, size=prefix_len).tolist()
 
     def lengths(mean: int) -> np.ndarray:
         lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
         return rng.integers(lo, hi + 1, size=n)
 
     ins, outs = lengths(input_len), lengths(output_len)
-    bodies = [_streaming({"prompt": rng.integers(*token_range, size=int(a)).tolist(), "max_tokens": int(b)},
+    bodies = [_streaming({"prompt": prefix + rng.integers(*token_range, size=int(a)).tolist(), "max_tokens": int(b)},
                          ignore_eos) for a, b in zip(ins, outs)]
-    return Workload(COMPLETIONS_PATH, bodies, f"random: {n} prompts, input {input_len}, output {output_len}, "
-                    f"range ratio {range_ratio}, token ids in [{token_range[0]}, {token_range[1]}), seed {seed}")
+    return Workload(COMPLETIONS_PATH, bodies, f"random: {n} prompts, shared prefix {prefix_len}, input {input_len}, "
+                    f"output {output_len}, range ratio {range_ratio}, token ids in [{token_range[0]}, "
+                    f"{token_range[1]}), seed {seed}")
 
 
 async def stream_request(port: int, index: int, path: str, payload: dict, timeout: float) -> RequestResult:
@@ -450,11 +455,13 @@ def make_workload(args: argparse.Namespace) -> Workload:
         return chat_workload(_load_prompts(args.prompts_json), args.max_tokens, args.ignore_eos)
     if min(args.input_len, args.output_len, args.num_prompts) < 1 or not 0 <= args.range_ratio < 1:
         raise ValueError("--input-len, --output-len and --num-prompts must be >= 1, --range-ratio in [0, 1)")
+    if args.random_prefix_len < 0:
+        raise ValueError("--random-prefix-len must be >= 0")
     lo_hi = _int_list("--token-range", args.token_range)
     if len(lo_hi) != 2 or lo_hi[0] >= lo_hi[1]:
         raise ValueError(f"--token-range: expected lo,hi with lo < hi, got {args.token_range!r}")
     return random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                           (lo_hi[0], lo_hi[1]), args.ignore_eos, args.seed)
+                           (lo_hi[0], lo_hi[1]), args.ignore_eos, args.seed, args.random_prefix_len)
 
 
 def max_num_seqs(args: argparse.Namespace, levels: list[Level]) -> int:
@@ -626,6 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-range", default="10,1000", help="random: token ids drawn from [lo, hi) (default: "
                     "10,1000, inside every Gemma 4 vocabulary and the demo's)")
     ap.add_argument("--num-prompts", type=int, default=256, help="random: distinct prompts (default: 256)")
+    ap.add_argument("--random-prefix-len", type=int, default=0, metavar="N",
+                    help="random: every prompt starts with the same N random tokens (default: 0)")
+    ap.add_argument("--random-weights", choices=sorted(TARGETS), default=None, metavar="MODEL",
+                    help="serve MODEL's real shapes with random weights (the server's --load-format dummy; "
+                         "--dataset random only): " + ", ".join(sorted(TARGETS)))
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request generates its max_tokens whatever EOS the model emits (random weights)")
     ap.add_argument("--seed", type=int, default=0, help="random prompts and Poisson arrivals (default: 0)")
@@ -664,6 +676,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--ready-timeout and --request-timeout must be > 0")
     if not 0 < args.port < 65536:
         ap.error("--port must be in [1, 65535]")
+    if args.random_weights:
+        if args.dataset != "random":
+            ap.error("--random-weights needs --dataset random (random weights come with no tokenizer)")
+        args.ckpt, args.assistant = write_random_checkpoint(args.random_weights, tempfile.mkdtemp(prefix="bench_"))
+        args.server_arg = [*args.server_arg, "--load-format=dummy"]
     out_dir = os.environ.get("OUT") or tempfile.gettempdir()
     log_dir = args.log_dir or out_dir
     os.makedirs(log_dir, exist_ok=True)

@@ -3,7 +3,6 @@ HBM copy bandwidth, and a timer (warm-up, then the median over repeats)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
+from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
 _S, _F = "sliding_attention", "full_attention"
 
@@ -66,27 +66,17 @@ ASSISTANTS: dict[str, dict] = {
 }
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _random_leaf(key, shape, dtype, kind):
-    if kind == "int":
-        return jax.random.permutation(key, shape[0]).astype(dtype)
-    if kind == "vector":
-        return (1 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def random_params(abstract: Any, seed: int = 0) -> Any:
-    """Random weights with the abstract tree's shapes/dtypes, made on the default device leaf by leaf (never
-    zeros: zeros run faster than real data). Norm-like vectors ~1, matrices ~N(0, 0.02), int leaves a permutation.
-    One compiled generator per distinct (shape, dtype): layers of the same shape reuse it."""
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    key = jax.random.PRNGKey(seed)
-    out = []
-    for i, leaf in enumerate(leaves):
-        kind = "int" if jnp.issubdtype(leaf.dtype, jnp.integer) else "vector" if len(leaf.shape) <= 1 else "matrix"
-        out.append(_random_leaf(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype), kind))
-    jax.block_until_ready(out)
-    return jax.tree_util.tree_unflatten(treedef, out)
+def write_random_checkpoint(model: str, root: str) -> tuple[str, str]:
+    """config.json of `model`'s target and assistant (TARGETS / ASSISTANTS) under `root`, for a server started with
+    --load-format dummy (random weights at the real shapes). Returns (target dir, assistant dir)."""
+    dirs = []
+    for kind, cfg in (("target", TARGETS[model]), ("assistant", ASSISTANTS[model])):
+        d = os.path.join(root, f"{model}_{kind}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({**cfg, "dtype": "bfloat16"}, f, indent=1)
+        dirs.append(d)
+    return dirs[0], dirs[1]
 
 
 def layout_for(cfg, sequences: int, **geometry) -> KVLayout:

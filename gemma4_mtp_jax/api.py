@@ -28,6 +28,7 @@ from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io
+from gemma4_mtp_jax.weights.dummy import random_params
 
 __all__ = [
     "Assistant",
@@ -45,6 +46,7 @@ __all__ = [
 Array = jax.Array
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"]
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclasses.dataclass
@@ -143,31 +145,45 @@ def abstract_assistant_params(cfg: AssistantConfig, dtype: Any) -> dict:
     )["params"]
 
 
-def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None) -> Target:
+def _check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+
+
+def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, load_format: str = "auto") -> Target:
     """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
 
-    dtype: "float32" | "bfloat16" | None (None: the checkpoint's own dtype).
+    dtype: "float32" | "bfloat16" | None (None: the checkpoint's own dtype). load_format "dummy": only config.json
+    is read, the weights are random (timing real shapes without the checkpoint).
     """
-    d = _resolve(path_or_id)
+    _check_load_format(load_format)
+    d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
     cfg_json = read_config_json(d)
     cfg = parse_target_config(cfg_json, str(d / "config.json"))
     dt = _dtype(dtype, d, cfg_json)
     abstract = abstract_target_params(cfg, dt)
-    if orbax_io.is_orbax_checkpoint(d):
+    if load_format == "dummy":
+        params = random_params(abstract, seed=0)
+    elif orbax_io.is_orbax_checkpoint(d):
         params = _restore_orbax(d, "target", abstract, dt)
     else:
         params = hf_loader.load_target_params(str(d), cfg, abstract, dt)
     return Target(cfg, params, dt, d, _generation_config(d))
 
 
-def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None) -> Assistant:
-    """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id."""
-    d = _resolve(path_or_id)
+def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
+                   load_format: str = "auto") -> Assistant:
+    """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id
+    (load_format as `load_target`'s)."""
+    _check_load_format(load_format)
+    d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
     cfg_json = read_config_json(d)
     cfg = parse_assistant_config(cfg_json, str(d / "config.json"))
     dt = _dtype(dtype, d, cfg_json)
     abstract = abstract_assistant_params(cfg, dt)
-    if orbax_io.is_orbax_checkpoint(d):
+    if load_format == "dummy":
+        params = random_params(abstract, seed=1)
+    elif orbax_io.is_orbax_checkpoint(d):
         params = _restore_orbax(d, "assistant", abstract, dt)
     else:
         params = hf_loader.load_assistant_params(str(d), cfg, abstract, dt)

@@ -167,3 +167,24 @@ def test_wrong_model_type_and_bad_json(tiny_ckpts, tmp_path):
         load_target(d, "float32")
     with pytest.raises(ConfigError, match="no such checkpoint"):
         load_target(tmp_path / "nope", "float32")
+
+
+def test_load_format_dummy_reads_only_config_json(tiny_ckpts, tmp_path):
+    """`load_format="dummy"` (the server's --load-format dummy): a directory holding only config.json gives random
+    weights of exactly the checkpoint's shapes and dtypes, for target and assistant; an unknown format is refused."""
+    import jax
+
+    from gemma4_mtp_jax.api import load_assistant, load_target
+
+    for kind, load in (("target", load_target), ("assistant", load_assistant)):
+        src = tiny_ckpts["e2b"][kind]
+        d = tmp_path / kind
+        d.mkdir()
+        shutil.copy(src / "config.json", d / "config.json")
+        real, dummy = load(src, "float32"), load(d, "float32", load_format="dummy")
+        shapes = lambda m: jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), m.params)  # noqa: E731
+        assert shapes(dummy) == shapes(real)
+        assert dummy.config == real.config
+        assert all(np.any(np.asarray(a) != 0) for a in jax.tree_util.tree_leaves(dummy.params))
+    with pytest.raises(ValueError, match="load_format"):
+        load_target(tiny_ckpts["e2b"]["target"], load_format="random")

@@ -164,6 +164,10 @@ def test_kv_cache_memory_sizes():
             parse_size(bad)
     assert build_parser().parse_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 * 2**30
     assert build_parser().parse_args([]).kv_cache_memory is None
+    assert build_parser().parse_args([]).load_format == "auto"
+    assert build_parser().parse_args(["--load-format", "dummy"]).load_format == "dummy"
+    assert build_parser().parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert build_parser().parse_args([]).enable_prefix_caching is True
 
 
 def test_parse_defaults_and_extensions():

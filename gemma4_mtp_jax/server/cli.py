@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens per speculative round (default: the assistant's num_assistant_tokens, or 4)")
     m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="parameter dtype; auto: the checkpoint's")
+    m.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: read only config.json (target and assistant) and draw random weights, to time real "
+                        "shapes without the checkpoint; its text is gibberish")
     m.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the checkpoint's directory name, "
                         "or 'gemma4-demo')")
@@ -208,12 +211,12 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     dtype = None if args.dtype == "auto" else args.dtype
 
     with _Timer(f"loading target {ckpt}"):
-        target = load_target(ckpt, dtype)
+        target = load_target(ckpt, dtype, args.load_format)
     name = name or Path(str(target.path)).name or str(args.ckpt)
     assistant = None
     if assistant_path is not None:
         with _Timer(f"loading assistant {assistant_path}"):
-            assistant = load_assistant(assistant_path, dtype)
+            assistant = load_assistant(assistant_path, dtype, args.load_format)
         check_pair(target.config, assistant.config)
         log.info("assistant matches the target (K/V geometry, vocabulary, hidden size)")
 
