@@ -23,16 +23,18 @@ import logging
 import secrets
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
 from gemma4_mtp_jax.config import check_pair
-from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, init_pages, make_layout, page_bytes
+from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, make_layout, page_bytes
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter, Drafter
 from gemma4_mtp_jax.step import CompiledSteps
 
@@ -76,6 +78,8 @@ class EngineConfig:
     # Share the K/V of full pages between requests whose tokens up to that page are equal (allocator.py). Free
     # while the pool has room: cached pages are only the ones that would otherwise sit free.
     enable_prefix_caching: bool = True
+    # Devices one engine spans (sharding.py): parameters and KV pages split Megatron-style, one program per step.
+    tensor_parallel_size: int = 1
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200
@@ -191,7 +195,9 @@ class Engine:
 
     def __init__(self, target: Target, config: EngineConfig | None = None,
                  progress: Callable[[str, float], None] | None = None, assistant: Assistant | None = None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, devices: Sequence[jax.Device] | None = None):
+        """`devices`: the tensor_parallel_size devices this engine runs on (default: the first ones; a
+        data-parallel server gives each replica its own)."""
         if drafter is not None and assistant is None:
             raise ValueError("a drafter needs an assistant (it sets k and the drafts' K/V window)")
         self.target = target
@@ -229,15 +235,15 @@ class Engine:
                 num_pages = self._pages_for_memory(probe, num_pages, cfg.kv_cache_bytes)
         self.layout: KVLayout = make_layout(tc, num_pages=num_pages, **geometry)
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
-        self.pages = init_pages(tc, self.layout, self.cache_dtype)
         if assistant is not None and drafter is None:
             drafter = AssistantDrafter(assistant)
         self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
-                                   k=self.k, num_slots=cfg.max_num_seqs)
+                                   k=self.k, num_slots=cfg.max_num_seqs,
+                                   placement=self._placement(cfg.tensor_parallel_size, devices))
+        self.pages = self.steps.init_pages()
         # Each running sequence owns a slot: its row of the device-side buffer of hidden states the drafter reads.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
-        self.hidden = (jnp.zeros((cfg.max_num_seqs + 1, tc.hidden_size), self.cache_dtype)
-                       if assistant is not None else None)
+        self.hidden = self.steps.init_hidden() if assistant is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -249,6 +255,19 @@ class Engine:
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
+
+    def _placement(self, tp: int, devices: Sequence[jax.Device] | None) -> Placement | None:
+        """Where the engine runs: None (the default device, no sharding) for one device and no explicit devices."""
+        check_tensor_parallel(self.target.config, tp)
+        if devices is None:
+            if tp == 1:
+                return None
+            if tp > len(jax.devices()):
+                raise ShardingError(f"tensor_parallel_size={tp} but only {len(jax.devices())} devices are visible")
+            devices = jax.devices()[:tp]
+        if len(devices) != tp:
+            raise ShardingError(f"tensor_parallel_size={tp} but {len(devices)} devices were given")
+        return Placement.over(devices)
 
     def _pages_for_memory(self, probe: KVLayout, roomy: dict[str, int], budget: int) -> dict[str, int]:
         """Pool sizes within `budget` bytes: every sliding ring of max_num_seqs sequences (a ring is taken whole at
@@ -613,7 +632,7 @@ class Engine:
             tokens[0, :n] = todo[start : start + n]
             positions[0, :n] = np.arange(start, start + n)
             fn = self.steps.compile_prefill(1, T)
-            self.pages, token, h_last = fn(self.target.params, self.pages, tokens, positions, tables,
+            self.pages, token, h_last = fn(self.steps.params, self.pages, tokens, positions, tables,
                                            np.array([n - 1], np.int32), sampling)
             req.prefilled += n
             done += n
@@ -633,7 +652,7 @@ class Engine:
             tokens[r] = row.token
             positions[r] = row.position
         fn = self.steps.compile_decode(B)
-        self.pages, nxt = fn(self.target.params, self.pages, tokens, positions, self._tables(rows, B),
+        self.pages, nxt = fn(self.steps.params, self.pages, tokens, positions, self._tables(rows, B),
                              self._sampling(rows, B))
         return np.asarray(nxt)[: len(rows), None]
 
@@ -654,7 +673,7 @@ class Engine:
             stop_ids[r] = row.stop_ids
             remaining[r] = row.remaining
         self.pages, self.hidden, packed = self.steps.compile_speculative(B)(
-            self.target.params, self.steps.draft_params, self.pages, self.hidden, slots, tokens, lengths,
+            self.steps.params, self.steps.draft_params, self.pages, self.hidden, slots, tokens, lengths,
             self._tables(rows, B), self._sampling(rows, B), spec_on, stop_ids, remaining)
         return np.asarray(packed)[: len(rows)]  # the one host read of the step
 

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.forward import decode_step, prefill_step
-from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages
+from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
+from gemma4_mtp_jax.sharding import Placement
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS, Drafter, speculative_step
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,10 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     return path
 
 
-def _shapes(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-
-
-def _i32(*shape: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
+def _shapes(tree: Any, shardings: Any = None) -> Any:
+    if shardings is None:
+        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
 @dataclasses.dataclass
@@ -62,6 +61,10 @@ class CompiledSteps:
     drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (gemma4_mtp_jax.speculative)
     k: int = 0
     num_slots: int = 1
+    # Tensor parallelism: the mesh the programs run on and each parameter's and page's sharding (None: one device,
+    # no sharding annotations). Host inputs and outputs are replicated; pages and the hidden buffer come back with
+    # the shardings they went in with, so donation updates them in place.
+    placement: Placement | None = None
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[int, Any] = dataclasses.field(default_factory=dict)
     speculative: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -70,42 +73,86 @@ class CompiledSteps:
     def __post_init__(self):
         # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
         self.draft_params = self.drafter.params() if self.drafter is not None else None
+        pl = self.placement
+        self.params = self.target.params
+        if pl is not None:
+            self.params = pl.put(self.params, self.param_shardings())
+            if self.draft_params is not None:
+                self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
 
+    # ------------------------------------------------------------------ shardings (None without a placement)
+    def param_shardings(self) -> Any:
+        pl = self.placement
+        return None if pl is None else pl.target_params(self.target.config, self.target.params)
+
+    def page_shardings(self) -> Any:
+        return None if self.placement is None else self.placement.pages(self.target.config)
+
+    @property
+    def _rep(self):
+        return None if self.placement is None else self.placement.replicated
+
+    def _sds(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
+
+    def _i32(self, *shape: int) -> jax.ShapeDtypeStruct:
+        return self._sds(shape, jnp.int32)
+
+    def _jit(self, fn, donate: tuple[int, ...], out: Any):
+        if self.placement is None:
+            return jax.jit(fn, donate_argnums=donate)
+        return jax.jit(fn, donate_argnums=donate, out_shardings=out)
+
+    def init_pages(self) -> Any:
+        """Zeroed page pools, made where they live (sharded by KV head under tensor parallelism)."""
+        fn = lambda: init_pages(self.target.config, self.layout, self.cache_dtype)  # noqa: E731
+        return self._jit(fn, (), self.page_shardings())()
+
+    def init_hidden(self) -> Any:
+        """The drafter's zeroed hidden buffer [num_slots + 1, H] (replicated)."""
+        shape = (self.num_slots + 1, self.target.config.hidden_size)
+        return self._jit(lambda: jnp.zeros(shape, self.cache_dtype), (), self._rep)()
+
+    # ------------------------------------------------------------------ programs
     def _abstract(self, batch: int, tokens: int | None):
-        tables = {g: _i32(batch, w) for g, w in self.layout.pages_per_seq}
-        f32 = jax.ShapeDtypeStruct((batch,), jnp.float32)
-        sampling = SamplingBatch(temperature=f32, top_k=_i32(batch), top_p=f32,
-                                 seed=jax.ShapeDtypeStruct((batch,), jnp.uint32))
-        params = _shapes(self.target.params)
-        pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
+        i32 = self._i32
+        tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
+        f32 = self._sds((batch,), jnp.float32)
+        sampling = SamplingBatch(temperature=f32, top_k=i32(batch), top_p=f32, seed=self._sds((batch,), jnp.uint32))
+        params = _shapes(self.target.params, self.param_shardings())
+        pages = _shapes(abstract_pages(self.target.config, self.layout, self.cache_dtype), self.page_shardings())
         if tokens is None:
-            return params, pages, _i32(batch), _i32(batch), tables, sampling
-        return params, pages, _i32(batch, tokens), _i32(batch, tokens), tables, _i32(batch), sampling
+            return params, pages, i32(batch), i32(batch), tables, sampling
+        return params, pages, i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling
 
     def _abstract_hidden(self) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((self.num_slots + 1, self.target.config.hidden_size), self.cache_dtype)
+        return self._sds((self.num_slots + 1, self.target.config.hidden_size), self.cache_dtype)
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
         fn = lambda *a: prefill_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
-        return jax.jit(fn, donate_argnums=(1,)).lower(*self._abstract(batch, tokens))
+        out = (self.page_shardings(), self._rep, self._rep)
+        return self._jit(fn, (1,), out).lower(*self._abstract(batch, tokens))
 
     def _lower_decode(self, batch: int) -> jax.stages.Lowered:
         fn = lambda *a: decode_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
-        return jax.jit(fn, donate_argnums=(1,)).lower(*self._abstract(batch, None))
+        return self._jit(fn, (1,), (self.page_shardings(), self._rep)).lower(*self._abstract(batch, None))
 
     def _lower_speculative(self, batch: int) -> jax.stages.Lowered:
         fn = lambda *a: speculative_step(self.target, self.drafter, self.layout, self.k,  # noqa: E731
                                          self.attention_impl, *a)
         params, pages, tokens, lengths, tables, sampling = self._abstract(batch, None)
-        args = (params, _shapes(self.draft_params), pages, self._abstract_hidden(), _i32(batch), tokens, lengths,
-                tables, sampling, jax.ShapeDtypeStruct((batch,), jnp.bool_), _i32(batch, MAX_STOP_IDS), _i32(batch))
-        return jax.jit(fn, donate_argnums=(2, 3)).lower(*args)
+        rep = None if self.placement is None else self.placement.replicate(self.draft_params)
+        args = (params, _shapes(self.draft_params, rep), pages, self._abstract_hidden(), self._i32(batch), tokens,
+                lengths, tables, sampling, self._sds((batch,), jnp.bool_), self._i32(batch, MAX_STOP_IDS),
+                self._i32(batch))
+        out = (self.page_shardings(), self._rep, self._rep)
+        return self._jit(fn, (2, 3), out).lower(*args)
 
     def _lower_write_hidden(self) -> jax.stages.Lowered:
         fn = lambda buf, s, v: buf.at[s].set(v.astype(buf.dtype))  # noqa: E731
         H = self.target.config.hidden_size
-        return jax.jit(fn, donate_argnums=(0,)).lower(
-            self._abstract_hidden(), _i32(1), jax.ShapeDtypeStruct((1, H), self.target.dtype))
+        return self._jit(fn, (0,), self._rep).lower(
+            self._abstract_hidden(), self._i32(1), self._sds((1, H), self.target.dtype))
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
         if (batch, tokens) not in self.prefill:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # Bottom-up. A module belongs to the layer of its longest matching prefix; the package root is the public façade.
 LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kernels"]),
-    ("model", ["config", "model", "kv_state", "sampling", "runtime"]),
+    ("model", ["config", "model", "kv_state", "sampling", "runtime", "sharding"]),
     ("step functions", ["forward", "speculative"]),
     ("compiled programs", ["step"]),
     ("engine", ["engine", "allocator"]),

@@ -1,0 +1,114 @@
+"""Tensor parallelism: where each parameter and KV page lives on a mesh of devices (one axis, "tp").
+
+Megatron-style by the parameter's role, read from its checkpoint name (the layout is HF's, `weight` [out, in]):
+- attention: q / k / v projections split by output rows (heads), the output projection by input columns, so each
+  device owns whole heads and the layer needs one all-reduce, after `o_proj`;
+- MLP: gate and up split by output rows, down by input columns (one all-reduce after `down_proj`);
+- MoE experts split by expert (expert parallelism);
+- the embedding and the tied LM head split by vocabulary rows (PLE's table too);
+- norms, scalars, routers and small projections replicated.
+K / V projections and pages of a layer whose KV heads N does not divide (31B's 4 global KV heads at N = 8) are
+replicated instead. KV pages `[nKV, pages, page_size, D]` split by KV head like the projections that fill them.
+The assistant is replicated: its weights are small and its layers read the target's pages.
+
+XLA's SPMD partitioner inserts the collectives. Every program keeps the same shardings in and out, so donated pages
+are updated in place on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gemma4_mtp_jax.config import TextConfig
+from gemma4_mtp_jax.kv_state import owning_layers
+
+AXIS = "tp"
+_LAYER = re.compile(r"^layers_(\d+)\.")
+
+
+class ShardingError(ValueError):
+    """A model that cannot be split over the asked number of devices."""
+
+
+def check_tensor_parallel(cfg: TextConfig, n: int) -> None:
+    """Errors for a `--tensor-parallel-size` the model cannot take (query heads, MLP width, experts)."""
+    if n < 1:
+        raise ShardingError(f"tensor_parallel_size must be >= 1, got {n}")
+    if n == 1:
+        return
+    if cfg.num_heads % n:
+        raise ShardingError(f"tensor_parallel_size={n} does not divide num_attention_heads={cfg.num_heads}")
+    for i, lc in enumerate(cfg.layers):
+        if lc.intermediate_size % n:
+            raise ShardingError(f"tensor_parallel_size={n} does not divide layer {i}'s intermediate_size="
+                                f"{lc.intermediate_size}")
+    if cfg.enable_moe_block and cfg.num_experts % n:
+        raise ShardingError(f"tensor_parallel_size={n} does not divide num_experts={cfg.num_experts}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The devices of one engine, as a one-axis mesh. `tp` = 1: one device, everything on it."""
+
+    mesh: Mesh
+
+    @classmethod
+    def over(cls, devices: Sequence[jax.Device]) -> "Placement":
+        return cls(Mesh(np.asarray(list(devices)), (AXIS,)))
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[AXIS]
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def _split(self, dim: int) -> bool:
+        return self.tp > 1 and dim % self.tp == 0
+
+    def target_param_spec(self, cfg: TextConfig, name: str, shape: tuple[int, ...]) -> P:
+        """The partition spec of the target parameter `name` (dotted path in the parameter tree)."""
+        m = _LAYER.match(name)
+        lc = cfg.layers[int(m.group(1))] if m else None
+        if name.endswith(("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return P(AXIS, None) if self._split(shape[0]) else P()
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            return P(AXIS, None) if lc is not None and self._split(lc.num_kv_heads) else P()
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            return P(None, AXIS) if self._split(shape[1]) else P()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return P(AXIS, None, None) if self._split(shape[0]) else P()
+        if name in ("embed_tokens.weight", "embed_tokens_per_layer.weight"):
+            return P(AXIS, None) if self._split(shape[0]) else P()
+        return P()
+
+    def target_params(self, cfg: TextConfig, params: Any) -> Any:
+        """A tree of NamedShardings matching the target's parameter tree."""
+        def spec(path, leaf):
+            name = ".".join(str(getattr(k, "key", k)) for k in path)
+            return NamedSharding(self.mesh, self.target_param_spec(cfg, name, tuple(leaf.shape)))
+
+        return jax.tree_util.tree_map_with_path(spec, params)
+
+    def pages(self, cfg: TextConfig) -> dict[int, tuple[NamedSharding, NamedSharding]]:
+        """Owning layer -> (K, V) shardings of its page pool [nKV, pages, page_size, D]."""
+        out = {}
+        for i in owning_layers(cfg):
+            s = NamedSharding(self.mesh, P(AXIS) if self._split(cfg.layers[i].num_kv_heads) else P())
+            out[i] = (s, s)
+        return out
+
+    def replicate(self, tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda _: self.replicated, tree)
+
+    def put(self, tree: Any, shardings: Any) -> Any:
+        return jax.device_put(tree, shardings)

@@ -1,0 +1,99 @@
+"""Tensor parallelism on CPU devices (`--xla_force_host_platform_device_count`, in a child process: the device
+count is fixed when JAX starts): greedy output and speculative acceptance at TP = 2 and 4 equal TP = 1 for every
+tiny family, parameters and KV pages are split as sharding.py says, and serving compiles nothing after start-up.
+Clear errors for sizes the model cannot take."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys
+import jax
+import numpy as np
+from gemma4_mtp_jax.api import load_assistant, load_target
+from gemma4_mtp_jax.engine import Engine, EngineConfig
+from gemma4_mtp_jax.sampling import SamplingParams
+
+paths, sizes = json.loads(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
+assert len(jax.devices()) >= max(sizes), jax.devices()
+compiles = []
+listening = [False]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: compiles.append(event)
+    if listening[0] and event == "/jax/core/compile/backend_compile_duration" else None)
+rng = np.random.default_rng(0)
+prompts = [rng.integers(3, 400, size=n).tolist() for n in (5, 13, 22)]
+out = {}
+for family, p in paths.items():
+    target = load_target(p["target"], "float32")
+    assistant = load_assistant(p["assistant"], "float32")
+    for tp in sizes:
+        for spec in (False, True):
+            cfg = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=4, prefill_chunk=8, min_prefill_bucket=4,
+                               tensor_parallel_size=tp, num_speculative_tokens=3 if spec else None)
+            eng = Engine(target, cfg, assistant=assistant if spec else None)
+            q = eng.steps.params["layers_0"]["self_attn"]["q_proj"]["weight"]
+            listening[0] = True
+            reqs = [eng.add_request(x, 12, SamplingParams(temperature=0.8 * (i == 1), seed=i))
+                    for i, x in enumerate(prompts)]
+            eng.run()
+            listening[0] = False
+            pages = next(iter(eng.pages.values()))[0]  # the live pool (each step donates the last)
+            out[f"{family}/tp{tp}/{'spec' if spec else 'plain'}"] = {
+                "outputs": [r.output for r in reqs],
+                "accepted": [r.accepted_per_round for r in reqs],
+                "q_shard_rows": q.addressable_shards[0].data.shape[0], "q_rows": q.shape[0],
+                "q_devices": len(q.sharding.device_set),
+                "pages_kv_heads_per_shard": pages.addressable_shards[0].data.shape[0], "pages_kv_heads": pages.shape[0],
+            }
+print("RESULT " + json.dumps({"runs": out, "compiles_after_start": len(compiles)}))
+"""
+
+
+def _run_child(tiny_ckpts, families, sizes, devices):
+    paths = {f: {"target": str(tiny_ckpts[f]["target"]), "assistant": str(tiny_ckpts[f]["assistant"])}
+             for f in families}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(paths), ",".join(map(str, sizes))], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("families,sizes", [(["e2b", "a26b", "b31b"], [1, 2]), (["e2b"], [1, 4])])
+def test_tensor_parallel_equals_one_device(tiny_ckpts, families, sizes):
+    got = _run_child(tiny_ckpts, families, sizes, devices=max(sizes))
+    runs, n = got["runs"], sizes[-1]
+    for family in families:
+        for mode in ("plain", "spec"):
+            one, many = runs[f"{family}/tp1/{mode}"], runs[f"{family}/tp{n}/{mode}"]
+            assert many["outputs"] == one["outputs"], f"{family} {mode}: TP={n} output differs from one device"
+            assert many["accepted"] == one["accepted"], f"{family} {mode}: TP={n} acceptance differs"
+            assert many["q_devices"] == n and many["q_shard_rows"] * n == many["q_rows"], "q_proj not split"
+            kv = many["pages_kv_heads"]
+            assert many["pages_kv_heads_per_shard"] == (kv // n if kv % n == 0 else kv)
+    assert got["compiles_after_start"] == 0
+
+
+def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
+    from gemma4_mtp_jax.engine import Engine, EngineConfig
+    from gemma4_mtp_jax.sharding import ShardingError
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])  # 4 query heads
+    with pytest.raises(ShardingError, match="num_attention_heads=4"):
+        Engine(target, EngineConfig(tensor_parallel_size=3, compile_at_start=False))
+    with pytest.raises(ShardingError, match="only 1 devices"):
+        Engine(target, EngineConfig(tensor_parallel_size=2, compile_at_start=False))
+    with pytest.raises(ShardingError, match=">= 1"):
+        Engine(target, EngineConfig(tensor_parallel_size=0, compile_at_start=False))
