@@ -106,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="parameter dtype (default: checkpoint's)")
     ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + generated tokens per sequence")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="devices to split the model over (default 1)")
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default ~/.cache/gemma4_mtp_jax/jax_cache; 'none': off)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -137,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         longest = max(len(p) for p in prompts) + args.max_new_tokens
         cfg = EngineConfig(max_num_seqs=len(prompts), max_model_len=args.max_model_len or longest,
-                           page_size=args.page_size, num_speculative_tokens=args.num_speculative_tokens)
+                           page_size=args.page_size, num_speculative_tokens=args.num_speculative_tokens,
+                           tensor_parallel_size=args.tensor_parallel_size)
         enable_compilation_cache(args.compilation_cache_dir)
         t0 = time.perf_counter()
         engine = Engine(target, cfg, progress=lambda name, s: info(f"compiled {name} in {s:.1f}s"),

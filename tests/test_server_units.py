@@ -206,6 +206,7 @@ class FakeEngine:
         self.allocators = {"full_attention": SimpleNamespace(capacity=8)}
         self.num_preemptions = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.served = []  # every request added
         self.k = 3
 
     @property
@@ -226,6 +227,7 @@ class FakeEngine:
         req = self._Request(request_id, list(prompt), max_new_tokens, sampling,
                             self.eos_ids if stop_ids is None else stop_ids)
         self.waiting.append(req)
+        self.served.append(req)
         return req
 
     def cancel(self, req):
@@ -384,3 +386,68 @@ def test_every_numeric_field_at_every_edge(field):
                 continue
             assert p.max_tokens is None or 1 <= p.max_tokens <= INT32_MAX, (field, value)
             SamplingParams(p.temperature or 0.0, p.top_k or 0, 1.0 if p.top_p is None else p.top_p, p.seed).row()
+
+
+def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
+    """Replicas (--data-parallel-size): concurrent requests spread over the engines (the least loaded first),
+    each answered in full; /health and the gauges report the sum over the replicas; a cancel reaches the
+    replica that holds the request."""
+    import asyncio
+    import threading
+    import time
+
+    import uvicorn
+
+    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
+    from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
+    from gemma4_mtp_jax.server.cli import bind_socket
+    from gemma4_mtp_jax.server.metrics import Metrics
+    from test_server_support import health, metric_samples, request, sample, wait_healthy, wait_idle
+
+    metrics = Metrics("fake")
+    engines = [FakeEngine(max_num_seqs=2), FakeEngine(max_num_seqs=2)]
+    front = Replicas([AsyncEngine(e, max_queue_len=4, metrics=metrics) for e in engines], metrics)
+    server = OpenAIServer(front, demo_tok, ServerSettings("fake", max_model_len=64, vocab_size=512,
+                                                          num_speculative_tokens=3), metrics, engines[0].eos_ids)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        wait_healthy("127.0.0.1", port, 30)
+        h = health("127.0.0.1", port)
+        assert h["kv_pages_total"] == {"full_attention": 16} and h["kv_cache_bytes"] == 2 * 9 * 4096
+        answers = [None] * 4
+
+        def ask(i):
+            answers[i] = request("127.0.0.1", port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 12})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert [a[0] for a in answers] == [200] * 4
+        assert all(json.loads(a[2])["usage"]["completion_tokens"] == 12 for a in answers)
+        served = [len(e.served) for e in engines]
+        assert served == [2, 2], f"requests per replica: {served}"
+        idle = wait_idle("127.0.0.1", port)
+        assert idle["in_flight"] == 0 and idle["running"] == 0
+        assert sample(metric_samples("127.0.0.1", port), "gemma4_kv_pages_total", group="full_attention") == 16
+
+        async def submit_then_cancel():
+            stream = await front.submit([BYTE0 + 1], 50, SamplingParams())
+            front.cancel(stream)
+            return stream
+
+        stream = asyncio.run(submit_then_cancel())
+        assert stream.owner is front.replicas[0]
+        deadline = time.time() + 10
+        while not (stream.request is not None and stream.request.finished) and time.time() < deadline:
+            time.sleep(0.02)
+        assert stream.request.finish_reason == "cancelled"
+    finally:
+        uv.should_exit = True
+        t.join(30)

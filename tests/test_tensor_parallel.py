@@ -97,3 +97,47 @@ def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
         Engine(target, EngineConfig(tensor_parallel_size=2, compile_at_start=False))
     with pytest.raises(ShardingError, match=">= 1"):
         Engine(target, EngineConfig(tensor_parallel_size=0, compile_at_start=False))
+
+
+DP_CHILD = r"""
+import json, sys
+import jax
+from gemma4_mtp_jax.api import load_target
+from gemma4_mtp_jax.engine import Engine, EngineConfig
+from gemma4_mtp_jax.server.async_engine import Replicas
+from gemma4_mtp_jax.server.cli import create_server
+
+target_dir = sys.argv[1]
+target = load_target(target_dir, "float32")
+prompts = [[5, 9, 13, 200, 7], [3] * 11]
+cfg = EngineConfig(max_num_seqs=2, max_model_len=48, page_size=4, prefill_chunk=8, min_prefill_bucket=4)
+outs = []
+for dev in jax.devices()[:2]:
+    eng = Engine(target, cfg, devices=[dev])
+    reqs = [eng.add_request(p, 10) for p in prompts]
+    eng.run()
+    outs.append([r.output for r in reqs])
+    pool_devices = {d.id for k, _ in eng.pages.values() for d in k.devices()}
+    param_devices = {d.id for a in jax.tree_util.tree_leaves(eng.steps.params) for d in a.devices()}
+    assert pool_devices == param_devices == {dev.id}, (pool_devices, param_devices, dev)
+server, _ = create_server(["--ckpt", target_dir, "--assistant", "none", "--data-parallel-size", "2",
+                           "--max-num-seqs", "2", "--max-model-len", "48", "--prefill-chunk", "8", "--page-size", "4",
+                           "--compilation-cache-dir", "none"])
+front = server.engine
+devs = [{d.id for k, _ in r.engine.pages.values() for d in k.devices()} for r in front.replicas]
+print("RESULT " + json.dumps({"outputs": outs, "replica_devices": [sorted(d) for d in devs],
+                              "is_replicas": isinstance(front, Replicas)}))
+"""
+
+
+def test_data_parallel_replicas_run_on_their_own_devices(tiny_ckpts):
+    """Each replica's parameters and pages live on its own device and give the same output; the server's
+    --data-parallel-size 2 builds one engine per device behind Replicas."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", DP_CHILD, str(tiny_ckpts["b31b"]["target_plain"])], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    assert got["outputs"][0] == got["outputs"][1]
+    assert got["is_replicas"] and got["replica_devices"] == [[0], [1]]

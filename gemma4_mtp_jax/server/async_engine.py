@@ -21,7 +21,7 @@ import math
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from gemma4_mtp_jax.engine import Engine, Request, RequestError, StepEvent
 from gemma4_mtp_jax.sampling import SamplingParams
@@ -69,6 +69,7 @@ class RequestStream:
         self.stop_ids = stop_ids
         self.arrival = time.perf_counter()
         self.request: Request | None = None  # the engine's Request, once added (engine thread)
+        self.owner: AsyncEngine | None = None  # the engine serving it
         self.accepted: asyncio.Future = loop.create_future()
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
         self._closed = False  # engine thread: the final Delta was sent
@@ -114,6 +115,8 @@ class AsyncEngine:
         self.alive = False
         self.last_error: str | None = None
         self._latency_ema: float | None = None
+        # Where the gauges go (Replicas publishes the sum over its engines instead of one engine's numbers).
+        self.publish_gauges: Callable[[dict[str, Any]], None] | None = None
         self.snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_pages_in_use": engine.pages_in_use(),
                                          "kv_pages_total": self._pages_total(),
                                          "kv_cache_bytes": engine.kv_cache_bytes(), "preemptions": 0,
@@ -171,6 +174,7 @@ class AsyncEngine:
                 raise QueueFull(self.retry_after(), n)
             stream = RequestStream(request_id or f"req-{id(loop)}-{time.perf_counter_ns()}", loop, prompt,
                                    max_tokens, sampling, stop_ids)
+            stream.owner = self
             self._active[stream.id] = stream
         self._cmds.put(("add", stream))
         try:
@@ -344,9 +348,91 @@ class AsyncEngine:
                                  ("prefix_cache_hits", m.prefix_cache_hits)):
                 if grown[key] > 0:
                     counter.inc(grown[key])
-            m.waiting.set(snap["waiting"])
-            m.running.set(snap["running"])
-            for g, n in snap["kv_pages_in_use"].items():
-                m.kv_pages_in_use.labels(group=g).set(n)
-            for g, n in snap["kv_pages_total"].items():
-                m.kv_pages_total.labels(group=g).set(n)
+            if self.publish_gauges is not None:
+                self.publish_gauges(snap)
+            else:
+                set_gauges(m, snap)
+
+
+def set_gauges(m, snap: dict[str, Any]) -> None:
+    """The Prometheus gauges from a snapshot (queue depth, running, KV pages and bytes)."""
+    m.kv_cache_bytes.set(snap["kv_cache_bytes"])
+    m.waiting.set(snap["waiting"])
+    m.running.set(snap["running"])
+    for g, n in snap["kv_pages_in_use"].items():
+        m.kv_pages_in_use.labels(group=g).set(n)
+    for g, n in snap["kv_pages_total"].items():
+        m.kv_pages_total.labels(group=g).set(n)
+
+
+def merge_snapshots(snaps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of several engines' snapshots (numbers add, per-group page counts add group by group)."""
+    out: dict[str, Any] = {}
+    for snap in snaps:
+        for key, value in snap.items():
+            if isinstance(value, dict):
+                acc = out.setdefault(key, {})
+                for g, n in value.items():
+                    acc[g] = acc.get(g, 0) + n
+            else:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+class Replicas:
+    """Data parallelism: independent engines (each on its own devices) behind one server. A request goes to the
+    replica with the fewest requests in flight; cancels go to the replica that holds the request. Quacks like
+    an AsyncEngine for the app: /health and the gauges report the sum over the replicas."""
+
+    def __init__(self, replicas: list[AsyncEngine], metrics=None):
+        if not replicas:
+            raise ValueError("Replicas needs at least one engine")
+        self.replicas = replicas
+        self.metrics = metrics
+        for r in replicas:
+            r.publish_gauges = self._publish_gauges
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        return merge_snapshots([r.snapshot for r in self.replicas])
+
+    def _publish_gauges(self, _snap: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            set_gauges(self.metrics, self.snapshot)
+
+    @property
+    def alive(self) -> bool:
+        return all(r.alive for r in self.replicas)
+
+    @property
+    def draining(self) -> bool:
+        return any(r.draining for r in self.replicas)
+
+    @property
+    def last_error(self) -> str | None:
+        return next((f"replica {i}: {r.last_error}" for i, r in enumerate(self.replicas) if r.last_error), None)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
+
+    def start(self) -> None:
+        for r in self.replicas:
+            r.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for r in self.replicas:
+            r.stop(timeout)
+
+    def begin_drain(self, grace_s: float) -> None:
+        for r in self.replicas:
+            r.begin_drain(grace_s)
+
+    def cancel(self, stream: RequestStream) -> None:
+        (stream.owner or self.replicas[0]).cancel(stream)
+
+    async def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> RequestStream:
+        """To the least-loaded replica (ties: the lowest index). Raises as AsyncEngine.submit."""
+        replica = min(self.replicas, key=lambda r: r.in_flight)
+        return await replica.submit(prompt, max_tokens, sampling, stop_ids, request_id)

@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share the K/V of full pages between requests with the same tokens up to that page (a "
                         "chat's earlier turns, a common system prompt); free when unused, since only pages that "
                         "would otherwise sit free stay cached (default: on)")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="devices one engine spans: parameters and KV pages split Megatron-style (N must divide the "
+                        "attention heads and the MLP width), one SPMD program per step")
+    e.add_argument("--data-parallel-size", type=int, default=1, metavar="M",
+                   help="independent engine replicas, each on its own --tensor-parallel-size devices; a request "
+                        "goes to the replica with the fewest in flight")
     e.add_argument("--attention-impl", choices=["auto", "pallas", "xla"], default="auto",
                    help="paged attention implementation")
     e.add_argument("--compilation-cache-dir", default=None,
@@ -128,6 +134,8 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for name in ("max_num_seqs", "page_size", "prefill_chunk"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.tensor_parallel_size < 1 or a.data_parallel_size < 1:
+        ap.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
     if a.max_model_len is not None and a.max_model_len < 2:
         ap.error("--max-model-len must be >= 2")
     if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
@@ -184,7 +192,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     from gemma4_mtp_jax.config import check_pair
     from gemma4_mtp_jax.engine import Engine, EngineConfig
     from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
-    from gemma4_mtp_jax.server.async_engine import AsyncEngine
+    from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
     from gemma4_mtp_jax.server.chat import TextTokenizer
     from gemma4_mtp_jax.server.metrics import Metrics
 
@@ -236,7 +244,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=args.enable_prefix_caching)
+                      enable_prefix_caching=args.enable_prefix_caching,
+                      tensor_parallel_size=args.tensor_parallel_size)
     if assistant is not None:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:
@@ -251,8 +260,17 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         done[0] += 1
         log.info("compiled %s in %.2fs (%d)", prog, seconds, done[0])
 
-    with _Timer("compiling all programs"):
-        engine = Engine(target, config, progress=progress, assistant=assistant)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    devices = jax.devices()
+    if tp * dp > len(devices):
+        raise ValueError(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} needs {tp * dp} devices; "
+                         f"{len(devices)} are visible")
+    engines = []
+    for r in range(dp):
+        with _Timer(f"compiling all programs{f' (replica {r})' if dp > 1 else ''}"):
+            engines.append(Engine(target, config, progress=progress, assistant=assistant,
+                                  devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None))
+    engine = engines[0]
     if engine.k:
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
 
@@ -270,8 +288,9 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         num_speculative_tokens=engine.k,
     )
     metrics = Metrics(name)
-    aengine = AsyncEngine(engine, max_queue_len=args.max_queue_len, metrics=metrics)
-    server = OpenAIServer(aengine, tokenizer, settings, metrics, eos_ids=engine.eos_ids)
+    aengines = [AsyncEngine(e, max_queue_len=args.max_queue_len, metrics=metrics) for e in engines]
+    front = aengines[0] if dp == 1 else Replicas(aengines, metrics)
+    server = OpenAIServer(front, tokenizer, settings, metrics, eos_ids=engine.eos_ids)
     log.info("ready in %.1fs", time.perf_counter() - t_start)
     return server, args
 
