@@ -96,6 +96,11 @@ class TextConfig:
         raise KeyError(layer_type)
 
 
+def owning_layers(cfg: TextConfig) -> list[int]:
+    """The layers that own K/V (write their own pages); KV-shared layers read a store layer's."""
+    return [i for i, lc in enumerate(cfg.layers) if lc.kv_mode != "reuse"]
+
+
 @dataclasses.dataclass(frozen=True)
 class AssistantConfig:
     text: TextConfig

@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import SLIDING
-from gemma4_mtp_jax.kv_state import KVLayout, PagedKV, owning_layers
+from gemma4_mtp_jax.config import SLIDING, owning_layers
+from gemma4_mtp_jax.kv_state import KVLayout, PagedKV
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch, sample

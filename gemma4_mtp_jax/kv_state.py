@@ -17,13 +17,15 @@ buffers, which XLA performs in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import SLIDING, TextConfig
+from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
+from gemma4_mtp_jax.sharding import head_parallel
 
 Array = jax.Array
 NULL_PAGE = 0
@@ -93,10 +95,6 @@ def page_bytes(cfg: TextConfig, page_size: int, dtype) -> dict[str, int]:
     return out
 
 
-def owning_layers(cfg: TextConfig) -> list[int]:
-    return [i for i, lc in enumerate(cfg.layers) if lc.kv_mode != "reuse"]
-
-
 def init_pages(cfg: TextConfig, layout: KVLayout, dtype) -> dict[int, tuple[Array, Array]]:
     """Zeroed K/V pools: owning layer -> (K, V), each [nKV, num_pages, page_size, D]."""
     out = {}
@@ -161,8 +159,8 @@ class PagedKV:
 
         group = self.layer_group[layer]
         kp, vp = self.pages[layer]
-        return attend_paged(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
-                            impl=self.attention_impl)
+        fn = functools.partial(attend_paged, window=window, ring_pages=self._ring(group), impl=self.attention_impl)
+        return head_parallel(fn, q, kp, vp, self.tables[group], q_pos)
 
 
 @flax.struct.dataclass
@@ -191,5 +189,6 @@ class PagedDraftKV:
         group = self.layer_group[layer]
         kp, vp = self.pages[self.source[layer]]
         newest = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)
-        return attend_paged(q, kp, vp, self.tables[group], newest, window=None if window is None else window + 1,
-                            ring_pages=self.ring_pages if group == SLIDING else None, impl=self.attention_impl)
+        fn = functools.partial(attend_paged, window=None if window is None else window + 1,
+                               ring_pages=self.ring_pages if group == SLIDING else None, impl=self.attention_impl)
+        return head_parallel(fn, q, kp, vp, self.tables[group], newest)

@@ -11,15 +11,17 @@ K / V projections and pages of a layer whose KV heads N does not divide (31B's 4
 replicated instead. KV pages `[nKV, pages, page_size, D]` split by KV head like the projections that fill them.
 The assistant is replicated: its weights are small and its layers read the target's pages.
 
-XLA's SPMD partitioner inserts the collectives. Every program keeps the same shardings in and out, so donated pages
-are updated in place on every device.
+XLA's SPMD partitioner inserts the collectives. Attention runs under `shard_map` (`head_parallel`), each device on
+its own heads, since the partitioner cannot split a Pallas kernel. Every program keeps the same shardings in and
+out, so donated pages are updated in place on every device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,11 +29,37 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gemma4_mtp_jax.config import TextConfig
-from gemma4_mtp_jax.kv_state import owning_layers
+from gemma4_mtp_jax.config import TextConfig, owning_layers
 
 AXIS = "tp"
 _LAYER = re.compile(r"^layers_(\d+)\.")
+
+
+def _context_tp() -> int:
+    """The size of the "tp" axis of the mesh in context while tracing (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = getattr(mesh, "axis_names", ()) or ()
+    return dict(zip(names, mesh.axis_sizes)).get(AXIS, 1) if AXIS in names else 1
+
+
+def head_parallel(attend: Callable[..., jax.Array], q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                  *rest: jax.Array) -> jax.Array:
+    """`attend(q, k_pages, v_pages, *rest)` (q [B, T, nH, D], pages [nKV, ...]) run by each device on its own heads
+    when a tensor-parallel mesh is in context and both head counts split evenly: a device then owns whole GQA
+    groups, and a kernel (a custom call the SPMD partitioner cannot split) sees only its shard. Otherwise as is."""
+    n = _context_tp()
+    if n == 1 or q.shape[2] % n or k_pages.shape[0] % n:
+        return attend(q, k_pages, v_pages, *rest)
+    heads, kv = P(None, None, AXIS, None), P(AXIS)
+    return jax.shard_map(attend, in_specs=(heads, kv, kv) + (P(),) * len(rest), out_specs=heads,
+                         check_vma=False)(q, k_pages, v_pages, *rest)
+
+
+def mesh_context(placement: "Placement | None"):
+    """The context to trace a program in: its mesh (so `head_parallel` sees it), or nothing for one device."""
+    if placement is None:
+        return contextlib.nullcontext()
+    return jax.set_mesh(placement.mesh)
 
 
 class ShardingError(ValueError):

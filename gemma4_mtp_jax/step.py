@@ -22,7 +22,7 @@ from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
-from gemma4_mtp_jax.sharding import Placement
+from gemma4_mtp_jax.sharding import Placement, mesh_context
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS, Drafter, speculative_step
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,19 @@ class CompiledSteps:
     def _jit(self, fn, donate: tuple[int, ...], out: Any):
         if self.placement is None:
             return jax.jit(fn, donate_argnums=donate)
-        return jax.jit(fn, donate_argnums=donate, out_shardings=out)
+        jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out)
+        placement = self.placement
+
+        class _InMesh:  # lower (trace) inside the mesh, so attention splits by heads (sharding.head_parallel)
+            def lower(self, *args):
+                with mesh_context(placement):
+                    return jitted.lower(*args)
+
+            def __call__(self, *args):
+                with mesh_context(placement):
+                    return jitted(*args)
+
+        return _InMesh()
 
     def init_pages(self) -> Any:
         """Zeroed page pools, made where they live (sharded by KV head under tensor parallelism)."""
