@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gemma4_mtp_jax import demo
+import jax
+
+from gemma4_mtp_jax import demo, distributed
 from gemma4_mtp_jax.api import Assistant, Target, load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
 from gemma4_mtp_jax.sampling import SamplingParams
@@ -111,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default ~/.cache/gemma4_mtp_jax/jax_cache; 'none': off)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
+    distributed.add_arguments(ap)
     args = ap.parse_args(argv)
 
     def info(msg: str) -> None:
@@ -118,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     try:
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         if not args.prompt and not args.prompt_ids:
             raise RequestError("give at least one --prompt or --prompt-ids")
         t0 = time.perf_counter()
@@ -156,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tok is not None:
             item["text"] = tok.decode(r.tokens)
         out.append(item)
-    print(json.dumps(out, indent=None if args.json else 2))
+    if jax.process_index() == 0:  # every process of a multi-host run holds the same result
+        print(json.dumps(out, indent=None if args.json else 2))
     return 0
 
 

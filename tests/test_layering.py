@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("compiled programs", ["step"]),
     ("engine", ["engine", "allocator"]),
     ("loaders", ["weights", "api", "demo"]),
-    ("applications", ["", "server", "serve", "generate", "train", "train_assistant", "train_demo"]),
+    ("applications", ["", "server", "serve", "generate", "distributed", "train", "train_assistant", "train_demo"]),
 ]
 
 

@@ -141,3 +141,31 @@ def test_data_parallel_replicas_run_on_their_own_devices(tiny_ckpts):
     got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
     assert got["outputs"][0] == got["outputs"][1]
     assert got["is_replicas"] and got["replica_devices"] == [[0], [1]]
+
+
+def test_two_processes_on_localhost_equal_one(tiny_ckpts):
+    """Multi-host in miniature: `generate` in two processes (one CPU device each, jax.distributed with gloo),
+    tensor parallel over both, prints the greedy tokens of a single-process run (process 0 prints, process 1 not)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, "-m", "gemma4_mtp_jax.generate", "--ckpt", str(tiny_ckpts["a26b"]["target_plain"]),
+            "--prompt-ids", "5,9,13,200,7", "--prompt-ids", "3,3,3,3,3,3,3,3,3,3,3", "--max-new-tokens", "10",
+            "--dtype", "float32", "--max-model-len", "48", "--page-size", "4", "--json",
+            "--compilation-cache-dir", "none"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    single = subprocess.run(base, env=env, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    procs = [subprocess.Popen(base + ["--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{port}",
+                                      "--num-processes", "2", "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    def printed(stdout):  # the JSON line (gloo writes its own lines to stdout too)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("[{")]
+        return [r["tokens"] for r in json.loads(lines[-1])] if lines else None
+
+    assert printed(outs[0][0]) == printed(single.stdout) is not None
+    assert printed(outs[1][0]) is None

@@ -136,6 +136,9 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.tensor_parallel_size < 1 or a.data_parallel_size < 1:
         ap.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        ap.error("the server runs in one process (its requests would have to reach every host's engine); for a "
+                 "multi-host job use `python -m gemma4_mtp_jax.generate --coordinator-address ...` or the Python API")
     if a.max_model_len is not None and a.max_model_len < 2:
         ap.error("--max-model-len must be >= 2")
     if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
