@@ -150,11 +150,14 @@ def _check_load_format(load_format: str) -> None:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
 
 
-def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, load_format: str = "auto") -> Target:
+def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, load_format: str = "auto",
+                on_host: bool = False) -> Target:
     """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
 
     dtype: "float32" | "bfloat16" | None (None: the checkpoint's own dtype). load_format "dummy": only config.json
-    is read, the weights are random (timing real shapes without the checkpoint).
+    is read, the weights are random (timing real shapes without the checkpoint). on_host: keep the safetensors
+    weights in host memory, so that an engine over several devices puts each tensor straight onto its shards
+    instead of through a full copy on one device.
     """
     _check_load_format(load_format)
     d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
@@ -167,14 +170,14 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, l
     elif orbax_io.is_orbax_checkpoint(d):
         params = _restore_orbax(d, "target", abstract, dt)
     else:
-        params = hf_loader.load_target_params(str(d), cfg, abstract, dt)
+        params = hf_loader.load_target_params(str(d), cfg, abstract, dt, on_host)
     return Target(cfg, params, dt, d, _generation_config(d))
 
 
 def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
-                   load_format: str = "auto") -> Assistant:
+                   load_format: str = "auto", on_host: bool = False) -> Assistant:
     """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id
-    (load_format as `load_target`'s)."""
+    (load_format and on_host as `load_target`'s)."""
     _check_load_format(load_format)
     d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
     cfg_json = read_config_json(d)
@@ -186,7 +189,7 @@ def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None
     elif orbax_io.is_orbax_checkpoint(d):
         params = _restore_orbax(d, "assistant", abstract, dt)
     else:
-        params = hf_loader.load_assistant_params(str(d), cfg, abstract, dt)
+        params = hf_loader.load_assistant_params(str(d), cfg, abstract, dt, on_host)
     return Assistant(cfg, params, dt, d, _generation_config(d))
 
 

@@ -128,8 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt, assistant_ckpt = demo.resolve(args.ckpt, args.assistant)
         if "demo" in (args.ckpt, args.assistant):
             info(f"demo pair: {demo.PACKAGED}")
-        target = load_target(ckpt, args.dtype)
-        assistant = load_assistant(assistant_ckpt, args.dtype) if assistant_ckpt else None
+        spread = args.tensor_parallel_size > 1  # each tensor goes from host memory straight onto its shards
+        target = load_target(ckpt, args.dtype, on_host=spread)
+        assistant = load_assistant(assistant_ckpt, args.dtype, on_host=spread) if assistant_ckpt else None
         info(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s")
         tok = load_tokenizer(target.path)
         prompts = [list(p) for p in args.prompt_ids]

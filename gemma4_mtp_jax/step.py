@@ -73,10 +73,14 @@ class CompiledSteps:
     def __post_init__(self):
         # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
         self.draft_params = self.drafter.params() if self.drafter is not None else None
+        # On the programs' devices once (a loader may leave the weights in host memory: each tensor then goes
+        # straight to its shards); already-placed arrays are not copied.
         pl = self.placement
-        self.params = self.target.params
-        if pl is not None:
-            self.params = pl.put(self.params, self.param_shardings())
+        if pl is None:
+            self.params = jax.device_put(self.target.params)
+            self.draft_params = None if self.draft_params is None else jax.device_put(self.draft_params)
+        else:
+            self.params = pl.put(self.target.params, self.param_shardings())
             if self.draft_params is not None:
                 self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
 

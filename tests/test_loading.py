@@ -188,3 +188,17 @@ def test_load_format_dummy_reads_only_config_json(tiny_ckpts, tmp_path):
         assert all(np.any(np.asarray(a) != 0) for a in jax.tree_util.tree_leaves(dummy.params))
     with pytest.raises(ValueError, match="load_format"):
         load_target(tiny_ckpts["e2b"]["target"], load_format="random")
+
+
+def test_on_host_loading_keeps_host_arrays_and_equal_values(tiny_ckpts):
+    """on_host=True (a multi-device engine's loading): the same values as a normal load, as host arrays, so the
+    engine puts each tensor straight onto its shards; the engine still runs from them."""
+    import jax
+
+    from gemma4_mtp_jax.api import load_assistant, load_target
+
+    for kind, load in (("target", load_target), ("assistant", load_assistant)):
+        dev, host = load(tiny_ckpts["e2b"][kind], "float32"), load(tiny_ckpts["e2b"][kind], "float32", on_host=True)
+        for a, b in zip(jax.tree_util.tree_leaves(dev.params), jax.tree_util.tree_leaves(host.params)):
+            assert isinstance(b, np.ndarray) and b.dtype == a.dtype
+            np.testing.assert_array_equal(np.asarray(a), b)

@@ -220,14 +220,15 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     if assistant_path is not None and assistant_path.lower() == "none":
         assistant_path = None
     dtype = None if args.dtype == "auto" else args.dtype
+    spread = args.tensor_parallel_size * args.data_parallel_size > 1  # weights go from host memory to each device
 
     with _Timer(f"loading target {ckpt}"):
-        target = load_target(ckpt, dtype, args.load_format)
+        target = load_target(ckpt, dtype, args.load_format, on_host=spread)
     name = name or Path(str(target.path)).name or str(args.ckpt)
     assistant = None
     if assistant_path is not None:
         with _Timer(f"loading assistant {assistant_path}"):
-            assistant = load_assistant(assistant_path, dtype, args.load_format)
+            assistant = load_assistant(assistant_path, dtype, args.load_format, on_host=spread)
         check_pair(target.config, assistant.config)
         log.info("assistant matches the target (K/V geometry, vocabulary, hidden size)")
 

@@ -48,16 +48,19 @@ def unflatten(flat: dict[str, Any]) -> dict:
     return tree
 
 
-def _cast(name: str, array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype) -> jax.Array:
+def _cast(name: str, array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype,
+          on_host: bool = False) -> jax.Array | np.ndarray:
+    """The tensor in the parameter's dtype: on the default device, or with `on_host` a host array (the engine then
+    puts each tensor straight onto its own devices and shards)."""
     if tuple(array.shape) != tuple(want.shape):
         raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, the config implies {tuple(want.shape)}")
     if jnp.issubdtype(want.dtype, jnp.integer):
         if not np.issubdtype(array.dtype, np.integer):
             raise CheckpointError(f"tensor '{name}' should hold integers, found {array.dtype}")
-        return jnp.asarray(array, jnp.int32)
-    if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+        dtype = jnp.int32
+    elif not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
         raise CheckpointError(f"tensor '{name}' should be floating point, found {array.dtype}")
-    return jnp.asarray(array, dtype)
+    return np.asarray(array, np.dtype(dtype)) if on_host else jnp.asarray(array, dtype)
 
 
 def read_tensors(
@@ -67,6 +70,7 @@ def read_tensors(
     ignorable: Callable[[str], bool],
     dtype: jnp.dtype,
     desc: str,
+    on_host: bool = False,
 ) -> dict[str, jax.Array]:
     """Read every expected tensor (keyed by param path) from `ckpt`; anything else in the file is an error
     unless `ignorable`. Missing tensors and wrong shapes are errors naming the tensor."""
@@ -85,7 +89,7 @@ def read_tensors(
     total = sum(ckpt.nbytes(n) for n in by_ckpt_name)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, disable=total < (64 << 20)) as bar:
         for name, path in by_ckpt_name.items():
-            out[path] = _cast(name, ckpt.read(name), expected[path], dtype)
+            out[path] = _cast(name, ckpt.read(name), expected[path], dtype, on_host)
             bar.update(ckpt.nbytes(name))
     return out
 
@@ -97,7 +101,8 @@ def _target_prefix(ckpt: SafetensorsCheckpoint) -> str:
     return "model."
 
 
-def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dtype: jnp.dtype) -> dict:
+def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dtype: jnp.dtype,
+                       on_host: bool = False) -> dict:
     with SafetensorsCheckpoint(directory) as ckpt:
         prefix = _target_prefix(ckpt)
         reuse = {i for i, lc in enumerate(cfg.layers) if lc.kv_mode == "reuse"}
@@ -110,7 +115,7 @@ def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dt
             return bool(m) and int(m.group(1)) in reuse and m.group(2) in _KV_PROJ
 
         flat = read_tensors(ckpt, flatten_shapes(abstract_params), lambda p: prefix + flax_to_hf_name(p),
-                            ignorable, dtype, f"target {directory}")
+                            ignorable, dtype, f"target {directory}", on_host)
     return unflatten(flat)
 
 
@@ -124,7 +129,8 @@ def assistant_checkpoint_name(path: str) -> str:
     return hf if path.split(".")[0] in ("pre_projection", "post_projection", "masked_embedding") else "model." + hf
 
 
-def load_assistant_params(directory: str, cfg: AssistantConfig, abstract_params: Any, dtype: jnp.dtype) -> dict:
+def load_assistant_params(directory: str, cfg: AssistantConfig, abstract_params: Any, dtype: jnp.dtype,
+                          on_host: bool = False) -> dict:
     expected = flatten_shapes(abstract_params)
     if cfg.use_ordered_embeddings:
         # The checkpoint holds the canonical-order head `model.embed_tokens.weight`; we keep it permuted instead.
@@ -132,7 +138,7 @@ def load_assistant_params(directory: str, cfg: AssistantConfig, abstract_params:
 
     with SafetensorsCheckpoint(directory) as ckpt:
         flat = read_tensors(ckpt, expected, assistant_checkpoint_name, lambda n: n == "lm_head.weight", dtype,
-                            f"assistant {directory}")
+                            f"assistant {directory}", on_host)
     if cfg.use_ordered_embeddings:
         flat[_ORDERED] = permute_head_rows(flat.pop("embed_tokens.weight"), flat["masked_embedding.token_ordering"])
     return unflatten(flat)
@@ -144,4 +150,6 @@ def permute_head_rows(table: jax.Array, token_ordering: jax.Array) -> jax.Array:
     order = np.asarray(token_ordering)
     if not np.array_equal(np.sort(order), np.arange(V)):
         raise CheckpointError(f"masked_embedding.token_ordering is not a permutation of 0..{V - 1}")
+    if isinstance(table, np.ndarray):
+        return table[order]
     return jnp.take(table, token_ordering, axis=0)
