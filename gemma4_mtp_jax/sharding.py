@@ -12,7 +12,8 @@ replicated instead. KV pages `[nKV, pages, page_size, D]` split by KV head like 
 The assistant is replicated: its weights are small and its layers read the target's pages.
 
 XLA's SPMD partitioner inserts the collectives. Attention runs under `shard_map` (`head_parallel`), each device on
-its own heads, since the partitioner cannot split a Pallas kernel. Every program keeps the same shardings in and
+its own heads, and the MoE experts under `expert_parallel`, each device on its own experts, since the partitioner
+cannot split a Pallas kernel. Every program keeps the same shardings in and
 out, so donated pages are updated in place on every device.
 """
 
@@ -53,6 +54,24 @@ def head_parallel(attend: Callable[..., jax.Array], q: jax.Array, k_pages: jax.A
     heads, kv = P(None, None, AXIS, None), P(AXIS)
     return jax.shard_map(attend, in_specs=(heads, kv, kv) + (P(),) * len(rest), out_specs=heads,
                          check_vma=False)(q, k_pages, v_pages, *rest)
+
+
+def expert_parallel(experts: Callable[..., jax.Array], x: jax.Array, weights: jax.Array, idx: jax.Array,
+                    gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """`experts(x, weights, idx, gate_up, down, expert_offset=...)` (kernels.grouped_matmul.routed_experts) with
+    each device running only its own experts on the pairs routed to them, then one all-reduce, when a
+    tensor-parallel mesh is in context and the experts split evenly. Otherwise as is."""
+    n = _context_tp()
+    if n == 1 or gate_up.shape[0] % n:
+        return experts(x, weights, idx, gate_up, down)
+    local = gate_up.shape[0] // n
+
+    def shard(x, weights, idx, gate_up, down):
+        out = experts(x, weights, idx, gate_up, down, expert_offset=jax.lax.axis_index(AXIS) * local)
+        return jax.lax.psum(out, AXIS)
+
+    return jax.shard_map(shard, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)), out_specs=P(),
+                         check_vma=False)(x, weights, idx, gate_up, down)
 
 
 def mesh_context(placement: "Placement | None"):

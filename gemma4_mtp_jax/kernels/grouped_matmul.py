@@ -279,18 +279,29 @@ def grouped_matmul_auto(x: Array, w: Array, group_sizes: Array, *, glu: bool = F
     raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
 
 
-def routed_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array, *, impl: str = "auto",
-                   interpret: bool = False) -> Array:
+def routed_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array, *,
+                   expert_offset: Array | int | None = None, impl: str = "auto", interpret: bool = False) -> Array:
     """The MoE experts on their routed rows only. x [N, H]; weights, idx [N, k] (router output); gate_up
     [E, 2 Im, H] (gate rows first); down [E, H, Im] -> sum_j weights[n, j] * expert_{idx[n, j]}(x[n]): [N, H].
 
     The N*k (token, expert) pairs are sorted by expert; both projections run as grouped matmuls over the sorted
-    rows (the gate|up one with the activation fused), and each token sums its k outputs."""
+    rows (the gate|up one with the activation fused), and each token sums its k outputs. With `expert_offset`
+    (expert parallelism: this device holds experts offset .. offset+E-1), pairs routed to other experts add 0."""
     N, k = idx.shape
+    E = gate_up.shape[0]
     mm = functools.partial(grouped_matmul_auto, impl=impl, interpret=interpret)
-    order, group_sizes = sort_by_group(idx.reshape(-1), gate_up.shape[0])  # pair p = token * k + j
+    ids = idx.reshape(-1)  # pair p = token * k + j
+    here = None
+    if expert_offset is not None:
+        ids = ids - expert_offset
+        here = (ids >= 0) & (ids < E)
+        ids = jnp.where(here, ids, E)  # other devices' pairs sort last, into no group of this device
+    order, group_sizes = sort_by_group(ids, E if here is None else E + 1)
+    group_sizes = group_sizes[:E]
     xs = jnp.take(x, order // k, axis=0)  # [N*k, H]
     act = mm(xs, gate_up, group_sizes, glu=True)  # gelu(gate) * up: [N*k, Im]
-    ys = mm(act, down, group_sizes)  # [N*k, H]
-    y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True).reshape(N, k, -1)
-    return jnp.einsum("nkh,nk->nh", y, weights.astype(x.dtype))
+    ys = mm(act, down, group_sizes)  # [N*k, H]; rows in no group are left undefined
+    y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+    if here is not None:
+        y = jnp.where(here[:, None], y, 0)
+    return jnp.einsum("nkh,nk->nh", y.reshape(N, k, -1), weights.astype(x.dtype))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
+from gemma4_mtp_jax.sharding import expert_parallel
 
 Array = jax.Array
 
@@ -149,7 +150,8 @@ class Experts(nn.Module):
         # Router statistics for the benchmarks (a no-op unless "intermediates" is mutable): the experts this call
         # had to read, which is what a memory-bound step costs.
         self.sow("intermediates", "experts_touched", jnp.sum(jnp.any(jax.nn.one_hot(idx.reshape(-1), E) > 0, axis=0)))
-        out = routed_experts(x.reshape(-1, H), weights.reshape(-1, k), idx.reshape(-1, k), gate_up, down)
+        out = expert_parallel(routed_experts, x.reshape(-1, H), weights.reshape(-1, k), idx.reshape(-1, k),
+                              gate_up, down)
         return out.reshape(*lead, H)
 
 
