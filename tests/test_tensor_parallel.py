@@ -38,7 +38,7 @@ for family, p in paths.items():
     assistant = load_assistant(p["assistant"], "float32")
     for tp in sizes:
         for spec in (False, True):
-            cfg = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=4, prefill_chunk=8, min_prefill_bucket=4,
+            cfg = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=4, prefill_chunk=8, min_prefill_bucket=4,
                                tensor_parallel_size=tp, num_speculative_tokens=3 if spec else None)
             eng = Engine(target, cfg, assistant=assistant if spec else None)
             q = eng.steps.params["layers_0"]["self_attn"]["q_proj"]["weight"]
