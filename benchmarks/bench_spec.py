@@ -38,6 +38,7 @@ from gemma4_mtp_jax.api import (  # noqa: E402
     load_target,
 )
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter  # noqa: E402
@@ -88,10 +89,19 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     max_b = max(args.batch)
     layout = layout_for(tcfg, max_b, page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
                         assistant_window=acfg.text.sliding_window)
-    steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b)
-    plain = CompiledSteps(target, layout, dtype, "auto")
+    placement = None
+    if args.tensor_parallel_size > 1:
+        check_tensor_parallel(tcfg, args.tensor_parallel_size)
+        placement = Placement.over(jax.devices()[:args.tensor_parallel_size])
+    steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b,
+                          placement=placement)
+    plain = CompiledSteps(target, layout, dtype, "auto", placement=placement)
+    params = plain.params  # on the programs' devices (split under tensor parallelism)
     pages = random_pages(tcfg, layout, dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
+    if placement is not None:
+        pages = jax.device_put(pages, steps.page_shardings())
+        hidden = jax.device_put(hidden, placement.replicated)
     rng = np.random.default_rng(0)
     for B in args.batch:
         tables = {}
@@ -100,12 +110,12 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         tokens = rng.integers(0, tcfg.vocab_size, B).astype(np.int32)
         P = np.full(B, context - k - 2, np.int32)
         sampling = SamplingBatch.from_params([], B)
-        row = {"model": name, "batch": B, "k": k, "context": context}
+        row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context}
 
         t0 = time.perf_counter()
         dec = plain.compile_decode(B)
         row["compile_decode_s"] = time.perf_counter() - t0
-        t, (pages,) = timed(lambda p, *r: dec(target.params, p, *r), (pages,), (tokens, P, tables, sampling),
+        t, (pages,) = timed(lambda p, *r: dec(params, p, *r), (pages,), (tokens, P, tables, sampling),
                             args.repeats)
         row["decode_ms"] = t * 1e3
 
@@ -117,9 +127,11 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         vt = np.tile(tokens[:, None], (1, k + 1))
         vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
         t0 = time.perf_counter()
-        ver = jax.jit(verify, donate_argnums=(1,)).lower(target.params, pages, vt, vp, tables).compile()
+        with mesh_context(placement):  # attention splits by heads under tensor parallelism
+            ver = jax.jit(verify, donate_argnums=(1,), out_shardings=(steps.page_shardings(), None)
+                          if placement else None).lower(params, pages, vt, vp, tables).compile()
         row["compile_verify_s"] = time.perf_counter() - t0
-        t, (pages,) = timed(lambda p, *r: ver(target.params, p, *r), (pages,), (vt, vp, tables), args.repeats)
+        t, (pages,) = timed(lambda p, *r: ver(params, p, *r), (pages,), (vt, vp, tables), args.repeats)
         row["verify_ms"] = t * 1e3
 
         t0 = time.perf_counter()
@@ -128,7 +140,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         slots = np.arange(B, dtype=np.int32)
         spec_on = np.ones(B, bool)
         t, (pages, hidden) = timed(
-            lambda p, h, *r: spec(target.params, steps.draft_params, p, h, *r),
+            lambda p, h, *r: spec(steps.params, steps.draft_params, p, h, *r),
             (pages, hidden), (slots, tokens, P, tables, sampling, spec_on, np.full((B, MAX_STOP_IDS), -1, np.int32),
                               np.full(B, 1 << 20, np.int32)), args.repeats)
         row["spec_ms"] = t * 1e3
@@ -155,6 +167,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--acceptance-length", type=float, default=3.9,
                     help="mean tokens per round for the projected speedup (vLLM's 31B figure at k=4)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="split the target over the first N devices (sharding.py)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     env = environment()
