@@ -38,7 +38,8 @@ _LAYER = re.compile(r"^layers_(\d+)\.")
 
 def _context_tp() -> int:
     """The size of the "tp" axis of the mesh in context while tracing (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
+    get = getattr(jax.sharding, "get_abstract_mesh", None)  # JAX >= 0.6; without it there is no mesh context
+    mesh = get() if get is not None else None
     names = getattr(mesh, "axis_names", ()) or ()
     return dict(zip(names, mesh.axis_sizes)).get(AXIS, 1) if AXIS in names else 1
 
