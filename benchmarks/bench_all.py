@@ -1,0 +1,138 @@
+"""The whole step matrix in one command: models x batch sizes x k, with the roofline, one JSON and plots.
+
+For each model and each k, `bench_spec.py` runs in its own process (one JAX process on the GPU at a time): the
+decode step (k = 0), the verify step and the speculative step at every batch size, each against the HBM roofline
+measured in that process. The rows are merged into `bench_all.json`; with matplotlib installed, two plots go
+beside it: `bench_all_decode.png` (decode step time and share of the roofline vs batch, per model) and
+`bench_all_spec.png` (speculative step / decode step vs k, per model and batch). A run that fails or times out is
+recorded and the others go on.
+
+    python benchmarks/bench_all.py --models e2b e4b 26b 31b --batch 1 2 16 64 --k 2 4 8
+    python benchmarks/bench_all.py --smoke       # tiny shapes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import TARGETS, environment  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_spec(model: str | None, batch: list[int], k: int, args) -> dict:
+    """One bench_spec.py process; returns {model, k, rc, seconds, rows[, error]}."""
+    cmd = [sys.executable, os.path.join(HERE, "bench_spec.py"), "--k", str(k), "--batch", *map(str, batch),
+           "--context", str(args.context), "--repeats", str(args.repeats),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    cmd += ["--smoke"] if model is None else ["--models", model]
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env={**os.environ, "OUT": out}, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired:
+            rc, tail = 124, f"timed out after {args.timeout} s"
+        record = {"model": model or "smoke", "k": k, "rc": rc, "seconds": time.perf_counter() - t0, "rows": []}
+        path = os.path.join(out, "bench_spec.json")
+        if rc == 0 and os.path.exists(path):
+            with open(path) as f:
+                record["rows"] = [dict(r, k=k) for r in json.load(f)["rows"]]
+        else:
+            record["error"] = tail
+    return record
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    """The two PNGs (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots", flush=True)
+        return []
+    models = sorted({r["model"] for r in rows})
+    paths = []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in models:
+        dec = {}
+        for r in rows:
+            if r["model"] == m:
+                dec.setdefault(r["batch"], []).append(r)
+        bs = sorted(dec)
+        ax1.plot(bs, [min(x["decode_ms"] for x in dec[b]) for b in bs], marker="o", label=m)
+        ax2.plot(bs, [max(x["decode_roofline_fraction"] for x in dec[b]) for b in bs], marker="o", label=m)
+    for ax, title in ((ax1, "decode step (ms)"), (ax2, "share of the HBM roofline")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_title(title)
+        ax.legend()
+    paths.append(os.path.join(out_dir, "bench_all_decode.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in models:
+        for b in sorted({r["batch"] for r in rows if r["model"] == m}):
+            pts = sorted((r["k"], r["spec_over_decode"]) for r in rows if r["model"] == m and r["batch"] == b)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m} B={b}")
+    ax.set_xlabel("k (drafts per round)")
+    ax.set_title("speculative step / decode step")
+    ax.legend(fontsize=7)
+    paths.append(os.path.join(out_dir, "bench_all_spec.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["e2b", "e4b", "26b", "31b"], choices=sorted(TARGETS))
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 2, 16, 64])
+    ap.add_argument("--k", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per bench_spec.py process")
+    ap.add_argument("--out", default=None, help="directory of bench_all.json and the plots (default: $OUT or .)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
+    args = ap.parse_args()
+    out_dir = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    runs = []
+    for model in ([None] if args.smoke else args.models):
+        for k in args.k:
+            rec = run_spec(model, [2] if args.smoke else args.batch, k, args)
+            print(f"[{rec['model']} k={k}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows",
+                  flush=True)
+            runs.append(rec)
+    rows = [r for rec in runs for r in rec["rows"]]
+    pngs = plot(rows, out_dir) if rows else []
+    with open(os.path.join(out_dir, "bench_all.json"), "w") as f:
+        json.dump({"env": environment(), "config": vars(args), "runs": runs, "plots": pngs}, f, indent=1)
+    print(f"\n{'model':6} {'k':>2} {'B':>3} {'decode ms':>9} {'roof%':>6} {'verify ms':>9} {'spec ms':>8} "
+          f"{'spec/dec':>8}")
+    for r in rows:
+        print(f"{r['model']:6} {r['k']:2d} {r['batch']:3d} {r['decode_ms']:9.3f} "
+              f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:9.3f} {r['spec_ms']:8.3f} "
+              f"{r['spec_over_decode']:8.2f}")
+    failed = [f"{rec['model']} k={rec['k']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
+    for line in failed:
+        print("FAILED", line)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
