@@ -477,9 +477,7 @@ class Engine:
         {group: (first logical page, cached pages from it)}); (0, {}) with the cache off or on a miss."""
         if not self.config.enable_prefix_caching:
             return 0, {}
-        todo = len(req.prompt) + max(len(req.output) - 1, 0)  # tokens the prefill would run (as _prefill)
-        limit = (todo - 1) // self.layout.page_size
-        self.prefix_cache_queries += todo
+        limit = (self._prefill_len(req) - 1) // self.layout.page_size
         if limit <= 0:
             return 0, {}
         self._extend_keys(req, limit)
@@ -499,7 +497,6 @@ class Engine:
                     break
                 found[g] = (lo, pages)
             else:
-                self.prefix_cache_hits += n * self.layout.page_size
                 return n, found
             n -= 1
         return 0, {}
@@ -524,6 +521,14 @@ class Engine:
                 req.ring_next[g] = n_cached
         req.registered = n_cached
         req.prefilled = n_cached * self.layout.page_size
+        if self.config.enable_prefix_caching:  # counted once per admission, not per step a request waits
+            self.prefix_cache_queries += self._prefill_len(req)
+            self.prefix_cache_hits += req.prefilled
+
+    @staticmethod
+    def _prefill_len(req: Request) -> int:
+        """Tokens a (re)admitted request's prefill runs: its prompt, and a resumed one's output but the newest."""
+        return len(req.prompt) + max(len(req.output) - 1, 0)
 
     def _advance_rings(self, req: Request, last_page: int) -> None:
         """Before a program writes up to logical page `last_page`: a sliding ring slot about to take a new logical

@@ -49,6 +49,23 @@ def _shapes(tree: Any, shardings: Any = None) -> Any:
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MeshJit:
+    """A jitted function traced (lowered or called) inside its placement's mesh, so that attention and the MoE
+    split by heads and experts (sharding.head_parallel, sharding.expert_parallel)."""
+
+    jitted: Any
+    placement: Placement
+
+    def lower(self, *args) -> jax.stages.Lowered:
+        with mesh_context(self.placement):
+            return self.jitted.lower(*args)
+
+    def __call__(self, *args):
+        with mesh_context(self.placement):
+            return self.jitted(*args)
+
+
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
@@ -105,19 +122,7 @@ class CompiledSteps:
     def _jit(self, fn, donate: tuple[int, ...], out: Any):
         if self.placement is None:
             return jax.jit(fn, donate_argnums=donate)
-        jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out)
-        placement = self.placement
-
-        class _InMesh:  # lower (trace) inside the mesh, so attention splits by heads (sharding.head_parallel)
-            def lower(self, *args):
-                with mesh_context(placement):
-                    return jitted.lower(*args)
-
-            def __call__(self, *args):
-                with mesh_context(placement):
-                    return jitted(*args)
-
-        return _InMesh()
+        return _MeshJit(jax.jit(fn, donate_argnums=donate, out_shardings=out), self.placement)
 
     def init_pages(self) -> Any:
         """Zeroed page pools, made where they live (sharded by KV head under tensor parallelism)."""
