@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (TARGETS, copy_bandwidth, environment, layout_for, random_params,  # noqa: E402
-                               write_json)
+from benchmarks.common import (TARGETS, bench_state, copy_bandwidth, environment, fresh_rows,  # noqa: E402
+                               layout_for, random_params, write_json)
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.kv_state import abstract_pages  # noqa: E402
@@ -78,16 +78,16 @@ def expected_experts(cfg, tokens: int) -> float:
     return E * (1 - (1 - k / E) ** tokens)
 
 
-def time_decode(fn, params, pages, args, repeats: int, warmup: int = 3) -> tuple[float, Any]:
-    """Median seconds per step; the donated pages are threaded from call to call."""
+def time_decode(fn, params, state, args, repeats: int, warmup: int = 3) -> tuple[float, Any]:
+    """Median seconds per step; the donated device state is threaded from call to call."""
     times = []
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
-        pages, tok = fn(params, pages, *args)
-        tok.block_until_ready()
+        state, out = fn(params, state, *args)
+        out.block_until_ready()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), pages
+    return statistics.median(times), state
 
 
 def random_pages(cfg, layout, dtype, seed=1):
@@ -122,7 +122,7 @@ def main() -> None:
         layout = layout_for(cfg, max_b, page_size=args.page_size, max_model_len=context + 16)
         target = Target(cfg, params, dtype, None, {})
         steps = CompiledSteps(target, layout, dtype, args.attention)
-        pages = random_pages(cfg, layout, dtype)
+        state = bench_state(steps, random_pages(cfg, layout, dtype))
         rng = np.random.default_rng(0)
         for B in args.batch:
             t0 = time.perf_counter()
@@ -135,7 +135,8 @@ def main() -> None:
             tokens = rng.integers(0, cfg.vocab_size, B).astype(np.int32)
             positions = np.full(B, context - 1, np.int32)
             sampling = SamplingBatch.from_params([], B)
-            t, pages = time_decode(fn, params, pages, (tokens, positions, tables, sampling), args.repeats)
+            t, state = time_decode(fn, params, state, (fresh_rows(tokens, positions, steps.num_slots), tables,
+                                                       sampling), args.repeats)
             need = bytes_per_step(cfg, params, B, context)
             floor = need["total"] / bw
             row = {"model": name, "batch": B, "context": context, "step_ms": t * 1e3, "roofline_ms": floor * 1e3,
@@ -150,7 +151,7 @@ def main() -> None:
                     row[f"roofline_{key}_fraction"] = b / bw / t
             rows.append(row)
             print(row, flush=True)
-        del params, pages, steps
+        del params, state, steps
     write_json("bench_decode.json", {"env": env, "copy_TBps": bw / 1e12, "rows": rows})
     print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; attention={args.attention}; page_size={args.page_size}")
     print(f"{'model':6} {'B':>3} {'ctx':>6} {'step ms':>9} {'roofline ms':>11} {'ratio':>6} {'TB/s':>6} {'compile s':>9}")

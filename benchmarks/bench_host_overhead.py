@@ -2,9 +2,10 @@
 
 For each batch size B: an engine (plain, or with --spec the speculative one) serves B sequences that never stop
 (empty stop ids); once every prompt is prefilled, each `Engine.step()` is timed (host work: rows, page tables,
-sampling rows, page growth, dispatch, the one read-back, appending tokens). Then the same compiled program is
-called alone on the same inputs (the donated pages threaded through) and timed the same way. Overhead = engine
-step - program; issue 12's goal is <= 5 % of the step at B = 1 on the real E2B shape. Weights are random (bf16 at
+sampling rows, page growth, dispatch, the one read-back, taking tokens), with async scheduling on (the step
+dispatched before the previous one is read) and off. Then the same compiled program is called alone on the same
+inputs (the donated state threaded through) and timed the same way. Host overhead = (engine step - program) /
+engine step; issue 12's goal is <= 5 % at B = 1 on the real E2B shape. Weights are random (bf16 at
 the real shapes; float32 with --smoke), so acceptance is whatever the random pair gives: the timings do not depend
 on it.
 
@@ -29,37 +30,25 @@ from benchmarks.common import ASSISTANTS, TARGETS, environment, median_time, ran
 from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
-from gemma4_mtp_jax.speculative import MAX_STOP_IDS  # noqa: E402
 
 
 def program_call(engine: Engine):
     """A zero-argument callable running the engine's decode (or speculative) program once on the inputs of its
-    running sequences, as `step` would build them, threading the donated state; returns its output."""
-    rows = engine._rows(engine.running, [])
-    B = engine._bucket(engine.config.batch_buckets(), len(rows))
-    tables, sampling = engine._tables(rows, B), engine._sampling(rows, B)
-    tokens = np.zeros((B,), np.int32)
-    positions = np.full((B,), -1, np.int32)
-    for r, row in enumerate(rows):
-        tokens[r], positions[r] = row.token, row.position
+    running sequences, as `step` builds them, threading the donated state; returns its packed result."""
+    if engine._inflight is not None:  # read the engine's last step first: the calls below follow it
+        engine._collect(engine._inflight)
+    B, rows, tables, sampling = engine._step_inputs(engine._rows(engine.running, []))
     if engine.assistant is None:
         fn = engine.steps.compile_decode(B)
 
         def call():
-            engine.pages, out = fn(engine.target.params, engine.pages, tokens, positions, tables, sampling)
+            engine.state, out = fn(engine.steps.params, engine.state, rows, tables, sampling)
             return out
         return call
-    slots = np.full((B,), engine.config.max_num_seqs, np.int32)
-    slots[: len(rows)] = [row.req.slot for row in rows]
-    spec_on = np.arange(B) < len(rows)
-    stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
-    remaining = np.full((B,), 1 << 20, np.int32)
     fn = engine.steps.compile_speculative(B)
 
     def call():
-        engine.pages, engine.hidden, out = fn(engine.target.params, engine.steps.draft_params, engine.pages,
-                                              engine.hidden, slots, tokens, positions, tables, sampling, spec_on,
-                                              stop_ids, remaining)
+        engine.state, out = fn(engine.steps.params, engine.steps.draft_params, engine.state, rows, tables, sampling)
         return out
     return call
 
@@ -98,20 +87,28 @@ def main() -> None:
             engine.step()
         for _ in range(warmup):
             engine.step()
-        step_s = median_time(engine.step, (), repeats=args.steps, warmup=0)
+        timed = {}
+        for mode in (True, False):  # async scheduling on, then off: the same engine, the same sequences
+            engine.config.async_scheduling = mode
+            for _ in range(2):
+                engine.step()
+            timed[mode] = median_time(engine.step, (), repeats=args.steps, warmup=0)
         program_s = median_time(program_call(engine), (), repeats=args.steps, warmup=0)
-        row = {"model": name, "spec": args.spec, "batch": B, "context": context, "engine_step_ms": step_s * 1e3,
-               "program_ms": program_s * 1e3, "host_overhead_ms": (step_s - program_s) * 1e3,
-               "host_overhead_fraction": (step_s - program_s) / step_s}
+        row = {"model": name, "spec": args.spec, "batch": B, "context": context, "program_ms": program_s * 1e3}
+        for mode, key in ((True, "async"), (False, "sync")):
+            row[f"{key}_step_ms"] = timed[mode] * 1e3
+            row[f"{key}_host_overhead_fraction"] = (timed[mode] - program_s) / timed[mode]
         rows.append(row)
         print(row, flush=True)
         for req in list(engine.running) + list(engine.waiting):
             engine.cancel(req)
     write_json("bench_host_overhead.json", {"env": env, "rows": rows})
-    print(f"\n{'model':6} {'spec':>5} {'B':>3} {'engine step ms':>15} {'program ms':>11} {'host ms':>8} {'host %':>7}")
+    print(f"\n{'model':6} {'spec':>5} {'B':>3} {'program ms':>11} {'async step ms':>14} {'host %':>7} "
+          f"{'sync step ms':>13} {'host %':>7}")
     for r in rows:
-        print(f"{r['model']:6} {str(r['spec']):>5} {r['batch']:3d} {r['engine_step_ms']:15.3f} {r['program_ms']:11.3f} "
-              f"{r['host_overhead_ms']:8.3f} {100 * r['host_overhead_fraction']:7.1f}")
+        print(f"{r['model']:6} {str(r['spec']):>5} {r['batch']:3d} {r['program_ms']:11.3f} {r['async_step_ms']:14.3f} "
+              f"{100 * r['async_host_overhead_fraction']:7.1f} {r['sync_step_ms']:13.3f} "
+              f"{100 * r['sync_host_overhead_fraction']:7.1f}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, copy_bandwidth, environment, layout_for,  # noqa: E402
-                               random_params, write_json)
+from benchmarks.common import (ASSISTANTS, TARGETS, bench_state, copy_bandwidth, environment,  # noqa: E402
+                               fresh_rows, layout_for, random_params, write_json)
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
     Target,
@@ -41,7 +41,7 @@ from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  #
 from gemma4_mtp_jax.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
-from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter  # noqa: E402
+from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
 SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
@@ -99,9 +99,6 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     params = plain.params  # on the programs' devices (split under tensor parallelism)
     pages = random_pages(tcfg, layout, dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
-    if placement is not None:
-        pages = jax.device_put(pages, steps.page_shardings())
-        hidden = jax.device_put(hidden, placement.replicated)
     rng = np.random.default_rng(0)
     for B in args.batch:
         tables = {}
@@ -115,8 +112,9 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         t0 = time.perf_counter()
         dec = plain.compile_decode(B)
         row["compile_decode_s"] = time.perf_counter() - t0
-        t, (pages,) = timed(lambda p, *r: dec(params, p, *r), (pages,), (tokens, P, tables, sampling),
-                            args.repeats)
+        t, (state,) = timed(lambda s, *r: dec(params, s, *r), (bench_state(plain, pages),),
+                            (fresh_rows(tokens, P, plain.num_slots), tables, sampling), args.repeats)
+        pages = state.pages
         row["decode_ms"] = t * 1e3
 
         def verify(params, pages, tokens, positions, tables):
@@ -137,12 +135,10 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         t0 = time.perf_counter()
         spec = steps.compile_speculative(B)
         row["compile_spec_s"] = time.perf_counter() - t0
-        slots = np.arange(B, dtype=np.int32)
-        spec_on = np.ones(B, bool)
-        t, (pages, hidden) = timed(
-            lambda p, h, *r: spec(steps.params, steps.draft_params, p, h, *r),
-            (pages, hidden), (slots, tokens, P, tables, sampling, spec_on, np.full((B, MAX_STOP_IDS), -1, np.int32),
-                              np.full(B, 1 << 20, np.int32)), args.repeats)
+        t, (state,) = timed(lambda s, *r: spec(steps.params, steps.draft_params, s, *r),
+                            (bench_state(steps, pages, hidden),), (fresh_rows(tokens, P, steps.num_slots), tables,
+                                                                    sampling), args.repeats)
+        pages, hidden = state.pages, state.hidden
         row["spec_ms"] = t * 1e3
         need = bytes_per_step(tcfg, target.params, B, context)
         row["decode_roofline_ms"] = need["total"] / bw * 1e3

@@ -161,7 +161,8 @@ def programs(target: Target, assistant: Assistant, batch: int, k: int, context: 
                         assistant_window=acfg.text.sliding_window)
     spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch)
     plain = CompiledSteps(target, layout, dtype, "auto")
-    params, pages, tokens, _, tables, _, _ = plain._abstract(batch, k + 1)
+    params, state, tables, _ = plain._abstract(batch)
+    pages, tokens = state.pages, plain._i32(batch, k + 1)
 
     def verify(params, pages, tokens, positions, tables):
         h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")

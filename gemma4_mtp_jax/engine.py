@@ -31,11 +31,12 @@ import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
 from gemma4_mtp_jax.config import check_pair
+from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, StepRows
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, make_layout, page_bytes
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
 from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
-from gemma4_mtp_jax.speculative import MAX_STOP_IDS, AssistantDrafter, Drafter
+from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
 from gemma4_mtp_jax.step import CompiledSteps
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Devices one engine spans (sharding.py): parameters and KV pages split Megatron-style, one program per step.
     tensor_parallel_size: int = 1
+    # Dispatch step n+1 before reading step n's tokens (the device state carries each sequence's newest token), so
+    # the device does not wait for the host between steps; each step's tokens then reach the caller one step later.
+    async_scheduling: bool = True
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200
@@ -120,6 +124,9 @@ class Request:
     page_keys: list[bytes] = dataclasses.field(default_factory=list)
     registered: int = 0
     ring_next: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The slot's device values (newest token, length, remaining) are this sequence's: a step has run it since it
+    # started decoding. Until then its rows bring them from the host.
+    on_device: bool = False
 
     @property
     def num_drafted(self) -> int:
@@ -181,10 +188,15 @@ class _Row:
     req: Request
     tables: dict[str, np.ndarray]  # KV group -> [table width] int32
     sampling: tuple  # SamplingParams.row()
-    token: np.int32 = np.int32(0)  # decode: the newest token, fed at `position`
-    position: np.int32 = np.int32(-1)
-    stop_ids: np.ndarray | None = None  # speculative: [MAX_STOP_IDS] int32, -1 padded
-    remaining: np.int32 = np.int32(0)  # speculative: tokens still allowed
+    stop_ids: np.ndarray  # [MAX_STOP_IDS] int32, -1 padded
+    remaining: np.int32  # tokens the request may still produce
+    # A row whose slot does not hold its values yet (its first decode step) brings its newest token and position.
+    fresh: bool = False
+    token: np.int32 = np.int32(0)
+    length: np.int32 = np.int32(-1)
+
+
+_FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
 
 class Engine:
@@ -240,10 +252,11 @@ class Engine:
         self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
                                    k=self.k, num_slots=cfg.max_num_seqs,
                                    placement=self._placement(cfg.tensor_parallel_size, devices))
-        self.pages = self.steps.init_pages()
-        # Each running sequence owns a slot: its row of the device-side buffer of hidden states the drafter reads.
+        self.state: DeviceState = self.steps.init_state()
+        # Each running sequence owns a slot: its row of the device state's per-sequence arrays.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
-        self.hidden = self.steps.init_hidden() if assistant is not None else None
+        # The step dispatched but not read yet (async scheduling): its requests by row and its packed result.
+        self._inflight: tuple[list[Request], jax.Array] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -310,6 +323,9 @@ class Engine:
             raise RequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if stop_ids is not None and len(stop_ids) > MAX_STOP_IDS:
             raise RequestError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}")
+        bad = sorted(t for t in stop_ids or () if not 0 <= t < V)
+        if bad:
+            raise RequestError(f"stop token id {bad[0]} is outside the vocabulary [0, {V})")
         total = len(prompt) + max_new_tokens
         if total > self.config.max_model_len:
             raise RequestError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
@@ -335,7 +351,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def pages_in_use(self) -> dict[str, int]:
         return {g: a.num_used for g, a in self.allocators.items()}
@@ -368,14 +384,37 @@ class Engine:
         self.running.remove(req)
         self._release(req)
         req.status, req.prefilled, req.decoding, req.registered, req.ring_next = "waiting", 0, False, 0, {}
+        req.on_device = False
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _tokens_ahead(self, req: Request) -> int:
+        """An upper bound of `req`'s tokens when its next step runs: with a step in flight that runs it, up to k+1
+        more than the host has read (never more than the request can reach)."""
+        n = req.num_tokens
+        if self._inflight is not None and req in self._inflight[0]:
+            n += self.k + 1
+        return min(n, len(req.prompt) + req.max_new_tokens)
+
     def _pages_short(self, req: Request) -> dict[str, int]:
         """Pages `req` still lacks per KV group for its next step: K/V up to its newest token, plus the k drafts
         a speculative round verifies past it."""
-        return {g: self.layout.pages_needed(g, req.num_tokens) - len(req.pages.get(g, ())) for g in self.allocators}
+        n = self._tokens_ahead(req)
+        return {g: self.layout.pages_needed(g, n) - len(req.pages.get(g, ())) for g in self.allocators}
+
+    def _grow_fits(self, decoding: list[Request]) -> bool:
+        """Whether every decoding sequence's next pages fit the free pool without preempting anyone (False if one
+        cannot count them: `_grow` then fails it alone)."""
+        need = {g: 0 for g in self.allocators}
+        for req in decoding:
+            try:
+                short = self._pages_short(req)
+            except Exception:
+                return False
+            for g, n in short.items():
+                need[g] += max(n, 0)
+        return all(need[g] <= a.num_free for g, a in self.allocators.items())
 
     def _take_pages(self, req: Request, short: dict[str, int]) -> None:
         for g, n in short.items():  # one group at a time: _finish frees what was taken if one fails
@@ -400,7 +439,7 @@ class Engine:
                 continue
             try:
                 self._take_pages(req, short)
-                self._advance_rings(req, (req.num_tokens - 1 + self.k) // self.layout.page_size)
+                self._advance_rings(req, (self._tokens_ahead(req) - 1 + self.k) // self.layout.page_size)
             except Exception as e:
                 events.append(self._fail(req, "allocating its pages", e))
         return [r for r in decoding if r.status == "running"]
@@ -575,14 +614,12 @@ class Engine:
         return tables
 
     def _row(self, req: Request) -> _Row:
-        row = _Row(req, self._page_rows(req), req.sampling.row())
-        if req.output:
-            row.token = np.int32(req.output[-1])
-            row.position = np.int32(len(req.prompt) + len(req.output) - 1)
-            if self.assistant is not None:
-                row.stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-                row.stop_ids[: len(req.stop_ids)] = sorted(req.stop_ids)
-                row.remaining = np.int32(req.max_new_tokens - len(req.output))
+        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop_ids[: len(req.stop_ids)] = sorted(req.stop_ids)
+        row = _Row(req, self._page_rows(req), req.sampling.row(), stop_ids,
+                   np.int32(req.max_new_tokens - len(req.output)))
+        if req.decoding and not req.on_device:
+            row.fresh, row.token, row.length = True, np.int32(req.output[-1]), np.int32(req.num_tokens - 1)
         return row
 
     def _rows(self, reqs: list[Request], events: list[StepEvent]) -> list[_Row]:
@@ -615,17 +652,17 @@ class Engine:
         raise AssertionError(f"no bucket for {n} (buckets {buckets})")
 
     # ------------------------------------------------------------------ steps
-    def _prefill(self, req: Request, row: _Row, budget: int | None) -> tuple[int, int | None]:
+    def _prefill(self, req: Request, row: _Row, budget: int | None) -> tuple[int, np.ndarray | None]:
         """Write the K/V of `req`'s tokens but the newest (`row`: its row of host arrays): its prompt, or for a
         preempted sequence its prompt and output so far, whose newest token then feeds the next decode step. Goes
         on from where the last call stopped, in chunks, for up to `budget` tokens (None: to the end). Returns
-        (tokens prefilled, the token sampled after the last one when the prefill is complete, else None): a new
-        request's first token."""
+        (tokens prefilled, the packed result of the last chunk when the prefill is complete, else None): a new
+        request's first token, through the stop rule. The program also leaves the drafter's first h in the slot."""
         chunk = self.config.prefill_chunk
         buckets = self.config.prefill_buckets()
         sampling = self._sampling([row], 1)
         todo = req.prompt + req.output[:-1]
-        done, token = 0, None
+        done, packed = 0, None
         while req.prefilled < len(todo) and (budget is None or done < budget):
             start = req.prefilled
             n = min(chunk, len(todo) - start, budget - done if budget is not None else chunk)
@@ -637,90 +674,79 @@ class Engine:
             tokens[0, :n] = todo[start : start + n]
             positions[0, :n] = np.arange(start, start + n)
             fn = self.steps.compile_prefill(1, T)
-            self.pages, token, h_last = fn(self.steps.params, self.pages, tokens, positions, tables,
-                                           np.array([n - 1], np.int32), sampling)
+            self.state, packed = fn(self.steps.params, self.state, np.array([req.slot], np.int32), tokens, positions,
+                                    tables, np.array([n - 1], np.int32), sampling, row.stop_ids[None],
+                                    np.array([row.remaining], np.int32))
             req.prefilled += n
             done += n
             self._register(req)
         if req.prefilled < len(todo):
             return done, None
-        if self.hidden is not None:  # the drafter's first h: the target's post-norm hidden at P-1
-            self.hidden = self.steps.write_hidden(self.hidden, np.array([req.slot], np.int32), h_last)
-        return done, int(np.asarray(token)[0])
+        return done, np.asarray(packed)[0]
 
-    def _decode(self, rows: list[_Row]) -> np.ndarray:
-        """One decode step; returns per row the next token (a [len(rows), 1] array)."""
+    def _dispatch(self, rows: list[_Row]) -> jax.Array:
+        """One decode step, or with a drafter one draft-and-verify round, for `rows`; returns the packed result
+        ([B, k+4] int32, device_state.finish_round) without waiting for it."""
+        B, step_rows, tables, sampling = self._step_inputs(rows)
+        if self.assistant is None:
+            self.state, packed = self.steps.compile_decode(B)(self.steps.params, self.state, step_rows, tables,
+                                                              sampling)
+        else:
+            self.state, packed = self.steps.compile_speculative(B)(self.steps.params, self.steps.draft_params,
+                                                                   self.state, step_rows, tables, sampling)
+        for row in rows:
+            row.req.on_device = True
+        return packed
+
+    def _step_inputs(self, rows: list[_Row]) -> tuple[int, StepRows, dict[str, np.ndarray], SamplingBatch]:
+        """A decode or speculative step's host inputs: (batch bucket, rows, page tables, sampling rows)."""
         B = self._bucket(self.config.batch_buckets(), len(rows))
-        tokens = np.zeros((B,), np.int32)
-        positions = np.full((B,), -1, np.int32)
+        step_rows = StepRows(
+            slot=np.full((B,), self.config.max_num_seqs, np.int32),  # padding rows use the spare last slot
+            fresh=np.ones((B,), bool), token=np.zeros((B,), np.int32), length=np.full((B,), -1, np.int32),
+            remaining=np.zeros((B,), np.int32), stop_ids=np.full((B, MAX_STOP_IDS), -1, np.int32),
+            speculate=np.zeros((B,), bool))
         for r, row in enumerate(rows):
-            tokens[r] = row.token
-            positions[r] = row.position
-        fn = self.steps.compile_decode(B)
-        self.pages, nxt = fn(self.steps.params, self.pages, tokens, positions, self._tables(rows, B),
-                             self._sampling(rows, B))
-        return np.asarray(nxt)[: len(rows), None]
+            step_rows.slot[r], step_rows.fresh[r] = row.req.slot, row.fresh
+            step_rows.token[r], step_rows.length[r], step_rows.remaining[r] = row.token, row.length, row.remaining
+            step_rows.stop_ids[r], step_rows.speculate[r] = row.stop_ids, row.req.speculative
+        return B, step_rows, self._tables(rows, B), self._sampling(rows, B)
 
-    def _speculate(self, rows: list[_Row]) -> np.ndarray:
-        """One draft-and-verify round; returns the packed per-row result that `_unpack` reads."""
-        B = self._bucket(self.config.batch_buckets(), len(rows))
-        tokens = np.zeros((B,), np.int32)
-        lengths = np.full((B,), -1, np.int32)
-        slots = np.full((B,), self.config.max_num_seqs, np.int32)  # padding rows use the spare last row
-        spec_on = np.zeros((B,), bool)
-        stop_ids = np.full((B, MAX_STOP_IDS), -1, np.int32)
-        remaining = np.zeros((B,), np.int32)
-        for r, row in enumerate(rows):
-            tokens[r] = row.token
-            lengths[r] = row.position
-            slots[r] = row.req.slot
-            spec_on[r] = row.req.speculative
-            stop_ids[r] = row.stop_ids
-            remaining[r] = row.remaining
-        self.pages, self.hidden, packed = self.steps.compile_speculative(B)(
-            self.steps.params, self.steps.draft_params, self.pages, self.hidden, slots, tokens, lengths,
-            self._tables(rows, B), self._sampling(rows, B), spec_on, stop_ids, remaining)
-        return np.asarray(packed)[: len(rows)]  # the one host read of the step
+    def _collect(self, dispatched: tuple[list[Request], jax.Array]) -> list[StepEvent]:
+        """Read a dispatched step (the one host read of a step) and take each row's new tokens. A row whose
+        request ended meanwhile (it finished in the step before, or was cancelled) ran as padding: skipped."""
+        reqs, packed = dispatched
+        if self._inflight is dispatched:
+            self._inflight = None
+        result = np.asarray(packed)
+        now = time.perf_counter()
+        events = []
+        for req, row_result in zip(reqs, result):
+            if req.status != "running":
+                continue
+            events.append(self._take(req, row_result, now, self.assistant is not None))
+            if not req.finished:
+                self._register(req)
+        return events
 
-    def _unpack(self, req: Request, packed: np.ndarray) -> tuple[list[int], bool, int | None]:
-        """A row of the speculative step's result: the tokens it keeps of the emitted ones (accepted drafts + bonus,
-        cut at a stop id or max_new_tokens on the device), whether it finished, and the drafts it accepted (None
-        with speculation off for the request), which the request records."""
-        k = self.k
-        n, keep, finished = (int(x) for x in packed[k + 1 : k + 4])
-        accepted = None
-        if req.speculative:
-            req.num_speculative_tokens = k
-            req.accepted_per_round.append(n)
-            accepted = n
-        return [int(t) for t in packed[:keep]], bool(finished), accepted
-
-    def _append(self, req: Request, tokens: list[int], now: float) -> list[int]:
-        kept = []
-        for t in tokens:
-            req.output.append(t)
-            req.token_times.append(now)
-            kept.append(t)
-            if t in req.stop_ids:
-                self._finish(req, "stop")
-                break
-            if len(req.output) >= req.max_new_tokens:
-                self._finish(req, "length")
-                break
-        if req.first_token_at is None and kept:
-            req.first_token_at = now
-        return kept
-
-    def _take(self, req: Request, result: np.ndarray, now: float, packed: bool = False) -> StepEvent:
-        """`req`'s new tokens from its row of the step's result (`packed`: the speculative step's), through the stop
-        rules."""
+    def _take(self, req: Request, result: np.ndarray, now: float, speculative_round: bool) -> StepEvent:
+        """`req`'s new tokens from its row of a packed result (emitted tokens, n accepted, tokens kept, finish
+        reason): the device decided where its output ends; the host only records it."""
         try:
-            toks, device_finished, accepted = (self._unpack(req, result) if packed
-                                               else ([int(t) for t in result], None, None))
-            kept = self._append(req, toks, now)
-            if device_finished is not None and (device_finished != req.finished or kept != toks):
-                raise AssertionError(f"the step's finished flag ({device_finished}) disagrees with the stop rules "
-                                     f"({req.finished}, kept {len(kept)} of {len(toks)})")
+            k1 = len(result) - 3
+            n, keep, reason = (int(x) for x in result[k1:])
+            kept = [int(t) for t in result[:keep]]
+            req.output += kept
+            req.token_times += [now] * len(kept)
+            if req.first_token_at is None and kept:
+                req.first_token_at = now
+            accepted = None
+            if speculative_round and req.speculative:
+                req.num_speculative_tokens = self.k
+                req.accepted_per_round.append(n)
+                accepted = n
+            if reason:
+                self._finish(req, _FINISH_REASONS[reason])
         except Exception as e:
             return self._fail(req, "taking its new tokens", e)
         return StepEvent(req, kept, req.finished, accepted)
@@ -728,9 +754,17 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """Pages for the decoding sequences' next tokens (preempting the newest if the pool is dry), admit what
         fits, prefill up to the token budget (everything when nothing decodes), then one decode step for the
-        sequences that were decoding. A sequence whose prefill completes decodes from the next step."""
+        sequences that were decoding. A sequence whose prefill completes decodes from the next step.
+
+        With async scheduling the decode step is dispatched before the previous one is read, so the returned events
+        are the previous step's (and the prefills'); the previous step is read first when the pool cannot take the
+        next step's pages without preempting (a preempted sequence's tokens must be known)."""
         events: list[StepEvent] = []
-        decoding = self._grow([r for r in self.running if r.decoding], events)
+        decoding = [r for r in self.running if r.decoding]
+        if self._inflight is not None and not self._grow_fits(decoding):
+            events += self._collect(self._inflight)
+            decoding = [r for r in self.running if r.decoding]
+        decoding = self._grow(decoding, events)
         self._admit(events)
         budget = (self.config.max_num_batched_tokens or self.config.prefill_chunk) if decoding else None
         for req in [r for r in self.running if not r.decoding]:
@@ -740,21 +774,21 @@ class Engine:
             if not prefill:
                 continue
             resumed = bool(req.output)  # a preempted sequence: its K/V is recomputed, its output kept
-            used, token = self._prefill(req, prefill[0], budget)
+            used, packed = self._prefill(req, prefill[0], budget)
             if budget is not None:
                 budget -= used
-            if token is not None:
+            if packed is not None:
                 req.decoding = True
                 if not resumed:
-                    events.append(self._take(req, np.array([token]), time.perf_counter()))
+                    events.append(self._take(req, packed, time.perf_counter(), speculative_round=False))
         rows = self._rows(decoding, events)
+        previous, self._inflight = self._inflight, None
         if rows:
-            result = self._speculate(rows) if self.assistant is not None else self._decode(rows)
-            now = time.perf_counter()
-            for row, row_result in zip(rows, result):
-                events.append(self._take(row.req, row_result, now, packed=self.assistant is not None))
-                if not row.req.finished:
-                    self._register(row.req)
+            self._inflight = ([row.req for row in rows], self._dispatch(rows))
+        if previous is not None:
+            events += self._collect(previous)
+        if self._inflight is not None and not self.config.async_scheduling:
+            events += self._collect(self._inflight)
         return events
 
     def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:

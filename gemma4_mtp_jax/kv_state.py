@@ -6,7 +6,7 @@ K and V array of its group's pool (a page id names the same slot in all of them)
 assistant own nothing and read their store layer's pages.
 
 Full layers map position p to page `table[p // page_size]`. Sliding layers keep a ring of R pages per
-sequence (R * page_size >= W + k + 1 + page_size slots): position p lives in `table[(p // page_size) % R]`, so
+sequence (R * page_size >= W + 2k + 2 + page_size slots, below): position p lives in `table[(p // page_size) % R]`, so
 a sliding layer's memory per sequence is bounded by its window, not by the context. Page 0 of each pool is never handed
 out: padding rows point at it and write their garbage there.
 
@@ -66,11 +66,12 @@ def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_page
     widths = {}
     for g in groups:
         if g == SLIDING:
-            # The drafter reads P-1-W..P-1 while the verify step writes up to P+k: W + k + 2 slots; a prefill
-            # chunk of T tokens is written before its first query reads back W-1 keys: W + T slots. Plus a page
-            # less one slot: the engine may re-point a slot to a fresh page when its page is shared (prefix
-            # caching), which drops the slot's whole page at once, not one position at a time.
-            slots = (max(cfg.sliding_window, assistant_window) + max(num_speculative_tokens + 2, prefill_chunk)
+            # The drafter reads P-1-W..P-1 while the verify step writes up to P+k: W + k + 2 slots, and k + 1
+            # more because the engine prepares a step's pages while the step before it (which may add k + 1
+            # tokens) is still running; a prefill chunk of T tokens is written before its first query reads back
+            # W-1 keys: W + T slots. Plus a page less one slot: the engine may re-point a slot to a fresh page when
+            # its page is shared (prefix caching), which drops the slot's whole page at once.
+            slots = (max(cfg.sliding_window, assistant_window) + max(2 * num_speculative_tokens + 3, prefill_chunk)
                      + page_size - 1)
             widths[g] = min(math.ceil(slots / page_size), math.ceil(max_positions / page_size))
         else:
@@ -134,7 +135,7 @@ class PagedKV:
     `store` writes the new K/V into the pages first; `attend` then reads the pages in place, through the
     paged-attention kernel on GPU (its plain-XLA twin elsewhere) for prefill chunks, decode and verify alike.
     Writing before reading is what keeps the update in place (reading the old pages after an in-place write
-    would force XLA to copy them); it is safe because a sliding ring holds W + max(k+2, chunk) slots, so a
+    would force XLA to copy them); it is safe because a sliding ring holds W + max(2k+3, chunk) slots, so a
     forward's own writes never evict a key one of its queries still needs.
     """
 

@@ -29,7 +29,6 @@ from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
 
 Array = jax.Array
 _NEG = -jnp.inf
-MAX_STOP_IDS = 16  # stop token ids per request the speculative step checks on the device
 
 
 @flax.struct.dataclass
@@ -231,29 +230,15 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
     return emitted, n
 
 
-def stop_check(emitted: Array, n: Array, stop_ids: Array, remaining: Array) -> tuple[Array, Array]:
-    """How many of a round's n+1 emitted tokens a sequence keeps, and whether it is finished: the output ends
-    at its first stop id (kept) or when `remaining` tokens are reached. stop_ids [B, S] (-1 = none)."""
-    k1 = emitted.shape[1]
-    j = jnp.arange(k1)[None, :]
-    hit = jnp.any((emitted[..., None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0), -1) & (j <= n[:, None])
-    first_stop = jnp.where(jnp.any(hit, 1), jnp.argmax(hit, 1), k1)
-    keep = jnp.minimum(jnp.minimum(n + 1, remaining), first_stop + 1)
-    finished = (first_stop < keep) | (keep >= remaining)
-    return keep.astype(jnp.int32), finished
-
-
 def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int, attention_impl: str,
                      params_t, params_d, pages, hidden_buf: Array, slots: Array, tokens: Array, lengths: Array,
-                     tables, sampling: SamplingBatch, spec_on: Array, stop_ids: Array,
-                     remaining: Array) -> tuple[Any, Array, Array]:
+                     tables, sampling: SamplingBatch, spec_on: Array) -> tuple[Any, Array, Array, Array]:
     """One round for B sequences (rows with lengths < 0 are padding). `hidden_buf` [slots+1, H] holds each
-    sequence's h by slot; both it and the pages are donated and updated in place. stop_ids [B, S] and
-    remaining [B] (tokens the request may still produce) decide where a sequence's output ends.
+    sequence's h by slot; both it and the pages are donated and updated in place. The drafts come from `drafter`
+    (`AssistantDrafter` in production).
 
-    Returns (pages, hidden_buf, packed [B, k+4] int32: the emitted tokens (k+1, -1 after the bonus), then n
-    accepted, tokens kept, finished flag) — the one array the host reads per step (docs/DESIGN.md conventions
-    6-7). The drafts come from `drafter` (`AssistantDrafter` in production)."""
+    Returns (pages, hidden_buf, emitted [B, k+1]: the accepted drafts and the bonus, -1 after it, n accepted [B]);
+    where the sequence's output stops is decided after, with the decode step's rule (device_state.finish_round)."""
     valid = lengths >= 0
     P = jnp.where(valid, lengths, 0)
     hidden = hidden_buf[slots]
@@ -267,6 +252,4 @@ def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int,
     emitted, n = accept(drafts, q, q_ids, logits, sampling, spec_on & valid, P)
     h_next = h_all[jnp.arange(h_all.shape[0]), n]
     hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
-    keep, finished = stop_check(emitted, n, stop_ids, remaining)
-    packed = jnp.concatenate([emitted, n[:, None], keep[:, None], finished[:, None]], 1).astype(jnp.int32)
-    return pages, hidden_buf, packed
+    return pages, hidden_buf, emitted, n

@@ -1,9 +1,10 @@
 """The compiled programs: prefill chunks, decode, and the speculative round, built from the pure step functions
 of `forward.py` and `speculative.py`.
 
-Each step is one XLA program per shape bucket, compiled ahead of time; the KV pages are donated and come back
-updated in place. The host passes small arrays only (tokens, positions, page tables, sampling rows) and reads
-back the sampled tokens.
+Each step is one XLA program per shape bucket, compiled ahead of time. The engine's device state
+(`device_state.DeviceState`: pages, the drafter's hidden buffer, each slot's newest token and length) is donated
+and comes back updated in place. The host passes small arrays only (slots, page tables, sampling and stop rows,
+and the token and length of rows that start decoding) and reads back one packed result per step.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.forward import decode_step, prefill_step
+from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, StepRows, finish_round, init_slots, read_rows,
+                                         stop_check)
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
-from gemma4_mtp_jax.speculative import MAX_STOP_IDS, Drafter, speculative_step
+from gemma4_mtp_jax.speculative import Drafter, speculative_step
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,6 @@ class CompiledSteps:
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[int, Any] = dataclasses.field(default_factory=dict)
     speculative: dict[int, Any] = dataclasses.field(default_factory=dict)
-    _write_hidden: Any = None
 
     def __post_init__(self):
         # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
@@ -124,77 +126,110 @@ class CompiledSteps:
             return jax.jit(fn, donate_argnums=donate)
         return _MeshJit(jax.jit(fn, donate_argnums=donate, out_shardings=out), self.placement)
 
-    def init_pages(self) -> Any:
-        """Zeroed page pools, made where they live (sharded by KV head under tensor parallelism)."""
-        fn = lambda: init_pages(self.target.config, self.layout, self.cache_dtype)  # noqa: E731
-        return self._jit(fn, (), self.page_shardings())()
+    def state_shardings(self) -> Any:
+        """The DeviceState's shardings (None without a placement): pages by KV head, the rest replicated."""
+        if self.placement is None:
+            return None
+        rep = self._rep
+        return DeviceState(self.page_shardings(), rep if self.drafter is not None else None, rep, rep, rep)
 
-    def init_hidden(self) -> Any:
-        """The drafter's zeroed hidden buffer [num_slots + 1, H] (replicated)."""
-        shape = (self.num_slots + 1, self.target.config.hidden_size)
-        return self._jit(lambda: jnp.zeros(shape, self.cache_dtype), (), self._rep)()
+    def init_state(self, pages: Any = None) -> DeviceState:
+        """The engine's device state, made where it lives: zeroed page pools (or `pages`, e.g. a benchmark's random
+        ones), with a drafter its zeroed hidden buffer [num_slots + 1, H], and every slot finished."""
+        H = self.target.config.hidden_size
+
+        def make(pages):
+            if pages is None:
+                pages = init_pages(self.target.config, self.layout, self.cache_dtype)
+            hidden = jnp.zeros((self.num_slots + 1, H), self.cache_dtype) if self.drafter is not None else None
+            return DeviceState(pages, hidden, *init_slots(self.num_slots))
+
+        return self._jit(make, (0,) if pages is not None else (), self.state_shardings())(pages)
 
     # ------------------------------------------------------------------ programs
-    def _abstract(self, batch: int, tokens: int | None):
+    def _abstract_state(self) -> DeviceState:
+        H = self.target.config.hidden_size
+        pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
+        hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype) if self.drafter is not None else None
+        slots = [jax.ShapeDtypeStruct((self.num_slots + 1,), jnp.int32)] * 3
+        return _shapes(DeviceState(pages, hidden, *slots), self.state_shardings())
+
+    def _abstract(self, batch: int) -> tuple:
+        """(params, state, tables, sampling) of a program over `batch` rows."""
         i32 = self._i32
         tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
         f32 = self._sds((batch,), jnp.float32)
         sampling = SamplingBatch(temperature=f32, top_k=i32(batch), top_p=f32, seed=self._sds((batch,), jnp.uint32))
-        params = _shapes(self.target.params, self.param_shardings())
-        pages = _shapes(abstract_pages(self.target.config, self.layout, self.cache_dtype), self.page_shardings())
-        if tokens is None:
-            return params, pages, i32(batch), i32(batch), tables, sampling
-        return params, pages, i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling
+        return _shapes(self.target.params, self.param_shardings()), self._abstract_state(), tables, sampling
 
-    def _abstract_hidden(self) -> jax.ShapeDtypeStruct:
-        return self._sds((self.num_slots + 1, self.target.config.hidden_size), self.cache_dtype)
+    def _abstract_rows(self, batch: int) -> StepRows:
+        i32, flag = self._i32(batch), self._sds((batch,), jnp.bool_)
+        return StepRows(slot=i32, fresh=flag, token=i32, length=i32, remaining=i32,
+                        stop_ids=self._i32(batch, MAX_STOP_IDS), speculate=flag)
+
+    def _prefill_fn(self, params, state: DeviceState, slot, tokens, positions, tables, last_index, sampling, stop_ids,
+                    remaining) -> tuple[DeviceState, jax.Array]:
+        """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
+        a prompt's final chunk) as a packed [B, 4] result; the drafter's h (the hidden there) into its slot."""
+        pages, token, h_last = prefill_step(self.target, self.layout, self.attention_impl, params, state.pages, tokens,
+                                            positions, tables, last_index, sampling)
+        state = state.replace(pages=pages)
+        if state.hidden is not None:
+            state = state.replace(hidden=state.hidden.at[slot].set(h_last.astype(state.hidden.dtype)))
+        keep, reason = stop_check(token[:, None], jnp.zeros_like(token), stop_ids, remaining)
+        zeros = jnp.zeros_like(token)
+        return state, jnp.stack([token, zeros, keep, reason], 1)
+
+    def _decode_fn(self, params, state: DeviceState, rows: StepRows, tables, sampling) -> tuple[DeviceState, jax.Array]:
+        token, length, remaining = read_rows(state, rows)
+        pages, nxt = decode_step(self.target, self.layout, self.attention_impl, params, state.pages, token, length,
+                                 tables, sampling)
+        return finish_round(state.replace(pages=pages), rows, length, remaining, nxt[:, None], jnp.zeros_like(nxt))
+
+    def _speculative_fn(self, params, params_d, state: DeviceState, rows: StepRows, tables,
+                        sampling) -> tuple[DeviceState, jax.Array]:
+        token, length, remaining = read_rows(state, rows)
+        pages, hidden, emitted, n = speculative_step(self.target, self.drafter, self.layout, self.k,
+                                                     self.attention_impl, params, params_d, state.pages, state.hidden,
+                                                     rows.slot, token, length, tables, sampling, rows.speculate)
+        return finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
-        fn = lambda *a: prefill_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
-        out = (self.page_shardings(), self._rep, self._rep)
-        return self._jit(fn, (1,), out).lower(*self._abstract(batch, tokens))
+        params, state, tables, sampling = self._abstract(batch)
+        i32 = self._i32
+        args = (params, state, i32(batch), i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling,
+                i32(batch, MAX_STOP_IDS), i32(batch))
+        return self._jit(self._prefill_fn, (1,), (self.state_shardings(), self._rep)).lower(*args)
 
     def _lower_decode(self, batch: int) -> jax.stages.Lowered:
-        fn = lambda *a: decode_step(self.target, self.layout, self.attention_impl, *a)  # noqa: E731
-        return self._jit(fn, (1,), (self.page_shardings(), self._rep)).lower(*self._abstract(batch, None))
+        params, state, tables, sampling = self._abstract(batch)
+        return self._jit(self._decode_fn, (1,), (self.state_shardings(), self._rep)).lower(
+            params, state, self._abstract_rows(batch), tables, sampling)
 
     def _lower_speculative(self, batch: int) -> jax.stages.Lowered:
-        fn = lambda *a: speculative_step(self.target, self.drafter, self.layout, self.k,  # noqa: E731
-                                         self.attention_impl, *a)
-        params, pages, tokens, lengths, tables, sampling = self._abstract(batch, None)
+        params, state, tables, sampling = self._abstract(batch)
         rep = None if self.placement is None else self.placement.replicate(self.draft_params)
-        args = (params, _shapes(self.draft_params, rep), pages, self._abstract_hidden(), self._i32(batch), tokens,
-                lengths, tables, sampling, self._sds((batch,), jnp.bool_), self._i32(batch, MAX_STOP_IDS),
-                self._i32(batch))
-        out = (self.page_shardings(), self._rep, self._rep)
-        return self._jit(fn, (2, 3), out).lower(*args)
-
-    def _lower_write_hidden(self) -> jax.stages.Lowered:
-        fn = lambda buf, s, v: buf.at[s].set(v.astype(buf.dtype))  # noqa: E731
-        H = self.target.config.hidden_size
-        return self._jit(fn, (0,), self._rep).lower(
-            self._abstract_hidden(), self._i32(1), self._sds((1, H), self.target.dtype))
+        return self._jit(self._speculative_fn, (2,), (self.state_shardings(), self._rep)).lower(
+            params, _shapes(self.draft_params, rep), state, self._abstract_rows(batch), tables, sampling)
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
+        """(params, state, slot [B], tokens [B, T], positions [B, T], tables, last_index [B], sampling,
+        stop_ids [B, S], remaining [B]) -> (state, packed [B, 4])."""
         if (batch, tokens) not in self.prefill:
             self.prefill[(batch, tokens)] = self._lower_prefill(batch, tokens).compile()
         return self.prefill[(batch, tokens)]
 
     def compile_decode(self, batch: int) -> Any:
+        """(params, state, rows: StepRows, tables, sampling) -> (state, packed [B, 4])."""
         if batch not in self.decode:
             self.decode[batch] = self._lower_decode(batch).compile()
         return self.decode[batch]
 
     def compile_speculative(self, batch: int) -> Any:
+        """(params, draft_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, k+4])."""
         if batch not in self.speculative:
             self.speculative[batch] = self._lower_speculative(batch).compile()
         return self.speculative[batch]
-
-    def write_hidden(self, hidden_buf, slot, h):
-        """hidden_buf[slot] = h (after a prefill: the drafter's first h), in place."""
-        if self._write_hidden is None:
-            self._write_hidden = self._lower_write_hidden().compile()
-        return self._write_hidden(hidden_buf, slot, h)
 
     def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
         """Every program the engine runs with these buckets: (name, lower, store)."""
@@ -208,7 +243,6 @@ class CompiledSteps:
         else:
             progs += [(f"speculative[{b}x{self.k}]", lambda b=b: self._lower_speculative(b), put(self.speculative, b))
                       for b in batch_buckets]
-            progs += [("write_hidden", self._lower_write_hidden, lambda c: setattr(self, "_write_hidden", c))]
         return progs
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,

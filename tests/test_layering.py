@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kernels"]),
     ("model", ["config", "model", "kv_state", "sampling", "runtime", "sharding"]),
-    ("step functions", ["forward", "speculative"]),
+    ("step functions", ["forward", "speculative", "device_state"]),
     ("compiled programs", ["step"]),
     ("engine", ["engine", "allocator"]),
     ("loaders", ["weights", "api", "demo"]),

@@ -211,7 +211,7 @@ def _prefill_only(eng, prompt):
     assert not eng.has_work
     req = eng.add_request(prompt, 8)
     assert eng._admit() == [req]
-    return req, eng._prefill(req, eng._row(req), None)[1]
+    return req, int(eng._prefill(req, eng._row(req), None)[1][0])  # the packed result's first column: the token
 
 
 def _release(eng, req):
@@ -247,8 +247,8 @@ def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, f
             _DRAFT_FNS[key] = _draft_fn(eng, k)
         fn = _DRAFT_FNS[key]
     tables = eng._tables([eng._row(r) for r in reqs_for_tables], B)
-    return fn(eng.target.params, eng.assistant.params, make_draft_head(eng.assistant), eng.pages,
-              tables, np.asarray(tokens, np.int32), eng.hidden[np.asarray(slots)],
+    return fn(eng.target.params, eng.assistant.params, make_draft_head(eng.assistant), eng.state.pages,
+              tables, np.asarray(tokens, np.int32), eng.state.hidden[np.asarray(slots)],
               np.asarray(lengths, np.int32), sampling)
 
 
@@ -370,13 +370,18 @@ def test_accepted_per_round_matches_reference_loop(family, engines):
     prompts = _prompts(30, [5, 14, 27])
     reqs = [eng.add_request(p, MAX_NEW) for p in prompts]
     live = {r.id: {} for r in reqs}  # request -> {P: (h row, draft logits [k, V], drafts)} before each round
-    while eng.has_work:
-        eng.step()
-        for r in eng.running:
-            if r.output:
-                P = len(r.prompt) + len(r.output) - 1
-                drafts, _, hn = _run_draft(eng, K, [r], [r.output[-1]], [r.slot], [P])
-                live[r.id][P] = (np.asarray(eng.hidden[r.slot]), _hn_logits(eng, hn)[0], np.asarray(drafts)[0].tolist())
+    eng.config.async_scheduling = False  # each step read before the next: the device state is the host's view
+    try:
+        while eng.has_work:
+            eng.step()
+            for r in eng.running:
+                if r.output:
+                    P = len(r.prompt) + len(r.output) - 1
+                    drafts, _, hn = _run_draft(eng, K, [r], [r.output[-1]], [r.slot], [P])
+                    live[r.id][P] = (np.asarray(eng.state.hidden[r.slot]), _hn_logits(eng, hn)[0],
+                                     np.asarray(drafts)[0].tolist())
+    finally:
+        eng.config.async_scheduling = True
     total = []
     for p, r in zip(prompts, reqs):
         out, rounds, states = _reference_loop(eng.target, eng.assistant, p, MAX_NEW, K)
@@ -806,10 +811,10 @@ def test_speculative_step_updates_state_in_place(engines):
 
     engine = engines("e2b", 4)
     compiled = engine.steps.compile_speculative(4)
-    donated = sum(a.nbytes for kv in engine.pages.values() for a in kv) + engine.hidden.nbytes
+    donated = sum(a.nbytes for kv in engine.state.pages.values() for a in kv) + engine.state.hidden.nbytes
     assert compiled.memory_analysis().alias_size_in_bytes >= donated
     dt = {"float32": "f32", "bfloat16": "bf16"}[engine.cache_dtype.name]
-    shapes = {f"{dt}[{','.join(map(str, k.shape))}]" for k, _ in engine.pages.values()}
+    shapes = {f"{dt}[{','.join(map(str, k.shape))}]" for k, _ in engine.state.pages.values()}
     copies = [line for line in compiled.as_text().splitlines()
               if (m := re.match(r"\s*(?:ROOT\s+)?%\S+ = (\S+?)\{[^}]*\} copy\(", line)) and m.group(1) in shapes]
     assert not copies, copies[:3]
@@ -819,12 +824,15 @@ def test_device_stop_check():
     """The step's own stop rule (packed keep / finished): first stop id kept, max tokens, padding after n+1."""
     import jax.numpy as jnp
 
-    from gemma4_mtp_jax.speculative import stop_check
+    from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, stop_check
 
-    emitted = jnp.array([[5, 7, 9, -1], [5, 7, 9, 2], [5, 7, 9, 2], [3, -1, -1, -1], [8, 8, 8, 8]], jnp.int32)
-    n = jnp.array([2, 3, 3, 0, 3], jnp.int32)
-    stops = jnp.array([[7, -1], [2, -1], [-1, -1], [-1, -1], [-1, 9]], jnp.int32)
-    remaining = jnp.array([10, 10, 2, 1, 10], jnp.int32)
-    keep, finished = stop_check(emitted, n, stops, remaining)
-    assert keep.tolist() == [2, 4, 2, 1, 4]
-    assert finished.tolist() == [True, True, True, True, False]
+    emitted = jnp.array([[5, 7, 9, -1], [5, 7, 9, 2], [5, 7, 9, 2], [3, -1, -1, -1], [8, 8, 8, 8], [5, 7, -1, -1]],
+                        jnp.int32)
+    n = jnp.array([2, 3, 3, 0, 3, 1], jnp.int32)
+    stops = jnp.array([[7, -1], [2, -1], [-1, -1], [-1, -1], [-1, 9], [7, -1]], jnp.int32)
+    remaining = jnp.array([10, 10, 2, 1, 10, 2], jnp.int32)
+    keep, reason = stop_check(emitted, n, stops, remaining)
+    assert keep.tolist() == [2, 4, 2, 1, 4, 2]
+    # a stop id reached on the last allowed token is a stop
+    S, L, N = FINISH_STOP, FINISH_LENGTH, FINISH_NONE
+    assert reason.tolist() == [S, S, L, L, N, S]

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The children import the repository first and keep the rest of the path (the GPU image installs wheels there).
+PYTHONPATH = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
 
 CHILD = r"""
 import json, sys
@@ -47,7 +49,7 @@ for family, p in paths.items():
                     for i, x in enumerate(prompts)]
             eng.run()
             listening[0] = False
-            pages = next(iter(eng.pages.values()))[0]  # the live pool (each step donates the last)
+            pages = next(iter(eng.state.pages.values()))[0]  # the live pool (each step donates the last)
             out[f"{family}/tp{tp}/{'spec' if spec else 'plain'}"] = {
                 "outputs": [r.output for r in reqs],
                 "accepted": [r.accepted_per_round for r in reqs],
@@ -62,7 +64,7 @@ print("RESULT " + json.dumps({"runs": out, "compiles_after_start": len(compiles)
 def _run_child(tiny_ckpts, families, sizes, devices):
     paths = {f: {"target": str(tiny_ckpts[f]["target"]), "assistant": str(tiny_ckpts[f]["assistant"])}
              for f in families}
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": PYTHONPATH,
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(paths), ",".join(map(str, sizes))], env=env,
                           capture_output=True, text=True, timeout=1200)
@@ -117,14 +119,14 @@ for dev in jax.devices()[:2]:
     reqs = [eng.add_request(p, 10) for p in prompts]
     eng.run()
     outs.append([r.output for r in reqs])
-    pool_devices = {d.id for k, _ in eng.pages.values() for d in k.devices()}
+    pool_devices = {d.id for k, _ in eng.state.pages.values() for d in k.devices()}
     param_devices = {d.id for a in jax.tree_util.tree_leaves(eng.steps.params) for d in a.devices()}
     assert pool_devices == param_devices == {dev.id}, (pool_devices, param_devices, dev)
 server, _ = create_server(["--ckpt", target_dir, "--assistant", "none", "--data-parallel-size", "2",
                            "--max-num-seqs", "2", "--max-model-len", "48", "--prefill-chunk", "8", "--page-size", "4",
                            "--compilation-cache-dir", "none"])
 front = server.engine
-devs = [{d.id for k, _ in r.engine.pages.values() for d in k.devices()} for r in front.replicas]
+devs = [{d.id for k, _ in r.engine.state.pages.values() for d in k.devices()} for r in front.replicas]
 print("RESULT " + json.dumps({"outputs": outs, "replica_devices": [sorted(d) for d in devs],
                               "is_replicas": isinstance(front, Replicas)}))
 """
@@ -133,7 +135,7 @@ print("RESULT " + json.dumps({"outputs": outs, "replica_devices": [sorted(d) for
 def test_data_parallel_replicas_run_on_their_own_devices(tiny_ckpts):
     """Each replica's parameters and pages live on its own device and give the same output; the server's
     --data-parallel-size 2 builds one engine per device behind Replicas."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": PYTHONPATH,
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
     proc = subprocess.run([sys.executable, "-c", DP_CHILD, str(tiny_ckpts["b31b"]["target_plain"])], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -155,7 +157,7 @@ def test_two_processes_on_localhost_equal_one(tiny_ckpts):
             "--prompt-ids", "5,9,13,200,7", "--prompt-ids", "3,3,3,3,3,3,3,3,3,3,3", "--max-new-tokens", "10",
             "--dtype", "float32", "--max-model-len", "48", "--page-size", "4", "--json",
             "--compilation-cache-dir", "none"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": PYTHONPATH}
     single = subprocess.run(base, env=env, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     procs = [subprocess.Popen(base + ["--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{port}",

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share the K/V of full pages between requests with the same tokens up to that page (a "
                         "chat's earlier turns, a common system prompt); free when unused, since only pages that "
                         "would otherwise sit free stay cached (default: on)")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="dispatch each engine step before reading the previous one's tokens, so the device never "
+                        "waits for the host between steps (default: on)")
     e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="devices one engine spans: parameters and KV pages split Megatron-style (N must divide the "
                         "attention heads and the MLP width), one SPMD program per step")
@@ -248,7 +251,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=args.enable_prefix_caching,
+                      enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
                       tensor_parallel_size=args.tensor_parallel_size)
     if assistant is not None:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own

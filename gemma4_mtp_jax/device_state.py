@@ -1,0 +1,98 @@
+"""What the engine keeps on the device between steps, and the one place that decides where a sequence stops.
+
+`DeviceState` is a single pytree: the KV page pools, the drafter's hidden buffer and, per slot (a running
+sequence's row), its newest token, that token's position and the tokens it may still produce. Every compiled
+program takes it donated and returns it updated in place. Because the slots carry the newest token and position,
+a decode or speculative step needs nothing from the previous step's results on the host: the engine can dispatch
+step n+1 before it reads step n (docs/DESIGN.md, "Overlap").
+
+A step's result per row is one packed int32 array (docs/DESIGN.md convention 7): the emitted tokens, the drafts
+accepted, how many tokens the sequence keeps and why it finished (`FINISH_*`), decided here by `stop_check`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+MAX_STOP_IDS = 16  # stop token ids per request the step checks on the device
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2  # the packed result's last column
+
+
+@flax.struct.dataclass
+class DeviceState:
+    """The engine's device state. Slot arrays have num_slots + 1 rows: the last is the padding rows' slot, whose
+    `remaining` stays 0."""
+
+    pages: dict[int, tuple[Array, Array]]  # layer -> (K, V) [nKV, num_pages, page_size, D] (kv_state.py)
+    hidden: Array | None  # [num_slots + 1, H]: the drafter's h per slot (convention 1); None without a drafter
+    token: Array  # [num_slots + 1] int32: each sequence's newest token, not yet written
+    length: Array  # [num_slots + 1] int32: that token's position
+    remaining: Array  # [num_slots + 1] int32: tokens the sequence may still produce; 0 once it has finished
+
+
+@flax.struct.dataclass
+class StepRows:
+    """A decode or speculative step's per-row host inputs [B]. A fresh row (a sequence's first step after its
+    prefill, or a benchmark's fixed inputs) brings its token, length and remaining from the host; every other row
+    reads them from its slot, where the previous step left them."""
+
+    slot: Array  # [B] int32 (padding rows: the spare last slot)
+    fresh: Array  # [B] bool
+    token: Array  # [B] int32 (fresh rows)
+    length: Array  # [B] int32 (fresh rows; -1: a padding row)
+    remaining: Array  # [B] int32 (fresh rows)
+    stop_ids: Array  # [B, MAX_STOP_IDS] int32, -1 padded
+    speculate: Array  # [B] bool: draft for this row (speculative steps; rows without accept nothing)
+
+
+def init_slots(num_slots: int) -> tuple[Array, Array, Array]:
+    """Zeroed (token, length, remaining) slot arrays: every slot finished until the engine fills it."""
+    shape = (num_slots + 1,)
+    return jnp.zeros(shape, jnp.int32), jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.int32)
+
+
+def read_rows(state: DeviceState, rows: StepRows) -> tuple[Array, Array, Array]:
+    """Each row's (token, length, remaining): the host's for fresh rows, else its slot's. A row whose sequence has
+    finished (remaining 0: a step dispatched before the host read that it stopped) runs as padding, length -1, so
+    it writes nothing."""
+    token = jnp.where(rows.fresh, rows.token, state.token[rows.slot])
+    length = jnp.where(rows.fresh, rows.length, state.length[rows.slot])
+    remaining = jnp.where(rows.fresh, rows.remaining, state.remaining[rows.slot])
+    length = jnp.where(remaining > 0, length, -1)
+    return token, length, remaining
+
+
+def stop_check(emitted: Array, n: Array, stop_ids: Array, remaining: Array) -> tuple[Array, Array]:
+    """How many of a round's n+1 emitted tokens a sequence keeps, and why it finished (FINISH_*): its output ends
+    at its first stop id (kept; "stop" wins when both apply) or when `remaining` tokens are reached. emitted
+    [B, k+1] (-1 after the bonus), stop_ids [B, S] (-1 = none)."""
+    k1 = emitted.shape[1]
+    j = jnp.arange(k1)[None, :]
+    hit = jnp.any((emitted[..., None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0), -1) & (j <= n[:, None])
+    first_stop = jnp.where(jnp.any(hit, 1), jnp.argmax(hit, 1), k1)
+    keep = jnp.minimum(jnp.minimum(n + 1, remaining), first_stop + 1)
+    reason = jnp.where(first_stop < keep, FINISH_STOP, jnp.where(keep >= remaining, FINISH_LENGTH, FINISH_NONE))
+    return keep.astype(jnp.int32), reason.astype(jnp.int32)
+
+
+def finish_round(state: DeviceState, rows: StepRows, length: Array, remaining: Array, emitted: Array,
+                 n: Array) -> tuple[DeviceState, Array]:
+    """The round's stop rule and the slots' next values. Returns (state, packed [B, k+4] int32: emitted tokens
+    (k+1, -1 after the bonus), n accepted, tokens kept, FINISH_* reason); a padding or finished row keeps 0."""
+    active = length >= 0
+    keep, reason = stop_check(emitted, n, rows.stop_ids, remaining)
+    keep = jnp.where(active, keep, 0)
+    reason = jnp.where(active, reason, FINISH_NONE)
+    last = jnp.take_along_axis(emitted, jnp.maximum(keep - 1, 0)[:, None], 1)[:, 0]
+    slot_token = jnp.where(active, last, state.token[rows.slot])
+    slot_length = jnp.where(active, length + keep, state.length[rows.slot])
+    slot_remaining = jnp.where(active & (reason == FINISH_NONE), remaining - keep, 0)
+    state = state.replace(token=state.token.at[rows.slot].set(slot_token),
+                          length=state.length.at[rows.slot].set(slot_length),
+                          remaining=state.remaining.at[rows.slot].set(slot_remaining))
+    packed = jnp.concatenate([emitted, n[:, None], keep[:, None], reason[:, None]], 1).astype(jnp.int32)
+    return state, packed
