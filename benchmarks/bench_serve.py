@@ -380,8 +380,9 @@ def scrape_metrics(port: int) -> dict[str, float]:
 
 
 def spec_counters(before: dict[str, float], after: dict[str, float]) -> dict:
-    """The server's speculative counters over one timed level. Mean acceptance length counts the target's own token
-    of each round: (accepted + rounds) / rounds tokens per sequence per round."""
+    """The server's counters over one timed level: speculation and the prefix cache (prompt tokens looked up and
+    found). Mean acceptance length counts the target's own token of each round: (accepted + rounds) / rounds tokens
+    per sequence per round."""
     p = "gemma4_"
 
     def d(name: str) -> float:
@@ -404,6 +405,8 @@ def spec_counters(before: dict[str, float], after: dict[str, float]) -> dict:
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "mean_acceptance_length": round((accepted + rounds) / rounds, 3) if rounds else None,
         "acceptance_by_position": [round(per_pos[i] / rounds, 4) for i in sorted(per_pos)] if rounds else [],
+        "prefix_cache_queries": int(d(p + "prefix_cache_queries_total")),
+        "prefix_cache_hits": int(d(p + "prefix_cache_hits_total")),
     }
 
 

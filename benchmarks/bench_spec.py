@@ -15,6 +15,7 @@ time does not depend on it (shapes never do).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -93,10 +94,13 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(tcfg, args.tensor_parallel_size)
         placement = Placement.over(jax.devices()[:args.tensor_parallel_size])
-    steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b,
-                          placement=placement)
     plain = CompiledSteps(target, layout, dtype, "auto", placement=placement)
     params = plain.params  # on the programs' devices (split under tensor parallelism)
+    # The speculative programs take the same placed parameters (not a second copy), and the whole weights made on
+    # the first device go: under tensor parallelism they and two sets of shards would not fit one GPU (31B, TP=2).
+    target = plain.target = dataclasses.replace(target, params=params)
+    steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b,
+                          placement=placement)
     pages = random_pages(tcfg, layout, dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
     rng = np.random.default_rng(0)

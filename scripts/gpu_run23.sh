@@ -6,10 +6,7 @@
 # Results in one tarball beside the log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-out=${OUT:-/tmp/out}; mkdir -p "$out"; res=/tmp/run23; mkdir -p "$res/logs"
-run() { echo "== $(date +%T) $*"; "$@"; echo "== rc=$?"; }
+. scripts/gpu_common.sh run23
 {
   run timeout 330 python3 benchmarks/bench_serve.py --random-weights e2b --dataset random --input-len 512 \
       --output-len 128 --ignore-eos --concurrency 1,8,32,64 --requests-per-level 128 \

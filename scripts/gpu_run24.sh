@@ -5,14 +5,10 @@
 # (4) 26B-A4B at TP = 1 and 2 (experts split); (5) E2B served at --data-parallel-size 1 and 2 (goal >= 1.9x).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-out=${OUT:-/tmp/out}; mkdir -p "$out"; res=/tmp/run24; mkdir -p "$res/logs"
-run() { echo "== $(date +%T) $*"; "$@"; echo "== rc=$?"; }
+. scripts/gpu_common.sh run24
 {
   nvidia-smi --query-gpu=name --format=csv
   OUT=$res run timeout 240 bash scripts/gpu_suite.sh tests/test_tensor_parallel.py tests/test_grouped_matmul.py
-  export PYTHONPATH=$PWD:/tmp/site
   OUT=$res run timeout 60 python3 benchmarks/bench_allreduce.py --devices 2 --batch 2 16
   for tp in 1 2; do
     OUT=$res run timeout 200 python3 benchmarks/bench_spec.py --models 31b --batch 2 16 --tensor-parallel-size $tp

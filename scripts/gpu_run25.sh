@@ -4,10 +4,7 @@
 # cache on vs off). Carry `.whl`. Results in one tarball beside the log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TQDM_DISABLE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-out=${OUT:-/tmp/out}; mkdir -p "$out"; res=/tmp/run25; mkdir -p "$res/logs"
-run() { echo "== $(date +%T) $*"; "$@"; echo "== rc=$?"; }
+. scripts/gpu_common.sh run25
 {
   for spec in "" --spec; do
     run env OUT=$res timeout 170 python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 2 --context 1024 \

@@ -685,7 +685,14 @@ def _victim_fault(victim_ids, after_tokens):
     return hit
 
 
-@pytest.mark.parametrize("where", ["engine-row", "engine-append", "engine-thread-deliver", "server-detokenize"])
+class _ExplodingOutput(list):
+    """A request's output that cannot take new tokens."""
+
+    def __iadd__(self, tokens):
+        raise RuntimeError("injected: taking its tokens failed")
+
+
+@pytest.mark.parametrize("where", ["engine-row", "engine-take", "engine-thread-deliver", "server-detokenize"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch, where, stream):
     """A fault in one request of a running (speculative) batch, while building its row of the step, while taking
@@ -736,15 +743,15 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
             return real_row(req)
 
         monkeypatch.setattr(engine, "_row", row)
-    elif where == "engine-append":
-        real_append = engine._append
+    elif where == "engine-take":
+        real_take = engine._take
 
-        def append(req, tokens, now):
-            if hit(req):
-                raise RuntimeError("injected: stop check failed")
-            return real_append(req, tokens, now)
+        def take(req, result, now, speculative_round):
+            if hit(req):  # the fault strikes inside `_take`, where the engine records a step's tokens
+                req.output = _ExplodingOutput(req.output)
+            return real_take(req, result, now, speculative_round)
 
-        monkeypatch.setattr(engine, "_append", append)
+        monkeypatch.setattr(engine, "_take", take)
     elif where == "engine-thread-deliver":
         aengine = srv.server.engine
         real_count = aengine._count_speculation
