@@ -1,5 +1,10 @@
-"""The all-reduce a tensor-parallel layer pays: psum of a [B, H] activation over N devices (bf16), the median of
-repeats after warm-up, for the hidden sizes of 26B-A4B and 31B. Attention and the MLP each end in one per layer.
+"""The all-reduce a tensor-parallel layer pays: psum of a [B, H] activation over N devices (bf16), for the hidden
+sizes of 26B-A4B and 31B. Attention and the MLP each end in one per layer.
+
+Inside a step the all-reduces run back to back with the layers' kernels, so what one costs there is measured as
+one program of `--chain` dependent psums, timed per call (median of repeats after warm-up) and divided by the chain.
+A single psum per call (`--chain 1`) also pays the program's launch and the host's wait, several times more on two
+H200s (run 26: 128-146 us per call).
 
     python benchmarks/bench_allreduce.py --devices 2 --batch 2 16
     python benchmarks/bench_allreduce.py --smoke      # CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2
@@ -26,7 +31,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=None, help="devices in the all-reduce (default: all)")
     ap.add_argument("--batch", nargs="+", type=int, default=[2, 16])
     ap.add_argument("--hidden", nargs="+", type=int, default=[2816, 5376])
-    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--chain", type=int, default=100, help="dependent psums per program (per-psum time = call / chain)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     env = environment()
@@ -38,10 +44,14 @@ def main() -> None:
         for B in args.batch:
             x = jax.device_put(jnp.ones((n * B, H), jnp.bfloat16),
                                jax.sharding.NamedSharding(placement.mesh, P(AXIS)))  # one [B, H] partial per device
-            f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, AXIS), mesh=placement.mesh, in_specs=P(AXIS),
-                                      out_specs=P(AXIS), check_vma=False))
-            t = median_time(f, (x,), repeats=10 if args.smoke else args.repeats)
-            row = {"devices": n, "batch": B, "hidden": H, "us": t * 1e6}
+
+            def chain(a):  # each psum needs the one before; scaled by 1/n so the values stay the same
+                return jax.lax.fori_loop(0, args.chain, lambda _, v: jax.lax.psum(v, AXIS) * (1.0 / n), a)
+
+            f = jax.jit(jax.shard_map(chain, mesh=placement.mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                                      check_vma=False))
+            t = median_time(f, (x,), repeats=10 if args.smoke else args.repeats) / args.chain
+            row = {"devices": n, "batch": B, "hidden": H, "chain": args.chain, "us": t * 1e6}
             rows.append(row)
             print(row, flush=True)
     write_json("bench_allreduce.json", {"env": env, "rows": rows})
