@@ -375,7 +375,9 @@ class Engine:
             self._free_slots.append(slot)
         pages, req.pages = req.pages, {}
         for g, group_pages in pages.items():
-            self.allocators[g].free(group_pages)
+            # Last page first: eviction (least recently released first) then takes a cached prefix from its end,
+            # and its first pages, which every later lookup needs before the others, stay findable longest.
+            self.allocators[g].free(group_pages[::-1])
 
     def _preempt(self, req: Request) -> None:
         """Take a running sequence out to free its pages: it waits at the head of the queue and, when admitted

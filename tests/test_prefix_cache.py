@@ -123,6 +123,21 @@ def _assert_all_pages_back(engine):
         assert alloc.num_free == alloc.capacity
 
 
+def test_a_released_prefix_is_evicted_from_its_end(tiny_ckpts, jax_models):
+    """A finished sequence's pages go back last page first, so eviction takes its cached prefix from the end: the
+    first pages, which every later lookup needs before the others, stay findable longest."""
+    from gemma4_mtp_jax.engine import Engine
+
+    engine = Engine(jax_models.target(tiny_ckpts["e2b"]["target_plain"]), _config())
+    req = engine.add_request(list(range(3, 3 + 10 * PAGE)), 2)
+    engine.run()
+    alloc, keys = engine.allocators["full_attention"], req.page_keys
+    assert len(keys) == 10 and all(alloc.lookup(k) is not None for k in keys)
+    taken = alloc.allocate(alloc.num_free - alloc.num_cached + 1)  # every free page, then one cached page
+    assert alloc.lookup(keys[0]) is not None and alloc.lookup(keys[-1]) is None
+    alloc.free(taken)
+
+
 @pytest.mark.parametrize("family", ["e2b", "b31b"])
 def test_outputs_equal_with_and_without_the_cache(family, tiny_ckpts, jax_models):
     from gemma4_mtp_jax.engine import Engine
