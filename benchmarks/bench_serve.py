@@ -10,6 +10,9 @@ requests in flight) or a request rate R (an open loop: requests arrive as a Pois
   [L(1-r), L(1+r)] around `--input-len` / `--output-len` (r = `--range-ratio`), seeded. With `--ignore-eos` (vLLM's
   request extension, which this server has) every request generates exactly its output length: what random weights
   need.
+- `--long-prompt-len L`: interference. While each level runs, a request with a random L-token prompt (one token
+  out) arrives every `--long-prompt-interval` seconds; the level's inter-chunk gaps are then the running streams'
+  while long prompts prefill (issue 12's goal: p99 <= 2x p50), and the long prompts' TTFT is reported beside them.
 Per (mode, level): output tokens/s, requests/s, TTFT, inter-chunk latency, time per output token, end-to-end latency
 (p50/p90/p99), and the server's own speculative counters from /metrics (acceptance rate, mean acceptance length),
 then a spec-vs-plain speedup table.
@@ -17,7 +20,7 @@ then a spec-vs-plain speedup table.
     python benchmarks/bench_serve.py [--ckpt demo] [--assistant DIR] [--assistant-modes spec,plain]
         [--concurrency 1,8,32 | --request-rate 2,8,inf] [--requests-per-level N] [--max-tokens 128]
         [--dataset chat [--prompts-json FILE] | --dataset random --input-len 256 --output-len 128 --range-ratio 0.25
-         [--random-prefix-len 2048] [--random-weights e2b]]
+         [--random-prefix-len 2048] [--random-weights e2b]] [--long-prompt-len 4096 --long-prompt-interval 1]
         [--ignore-eos] [--out results.json] [--port 8011] [--server-arg=--flag ...]
 
 Why the pieces are as they are:
@@ -318,11 +321,40 @@ async def _open_loop(port: int, workload: Workload, rate: float, n_requests: int
     return list(results), time.perf_counter() - t0
 
 
-def run_level(args: argparse.Namespace, workload: Workload, level: Level,
-              n_requests: int) -> tuple[list[RequestResult], float]:
-    if level.concurrency is not None:
-        return asyncio.run(_closed_loop(args.port, workload, level.concurrency, n_requests, args.request_timeout))
-    return asyncio.run(_open_loop(args.port, workload, level.rate, n_requests, args.request_timeout, args.seed))
+async def _long_prompts(port: int, prompts: Workload | None, interval: float, done: asyncio.Event,
+                        timeout: float) -> list[RequestResult]:
+    """While the level runs (until `done`), one long-prompt request every `interval` seconds: the interference
+    whose effect on the running streams' inter-chunk gaps the level then shows."""
+    if prompts is None:
+        return []
+    tasks, i = [], 0
+    while not done.is_set():
+        tasks.append(asyncio.create_task(stream_request(port, -1 - i, *prompts.request(i), timeout)))
+        i += 1
+        try:
+            await asyncio.wait_for(done.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+    return list(await asyncio.gather(*tasks))
+
+
+def run_level(args: argparse.Namespace, workload: Workload, level: Level, n_requests: int,
+              long_prompts: Workload | None = None) -> tuple[list[RequestResult], float, list[RequestResult]]:
+    """The level's requests, and the long-prompt requests sent meanwhile (none without `long_prompts`)."""
+    async def both():
+        done = asyncio.Event()
+        interference = asyncio.create_task(_long_prompts(args.port, long_prompts, args.long_prompt_interval, done,
+                                                         args.request_timeout))
+        if level.concurrency is not None:
+            results, wall = await _closed_loop(args.port, workload, level.concurrency, n_requests,
+                                               args.request_timeout)
+        else:
+            results, wall = await _open_loop(args.port, workload, level.rate, n_requests, args.request_timeout,
+                                             args.seed)
+        done.set()
+        return results, wall, await interference
+
+    return asyncio.run(both())
 
 
 # ------------------------------------------------------------------------------------------------ measurements
@@ -467,6 +499,16 @@ def make_workload(args: argparse.Namespace) -> Workload:
                            (lo_hi[0], lo_hi[1]), args.ignore_eos, args.seed, args.random_prefix_len)
 
 
+def long_prompt_workload(args: argparse.Namespace) -> Workload | None:
+    """--long-prompt-len: random-token prompts of that length, one token out each (None when off)."""
+    if not args.long_prompt_len:
+        return None
+    if args.long_prompt_len < 0 or args.long_prompt_interval <= 0:
+        raise ValueError("--long-prompt-len must be >= 0 and --long-prompt-interval > 0")
+    lo_hi = _int_list("--token-range", args.token_range)
+    return random_workload(16, args.long_prompt_len, 1, 0.0, (lo_hi[0], lo_hi[1]), True, args.seed + 1)
+
+
 def max_num_seqs(args: argparse.Namespace, levels: list[Level]) -> int:
     """The server's batch: --max-num-seqs, else the largest concurrency (32 when every level is a rate)."""
     biggest = max((lv.concurrency or 0 for lv in levels), default=0)
@@ -484,8 +526,8 @@ def server_flags(args: argparse.Namespace, mode: str, max_num_seqs: int) -> list
     return flags
 
 
-def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: list[Level],
-             log_dir: str) -> tuple[dict, list[dict], list[list[RequestResult]]]:
+def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: list[Level], log_dir: str,
+             long_prompts: Workload | None = None) -> tuple[dict, list[dict], list[list[RequestResult]]]:
     """Start the server for `mode`, warm it up, time every level, stop it. Returns (server record, level records,
     each level's request results)."""
     flags = server_flags(args, mode, max_num_seqs(args, levels))
@@ -513,7 +555,7 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         # A full wave at each concurrency (every batch size and prefill shape the level will use); rate levels
         # warm up with a wave as wide as the server's batch.
         for c in sorted({lv.concurrency or max_num_seqs(args, levels) for lv in levels}):
-            warm, _ = run_level(args, workload, Level(concurrency=c), c)
+            warm, _, _ = run_level(args, workload, Level(concurrency=c), c, long_prompts)
             failed = [r.error for r in warm if r.error]
             if failed:
                 raise RequestFailed(f"warm-up at concurrency {c}: {len(failed)} request(s) failed: {failed[0]}")
@@ -522,11 +564,22 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         for lv in levels:
             n = args.requests_per_level or max(8, 2 * (lv.concurrency or max_num_seqs(args, levels)))
             before, offset = scrape_metrics(args.port), os.path.getsize(log_path)
-            results, wall = run_level(args, workload, lv, n)
+            results, wall, interference = run_level(args, workload, lv, n, long_prompts)
             after = scrape_metrics(args.port)
             rec = {"mode": mode, "level": lv.label, "concurrency": lv.concurrency, "request_rate": lv.rate,
                    **summarize(results, wall), "server": spec_counters(before, after),
                    "compiles_during_timed": count_compiles(log_path, offset) if startup_compiles else None}
+            if long_prompts is not None:  # the streams' gaps above are measured while these prefilled
+                gaps = rec["inter_chunk_ms"]
+                rec["long_prompts"] = {"sent": len(interference),
+                                       "failed": sum(r.error is not None for r in interference),
+                                       "ttft_ms": _pcts([r.first_token - r.start for r in interference
+                                                         if r.error is None and r.first_token is not None]),
+                                       "inter_chunk_p99_over_p50": _ratio(gaps["p99"], gaps["p50"])}
+                lp = rec["long_prompts"]
+                print(f"[{mode}] {lv.label}: {lp['sent']} long prompts meanwhile ({lp['failed']} failed), their TTFT "
+                      f"p50 {lp['ttft_ms']['p50']} ms; the streams' inter-chunk p99 / p50 = "
+                      f"{lp['inter_chunk_p99_over_p50']}", flush=True)
             records.append(rec)
             raw.append(results)
             s = rec["server"]
@@ -641,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--random-weights", choices=sorted(TARGETS), default=None, metavar="MODEL",
                     help="serve MODEL's real shapes with random weights (the server's --load-format dummy; "
                          "--dataset random only): " + ", ".join(sorted(TARGETS)))
+    ap.add_argument("--long-prompt-len", type=int, default=0, metavar="L",
+                    help="interference: while each level runs, a request with a random L-token prompt and one "
+                         "output token every --long-prompt-interval seconds; the level's inter-chunk gaps then show "
+                         "what the running streams suffer while long prompts prefill (default: 0, off)")
+    ap.add_argument("--long-prompt-interval", type=float, default=1.0, metavar="S",
+                    help="seconds between long-prompt requests (default: 1)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request generates its max_tokens whatever EOS the model emits (random weights)")
     ap.add_argument("--seed", type=int, default=0, help="random prompts and Poisson arrivals (default: 0)")
@@ -668,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             levels = [Level(concurrency=c) for c in _int_list("--concurrency", args.concurrency or "1,8,32")]
         workload = make_workload(args)
+        long_prompts = long_prompt_workload(args)
     except ValueError as e:
         ap.error(str(e))
     if args.requests_per_level is not None and args.requests_per_level < 1:
@@ -691,7 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     servers, records, raw = [], [], {}
     for mode in modes:
-        server, recs, results = run_mode(args, mode, workload, levels, log_dir)
+        server, recs, results = run_mode(args, mode, workload, levels, log_dir, long_prompts)
         servers.append(server)
         records += recs
         raw.update({(mode, r["level"]): res for r, res in zip(recs, results)})
@@ -703,10 +763,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                  for r in records if r["failed"]]
     problems += [f"{r['mode']} {r['level']}: {r['compiles_during_timed']} compilation(s) in the timed part"
                  for r in records if r["compiles_during_timed"]]
+    problems += [f"{r['mode']} {r['level']}: {r['long_prompts']['failed']} long-prompt request(s) failed"
+                 for r in records if r.get("long_prompts", {}).get("failed")]
     result = {
         "config": {"ckpt": args.ckpt, "assistant": args.assistant, "modes": modes,
                    "levels": [lv.label for lv in levels], "requests_per_level": args.requests_per_level,
-                   "workload": workload.description, "ignore_eos": args.ignore_eos, "server_args": args.server_arg},
+                   "workload": workload.description, "ignore_eos": args.ignore_eos, "server_args": args.server_arg,
+                   "long_prompts": None if long_prompts is None else
+                   f"{long_prompts.description}, one every {args.long_prompt_interval:g} s during each level"},
         "servers": servers,
         "results": records,
         "speedup": ratios,

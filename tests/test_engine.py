@@ -143,6 +143,40 @@ def test_sliding_memory_bounded_by_window(jax_models, tiny_ckpts):
     assert len(set(widths)) == 1
 
 
+def test_async_scheduling_gives_the_synchronous_run(engines):
+    """Dispatching step n+1 before reading step n changes nothing but timing: with sequences stopping at a stop id
+    mid-batch (their next row, already dispatched, runs as padding and is dropped) and others at max_new_tokens,
+    each request's output, finish reason and tokens per event equal the synchronous run's, and every page and slot
+    comes back."""
+    from gemma4_mtp_jax.sampling import SamplingParams
+
+    engine = engines("e2b")
+    prompts = _prompts(31, [5, 9, 13, 7, 11])
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=3), SamplingParams(), SamplingParams(),
+                SamplingParams(temperature=0.7, top_k=20, seed=4)]
+
+    def run(async_scheduling: bool, stop_ids=None):
+        engine.config.async_scheduling = async_scheduling
+        try:
+            reqs = [engine.add_request(p, 10 + i, s, stop_ids) for i, (p, s) in enumerate(zip(prompts, sampling))]
+            events = {r.id: [] for r in reqs}
+            while engine.has_work:
+                for ev in engine.step():
+                    events[ev.request.id].append(ev.new_tokens)
+        finally:
+            engine.config.async_scheduling = True
+        assert all(n == 0 for n in engine.pages_in_use().values())
+        assert sorted(engine._free_slots) == list(range(engine.config.max_num_seqs))
+        return [(r.output, r.finish_reason, [t for e in events[r.id] for t in e]) for r in reqs]
+
+    free_run = run(False, frozenset())
+    stops = frozenset({free_run[0][0][3], free_run[2][0][5]})  # two sequences stop early, the others may too
+    sync = run(False, stops)
+    assert [f for _, f, _ in sync].count("stop") >= 2
+    assert run(True, stops) == sync
+    assert all(out == toks for out, _, toks in sync), "the events carry exactly the output"
+
+
 def test_pages_never_leak_and_admission(jax_models, tiny_ckpts):
     """Many requests of mixed lengths through a pool too small for all at once: requests wait for pages, all
     finish, and every page returns. A pool that cannot hold one max_model_len sequence is refused at start-up,
