@@ -23,7 +23,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +94,7 @@ class EngineConfig:
         return powers_of_two_upto(self.prefill_chunk, min(self.min_prefill_bucket, self.prefill_chunk))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields: compared and hashed by identity
 class Request:
     id: str
     prompt: list[int]
@@ -199,6 +199,15 @@ class _Row:
 _FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
 
+class _Dispatched(NamedTuple):
+    """A decode or speculative step dispatched and not read yet: its requests by row, the same as a set (asked once
+    per decoding sequence per step), and its packed result on the device."""
+
+    requests: list[Request]
+    members: frozenset[Request]
+    packed: jax.Array
+
+
 class Engine:
     """Serves a target, and speculates with `assistant` when one is given (docs/DESIGN.md, "A request's path").
 
@@ -256,7 +265,7 @@ class Engine:
         # Each running sequence owns a slot: its row of the device state's per-sequence arrays.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         # The step dispatched but not read yet (async scheduling): its requests by row and its packed result.
-        self._inflight: tuple[list[Request], jax.Array] | None = None
+        self._inflight: _Dispatched | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -351,7 +360,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight)
+        return bool(self.waiting or self.running or self._inflight is not None)
 
     def pages_in_use(self) -> dict[str, int]:
         return {g: a.num_used for g, a in self.allocators.items()}
@@ -395,7 +404,7 @@ class Engine:
         """An upper bound of `req`'s tokens when its next step runs: with a step in flight that runs it, up to k+1
         more than the host has read (never more than the request can reach)."""
         n = req.num_tokens
-        if self._inflight is not None and req in self._inflight[0]:
+        if self._inflight is not None and req in self._inflight.members:
             n += self.k + 1
         return min(n, len(req.prompt) + req.max_new_tokens)
 
@@ -714,13 +723,12 @@ class Engine:
             step_rows.stop_ids[r], step_rows.speculate[r] = row.stop_ids, row.req.speculative
         return B, step_rows, self._tables(rows, B), self._sampling(rows, B)
 
-    def _collect(self, dispatched: tuple[list[Request], jax.Array]) -> list[StepEvent]:
+    def _collect(self, dispatched: _Dispatched) -> list[StepEvent]:
         """Read a dispatched step (the one host read of a step) and take each row's new tokens. A row whose
         request ended meanwhile (it finished in the step before, or was cancelled) ran as padding: skipped."""
-        reqs, packed = dispatched
         if self._inflight is dispatched:
             self._inflight = None
-        result = np.asarray(packed)
+        reqs, result = dispatched.requests, np.asarray(dispatched.packed)
         now = time.perf_counter()
         events = []
         for req, row_result in zip(reqs, result):
@@ -786,7 +794,8 @@ class Engine:
         rows = self._rows(decoding, events)
         previous, self._inflight = self._inflight, None
         if rows:
-            self._inflight = ([row.req for row in rows], self._dispatch(rows))
+            reqs = [row.req for row in rows]
+            self._inflight = _Dispatched(reqs, frozenset(reqs), self._dispatch(rows))
         if previous is not None:
             events += self._collect(previous)
         if self._inflight is not None and not self.config.async_scheduling:
