@@ -17,6 +17,7 @@ it raises, `step` raises.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
@@ -140,6 +141,13 @@ class Request:
     def accepted_per_position(self) -> list[int]:
         """Rounds that accepted at least j+1 drafts, for each draft position j."""
         return [sum(n > j for n in self.accepted_per_round) for j in range(self.num_speculative_tokens)]
+
+    @functools.cached_property
+    def stop_row(self) -> np.ndarray:
+        """`stop_ids` as a step's row: [MAX_STOP_IDS] int32, -1 padded (built once, read every step)."""
+        row = np.full((MAX_STOP_IDS,), -1, np.int32)
+        row[: len(self.stop_ids)] = sorted(self.stop_ids)
+        return row
 
     @property
     def num_tokens(self) -> int:
@@ -625,9 +633,7 @@ class Engine:
         return tables
 
     def _row(self, req: Request) -> _Row:
-        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stop_ids[: len(req.stop_ids)] = sorted(req.stop_ids)
-        row = _Row(req, self._page_rows(req), req.sampling.row(), stop_ids,
+        row = _Row(req, self._page_rows(req), req.sampling.row(), req.stop_row,
                    np.int32(req.max_new_tokens - len(req.output)))
         if req.decoding and not req.on_device:
             row.fresh, row.token, row.length = True, np.int32(req.output[-1]), np.int32(req.num_tokens - 1)
