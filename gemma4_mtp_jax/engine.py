@@ -259,7 +259,12 @@ class Engine:
             raise ValueError("EngineConfig: give num_pages or kv_cache_bytes, not both")
         if num_pages is None:
             probe = make_layout(tc, num_pages={g: 1 << 30 for g in groups}, **geometry)
-            num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + 1 for g in groups}
+            # With the prefix cache, sliding pools hold one ring more than the running sequences take: a finished
+            # sequence's window then outlives the next admission (which takes a whole ring), so the next request
+            # with the same prefix finds it. Without that room every admission evicts the cached windows.
+            spare = {g: probe.table_width(g) if cfg.enable_prefix_caching and probe.ring_pages(g) else 0
+                     for g in groups}
+            num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + spare[g] + 1 for g in groups}
             if cfg.kv_cache_bytes is not None:
                 num_pages = self._pages_for_memory(probe, num_pages, cfg.kv_cache_bytes)
         self.layout: KVLayout = make_layout(tc, num_pages=num_pages, **geometry)
@@ -300,8 +305,9 @@ class Engine:
         return Placement.over(devices)
 
     def _pages_for_memory(self, probe: KVLayout, roomy: dict[str, int], budget: int) -> dict[str, int]:
-        """Pool sizes within `budget` bytes: every sliding ring of max_num_seqs sequences (a ring is taken whole at
-        admission), and the rest split evenly, in pages, between the groups whose pages grow with the sequence."""
+        """Pool sizes within `budget` bytes: the sliding pools as `roomy` has them (a ring per sequence, taken whole
+        at admission, and the prefix cache's spare ring), and the rest split evenly, in pages, between the groups
+        whose pages grow with the sequence."""
         rings = {g: n for g, n in roomy.items() if probe.ring_pages(g)}
         growing = [g for g in roomy if g not in rings]
         left = budget - sum(n * self.page_bytes[g] for g, n in rings.items())
@@ -392,8 +398,13 @@ class Engine:
             self._free_slots.append(slot)
         pages, req.pages = req.pages, {}
         for g, group_pages in pages.items():
-            # Last page first: eviction (least recently released first) then takes a cached prefix from its end,
-            # and its first pages, which every later lookup needs before the others, stay findable longest.
+            # Newest logical page first: eviction (least recently released first) then takes a cached prefix from
+            # its end, and its first pages (for a ring, the oldest of its window), which later lookups need before
+            # the others, stay findable longest.
+            R = self.layout.ring_pages(g)
+            if R is not None and g in req.ring_next:
+                newest = req.ring_next[g] - 1
+                group_pages = [group_pages[j % R] for j in range(newest - R + 1, newest + 1)]
             self.allocators[g].free(group_pages[::-1])
 
     def _preempt(self, req: Request) -> None:

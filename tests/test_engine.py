@@ -302,9 +302,9 @@ def test_long_prompt_prefills_a_budget_per_step(engines):
 
 
 def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
-    """kv_cache_bytes: every running sequence's sliding ring, the rest as full-layer pages (within the budget);
-    a budget below one max_model_len sequence is refused with the bytes it needs; num_pages and kv_cache_bytes
-    together are refused."""
+    """kv_cache_bytes: every running sequence's sliding ring and the prefix cache's spare ring, the rest as
+    full-layer pages (within the budget); a budget below one max_model_len sequence is refused with the bytes it
+    needs; num_pages and kv_cache_bytes together are refused."""
     from gemma4_mtp_jax.engine import Engine
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
@@ -312,10 +312,13 @@ def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
     per_page = roomy.page_bytes
     assert set(per_page) == {"full_attention", "sliding_attention"}
     ring = roomy.layout.table_width("sliding_attention")
-    rings = (4 * ring + 1) * per_page["sliding_attention"]
+    rings = (5 * ring + 1) * per_page["sliding_attention"]
     budget = rings + 40 * per_page["full_attention"] + 123
     engine = Engine(target, _engine_config(kv_cache_bytes=budget, compile_at_start=False))
-    assert engine.pages_total() == {"sliding_attention": 4 * ring, "full_attention": 39}
+    assert engine.pages_total() == {"sliding_attention": 5 * ring, "full_attention": 39}
+    uncached = Engine(target, _engine_config(kv_cache_bytes=budget, compile_at_start=False,
+                                             enable_prefix_caching=False))
+    assert uncached.pages_total()["sliding_attention"] == 4 * ring
     assert budget - per_page["full_attention"] < engine.kv_cache_bytes() <= budget
     assert roomy.kv_cache_bytes() == sum(roomy.layout.pages(g) * per_page[g] for g in per_page)
     with pytest.raises(ValueError, match="needs at least"):

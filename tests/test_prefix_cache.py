@@ -192,3 +192,23 @@ def test_cached_pages_survive_preemption_and_eviction(tiny_ckpts, jax_models):
     assert [r.output for r in got] == [r.output for r in want]
     assert tight.num_preemptions > 0 and tight.prefix_cache_hits > 0
     _assert_all_pages_back(tight)
+
+
+def test_a_prefix_window_survives_a_longer_hit_in_a_default_pool(tiny_ckpts, jax_models):
+    """One sequence at a time, the default pools: a prompt, the same prompt again (a hit to its last page, whose
+    window starts later than the shared prefix's), then the shared prefix with another suffix. The third must
+    still find the prefix's window: the sliding pool keeps a spare ring for the cache."""
+    from gemma4_mtp_jax.engine import Engine
+
+    engine = Engine(jax_models.target(tiny_ckpts["e2b"]["target_plain"]), _config(max_num_seqs=1))
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 400, size=11 * PAGE).tolist()
+    first = prefix + rng.integers(3, 400, size=2 * PAGE + 1).tolist()
+    hits = []
+    for prompt in (first, first, prefix + rng.integers(3, 400, size=3).tolist()):
+        before = engine.prefix_cache_hits
+        engine.add_request(prompt, 6, stop_ids=frozenset())
+        engine.run()
+        hits.append(engine.prefix_cache_hits - before)
+    assert hits == [0, 13 * PAGE, 11 * PAGE]
+    _assert_all_pages_back(engine)

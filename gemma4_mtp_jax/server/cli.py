@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
     e.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
                    help="device memory for the KV cache, e.g. 8GiB or 512MiB: every running sequence's sliding-"
-                        "window ring, the rest for full-layer pages taken as sequences grow (the newest are "
-                        "preempted and recomputed later when it runs out). Default: enough for --max-num-seqs "
-                        "sequences of --max-model-len")
+                        "window ring (one more with the prefix cache, which keeps a finished prefix's window), the "
+                        "rest for full-layer pages taken as sequences grow (the newest are preempted and recomputed "
+                        "later when it runs out). Default: enough for --max-num-seqs sequences of --max-model-len")
     e.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per program call "
                                                                    "(largest prefill bucket)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
