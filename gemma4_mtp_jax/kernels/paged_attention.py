@@ -237,6 +237,13 @@ def _masked_load(ref, mask, other):
     return pltriton.load(ref, mask=mask, other=other)
 
 
+def _masked_store(ref, val, mask):
+    """ref[...] = val where `mask` holds; other lanes are never written."""
+    from jax.experimental.pallas import triton as pltriton
+
+    pltriton.store(ref, val, mask=mask)
+
+
 def _dot(a, b, trans_b=False):
     """a @ b (or a @ b.T) with float32 accumulation."""
     from jax.experimental.pallas import triton as pltriton
@@ -247,16 +254,28 @@ def _dot(a, b, trans_b=False):
 
 def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int, block_k: int,
                             window: int | None, ring_slots: int | None, ring_pages: int | None,
-                            table_width: int, k_splits: int):
+                            table_width: int, k_splits: int, block_rows: int, q_len: int, num_heads: int,
+                            group: int):
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
-    pos_ref [R] int32 row mask positions (-1 = padding); table_ref [table_width] int32 this sequence's pages;
-    q_ref [R, D]; k_ref, v_ref [num_pages * page_size, D] (this KV head's pool, rows = page * page_size + offset).
-    Outputs: o_ref [R, D] (normalized over this program's keys), and with k_splits > 1 also m_ref, l_ref [R]
-    float32 (running max and softmax denominator of the split).
+    The query rows are read straight from q's own layout and the output written back into it (no padded copy of
+    q, no slice of the output: two fewer kernels per layer). Row j of the block is query token t = j // group of
+    head h * group + j % group; rows past q_len * group are masked (padding to the tensor-core tile).
+
+    pos_ref [B * Tq] int32 mask positions (-1 = padding); table_ref [table_width] int32 this sequence's pages;
+    q_ref [B * Tq * nH, D] (q's rows, token-major); k_ref, v_ref [num_pages * page_size, D] (this KV head's pool,
+    rows = page * page_size + offset). Outputs: o_ref [B * Tq * nH, D] in q's layout (normalized over this
+    program's keys), or with k_splits > 1 the split's o_ref [R, D] and m_ref, l_ref [R] float32 (running max and
+    softmax denominator), merged in XLA.
     """
-    pos = pos_ref[...]
-    q = q_ref[...]
+    b, h = pl.program_id(0), pl.program_id(1)
+    j = pl.program_id(2) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    real = j < q_len * group
+    t = j // group
+    q_row = (b * q_len + t) * num_heads + h * group + j % group  # [R] rows of q (and of the output)
+    cols = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[-1]), 1)
+    pos = _masked_load(pos_ref.at[b * q_len + t], real, -1)
+    q = _masked_load(q_ref.at[q_row[:, None], cols], real[:, None], 0)
     rows, D = q.shape
 
     # Visible key range of the block's rows: [lo, hi]. All-padding blocks get an empty range.
@@ -278,7 +297,6 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
         start, trip = first_blk, n_blk
 
     offs = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (1, D), 1)
     lo_win = None if window is None else pos - window  # [R]: key must be > this
 
     def body(i, carry):
@@ -316,11 +334,14 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
 
     o_ref, *stat_refs = out_refs
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    o = (acc * inv[:, None]).astype(o_ref.dtype)
     if stat_refs:  # split: this split's normalized output plus its softmax statistics, merged in XLA
+        o_ref[...] = o
         m_ref, l_ref = stat_refs
         m_ref[...] = m
         l_ref[...] = l
+    else:
+        _masked_store(o_ref.at[q_row[:, None], cols], o, real[:, None])
 
 
 def _precision(dtype):
@@ -349,11 +370,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
     width = page_table.shape[1]
     S = config.k_splits
 
-    # Rows ordered (t, g): [B, nKV, R, D]; row positions [B, R] (-1 on the padding rows).
-    qr = q.astype(k_pages.dtype).reshape(B, Tq, nKV, G, D).transpose(0, 2, 1, 3, 4).reshape(B, nKV, rows, D)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, R - rows), (0, 0)))
-    pos = jnp.repeat(q_positions.astype(jnp.int32), G, axis=1)
-    pos = jnp.pad(pos, ((0, 0), (0, R - rows)), constant_values=-1)
+    qf = q.astype(k_pages.dtype).reshape(B * Tq * nH, D)  # free: the kernel reads rows in q's own layout
+    pos = q_positions.astype(jnp.int32).reshape(B * Tq)
     kf = k_pages.reshape(nKV, num_pages * page_size, D)  # free: pages are contiguous rows
     vf = v_pages.reshape(nKV, num_pages * page_size, D)
     table = page_table.astype(jnp.int32)
@@ -362,17 +380,18 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
     kernel = functools.partial(
         _paged_attention_kernel, page_size=page_size, block_k=config.block_k, window=window,
         ring_slots=None if ring_pages is None else ring_pages * page_size, ring_pages=ring_pages,
-        table_width=width, k_splits=S)
+        table_width=width, k_splits=S, block_rows=br, q_len=Tq, num_heads=nH, group=G)
+    whole = lambda b, h, r, s: (0, 0)  # noqa: E731  (indexed inside the kernel)
     in_specs = [
-        pl.BlockSpec((sq, br), lambda b, h, r, s: (b, r)),  # row positions
+        pl.BlockSpec((B * Tq,), lambda b, h, r, s: (0,)),  # mask positions, token-major
         pl.BlockSpec((sq, width), lambda b, h, r, s: (b, 0)),  # page table row
-        pl.BlockSpec((sq, sq, br, D), lambda b, h, r, s: (b, h, r, 0)),  # q rows
+        pl.BlockSpec((B * Tq * nH, D), whole),  # q rows
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # K pool of head h
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # V pool of head h
     ]
     if S == 1:
-        out_shape = jax.ShapeDtypeStruct((B, nKV, R, D), k_pages.dtype)
-        out_specs = pl.BlockSpec((sq, sq, br, D), lambda b, h, r, s: (b, h, r, 0))
+        out_shape = jax.ShapeDtypeStruct((B * Tq * nH, D), k_pages.dtype)
+        out_specs = pl.BlockSpec((B * Tq * nH, D), whole)
     else:
         out_shape = (jax.ShapeDtypeStruct((S, B, nKV, R, D), k_pages.dtype),
                      jax.ShapeDtypeStruct((S, B, nKV, R), jnp.float32),
@@ -389,9 +408,10 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
         compiler_params=_triton_compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=f"paged_attention_r{br}_k{config.block_k}_s{S}",
-    )(pos, table, qr, kf, vf)
-    o = res if S == 1 else _merge_splits(*res)
-
+    )(pos, table, qf, kf, vf)
+    if S == 1:
+        return res.reshape(B, Tq, nH, D).astype(q.dtype)
+    o = _merge_splits(*res)  # [B, nKV, R, D], rows ordered (t, g)
     o = o[:, :, :rows].reshape(B, nKV, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, nH, D)
     return o.astype(q.dtype)
 

@@ -45,8 +45,12 @@ class Gemma4Target(nn.Module):
         if kv is None:
             kv = DenseKV(positions)
         ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
+        if ple is not None:
+            # Layer-major and materialized once: left to itself, XLA re-computes the normed projection inside
+            # each layer's slice (one extra kernel per layer).
+            ple = jax.lax.optimization_barrier(jnp.moveaxis(ple, -2, 0))  # [L, B, T, P]
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, kv, None if ple is None else ple[..., i, :])
+            x, kv = layer(x, positions, kv, None if ple is None else ple[i])
         hidden = self.norm(x)
         return (self.lm_logits(hidden) if logits else None), hidden, kv
 
