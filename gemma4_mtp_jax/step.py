@@ -52,6 +52,10 @@ def _shapes(tree: Any, shardings: Any = None) -> Any:
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
+def _abstract_tree(tree) -> bool:
+    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(tree))
+
+
 @dataclasses.dataclass(frozen=True)
 class _MeshJit:
     """A jitted function traced (lowered or called) inside its placement's mesh, so that attention and the MoE
@@ -94,8 +98,11 @@ class CompiledSteps:
         self.draft_params = self.drafter.params() if self.drafter is not None else None
         # On the programs' devices once (a loader may leave the weights in host memory: each tensor then goes
         # straight to its shards); already-placed arrays are not copied.
+        # Shapes alone (jax.ShapeDtypeStruct leaves) stay as they are: such steps lower and compile but never run.
         pl = self.placement
-        if pl is None:
+        if _abstract_tree(self.target.params):
+            self.params = self.target.params
+        elif pl is None:
             self.params = jax.device_put(self.target.params)
             self.draft_params = None if self.draft_params is None else jax.device_put(self.draft_params)
         else:
