@@ -4,7 +4,8 @@ For each model and each k, `bench_spec.py` runs in its own process (one JAX proc
 decode step (k = 0), the verify step and the speculative step at every batch size, each against the HBM roofline
 measured in that process. The rows are merged into `bench_all.json`; with matplotlib installed, two plots go
 beside it: `bench_all_decode.png` (decode step time and share of the roofline vs batch, per model) and
-`bench_all_spec.png` (speculative step / decode step vs k, per model and batch). A run that fails or times out is
+`bench_all_spec.png` (speculative step / decode step vs k, per model and batch); each both synchronised (every call
+waited for) and pipelined (calls back to back, as the async engine runs them). A run that fails or times out is
 recorded and the others go on.
 
     python benchmarks/bench_all.py --models e2b e4b 26b 31b --batch 1 2 16 64 --k 2 4 8
@@ -71,8 +72,12 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
             if r["model"] == m:
                 dec.setdefault(r["batch"], []).append(r)
         bs = sorted(dec)
-        ax1.plot(bs, [min(x["decode_ms"] for x in dec[b]) for b in bs], marker="o", label=m)
-        ax2.plot(bs, [max(x["decode_roofline_fraction"] for x in dec[b]) for b in bs], marker="o", label=m)
+        for key, style in (("decode_ms", "-"), ("decode_pipelined_ms", "--")):
+            ms = [min(x[key] for x in dec[b]) for b in bs]
+            kind = "pipelined" if "pipelined" in key else "synchronised"
+            ax1.plot(bs, ms, style, marker="o", label=f"{m} {kind}")
+            ax2.plot(bs, [max(x["decode_roofline_ms"] for x in dec[b]) / t for b, t in zip(bs, ms)], style,
+                     marker="o", label=f"{m} {kind}")
     for ax, title in ((ax1, "decode step (ms)"), (ax2, "share of the HBM roofline")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch")
@@ -85,8 +90,11 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in models:
         for b in sorted({r["batch"] for r in rows if r["model"] == m}):
-            pts = sorted((r["k"], r["spec_over_decode"]) for r in rows if r["model"] == m and r["batch"] == b)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m} B={b}")
+            pts = sorted((r["k"], r["spec_over_decode"], r["spec_over_decode_pipelined"]) for r in rows
+                         if r["model"] == m and r["batch"] == b)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m} B={b}")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", marker="o", color=line.get_color(),
+                    label=f"{m} B={b} pipelined")
     ax.set_xlabel("k (drafts per round)")
     ax.set_title("speculative step / decode step")
     ax.legend(fontsize=7)
@@ -123,11 +131,13 @@ def main() -> int:
     with open(os.path.join(out_dir, "bench_all.json"), "w") as f:
         json.dump({"env": environment(), "config": vars(args), "runs": runs, "plots": pngs}, f, indent=1)
     print(f"\n{'model':6} {'k':>2} {'B':>3} {'decode ms':>9} {'roof%':>6} {'verify ms':>9} {'spec ms':>8} "
-          f"{'spec/dec':>8}")
+          f"{'spec/dec':>8} {'pipelined: decode':>17} {'roof%':>6} {'spec':>7} {'spec/dec':>8}")
     for r in rows:
         print(f"{r['model']:6} {r['k']:2d} {r['batch']:3d} {r['decode_ms']:9.3f} "
               f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:9.3f} {r['spec_ms']:8.3f} "
-              f"{r['spec_over_decode']:8.2f}")
+              f"{r['spec_over_decode']:8.2f} {r['decode_pipelined_ms']:17.3f} "
+              f"{100 * r['decode_roofline_ms'] / r['decode_pipelined_ms']:6.1f} {r['spec_pipelined_ms']:7.3f} "
+              f"{r['spec_over_decode_pipelined']:8.2f}")
     failed = [f"{rec['model']} k={rec['k']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
     for line in failed:
         print("FAILED", line)
