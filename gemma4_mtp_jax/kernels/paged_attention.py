@@ -258,8 +258,8 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
                             group: int):
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
-    The query rows are read straight from q's own layout and the output written back into it (no padded copy of
-    q, no slice of the output: two fewer kernels per layer). Row j of the block is query token t = j // group of
+    The query rows are read straight from q's own layout (no padded copy of q) and, without key splits, the output
+    is written back into it (no slice of the output): one or two fewer kernels per attention layer. Row j of the block is query token t = j // group of
     head h * group + j % group; rows past q_len * group are masked (padding to the tensor-core tile).
 
     pos_ref [B * Tq] int32 mask positions (-1 = padding); table_ref [table_width] int32 this sequence's pages;
