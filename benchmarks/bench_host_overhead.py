@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE  # noqa: E402
 from benchmarks.bench_spec import SMOKE_ASSISTANT  # noqa: E402
-from benchmarks.common import ASSISTANTS, TARGETS, environment, median_time, random_params, write_json  # noqa: E402
+from benchmarks.common import (ASSISTANTS, TARGETS, environment, median_time, pipelined_time,  # noqa: E402
+                               random_params, write_json)
 from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
@@ -56,19 +54,6 @@ def program_call(engine: Engine):
         engine.state, out = fn(engine.steps.params, engine.steps.draft_params, engine.state, rows, tables, sampling)
         return out
     return call
-
-
-def pipelined_time(call, n: int) -> float:
-    """Seconds per call of `n` calls dispatched back to back and waited for once (median of 3 such chains): the
-    program's own time on the device, with the launch and input copies of one call hidden behind the one before."""
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
 from benchmarks.common import (ASSISTANTS, TARGETS, bench_state, copy_bandwidth, environment,  # noqa: E402
-                               fresh_rows, layout_for, random_params, write_json)
+                               fresh_rows, layout_for, pipelined_time, random_params, write_json)
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
     Target,
@@ -69,15 +69,14 @@ def timed(fn, state, rest, repeats, warmup=3):
         jax.block_until_ready(out)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    chains = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            res = fn(*state, *rest)
-            state, out = res[:-1], res[-1]
-        jax.block_until_ready(out)
-        chains.append((time.perf_counter() - t0) / repeats)
-    return statistics.median(times), statistics.median(chains), state
+    box = [state]
+
+    def call():
+        res = fn(*box[0], *rest)
+        box[0] = res[:-1]
+        return res[-1]
+
+    return statistics.median(times), pipelined_time(call, repeats), box[0]
 
 
 def bench_model(name: str, args, bw: float) -> list[dict]:
