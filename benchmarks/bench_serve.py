@@ -750,34 +750,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_path = args.out or os.path.join(out_dir, "bench_serve.json")
 
     servers, records, raw = [], [], {}
+
+    def summary() -> tuple[list[str], list[dict]]:
+        ratios = speedups(records, raw)
+        problems = [f"{s['mode']}: {s['error']}" for s in servers if s.get("error")]
+        problems += [f"{s['mode']}: server exit code {s['exit_code']}" for s in servers
+                     if s.get("exit_code") != 0 and not s.get("error")]
+        problems += [f"{r['mode']} {r['level']}: {r['failed']} request(s) failed ({r['errors'][0]})"
+                     for r in records if r["failed"]]
+        problems += [f"{r['mode']} {r['level']}: {r['compiles_during_timed']} compilation(s) in the timed part"
+                     for r in records if r["compiles_during_timed"]]
+        problems += [f"{r['mode']} {r['level']}: {r['long_prompts']['failed']} long-prompt request(s) failed"
+                     for r in records if r.get("long_prompts", {}).get("failed")]
+        result = {
+            "config": {"ckpt": args.ckpt, "assistant": args.assistant, "modes": modes,
+                       "levels": [lv.label for lv in levels], "requests_per_level": args.requests_per_level,
+                       "workload": workload.description, "ignore_eos": args.ignore_eos,
+                       "server_args": args.server_arg,
+                       "long_prompts": None if long_prompts is None else
+                       f"{long_prompts.description}, one every {args.long_prompt_interval:g} s during each level"},
+            "servers": servers,
+            "results": records,
+            "speedup": ratios,
+            "problems": problems,
+        }
+        # Written after every mode, so that a run cut short (a time limit) keeps the modes it finished.
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=2)
+        return problems, ratios
+
     for mode in modes:
         server, recs, results = run_mode(args, mode, workload, levels, log_dir, long_prompts)
         servers.append(server)
         records += recs
         raw.update({(mode, r["level"]): res for r, res in zip(recs, results)})
-    ratios = speedups(records, raw)
-    problems = [f"{s['mode']}: {s['error']}" for s in servers if s.get("error")]
-    problems += [f"{s['mode']}: server exit code {s['exit_code']}" for s in servers
-                 if s.get("exit_code") != 0 and not s.get("error")]
-    problems += [f"{r['mode']} {r['level']}: {r['failed']} request(s) failed ({r['errors'][0]})"
-                 for r in records if r["failed"]]
-    problems += [f"{r['mode']} {r['level']}: {r['compiles_during_timed']} compilation(s) in the timed part"
-                 for r in records if r["compiles_during_timed"]]
-    problems += [f"{r['mode']} {r['level']}: {r['long_prompts']['failed']} long-prompt request(s) failed"
-                 for r in records if r.get("long_prompts", {}).get("failed")]
-    result = {
-        "config": {"ckpt": args.ckpt, "assistant": args.assistant, "modes": modes,
-                   "levels": [lv.label for lv in levels], "requests_per_level": args.requests_per_level,
-                   "workload": workload.description, "ignore_eos": args.ignore_eos, "server_args": args.server_arg,
-                   "long_prompts": None if long_prompts is None else
-                   f"{long_prompts.description}, one every {args.long_prompt_interval:g} s during each level"},
-        "servers": servers,
-        "results": records,
-        "speedup": ratios,
-        "problems": problems,
-    }
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=2)
+        problems, ratios = summary()
     print()
     print(markdown(servers, records, ratios))
     print(f"\nresults: {out_path}")
