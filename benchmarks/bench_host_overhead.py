@@ -7,19 +7,28 @@ dispatched before the previous one is read) and off. Then the same compiled prog
 inputs (the donated state threaded through), each call waited for, and pipelined (calls dispatched back to back,
 waited for once: the device's own time per call). Host overhead = (engine step - program) / engine step against
 either program time; issue 12's goal is <= 5 % at B = 1 on the real E2B shape, and the pipelined program time is
-the strict reference (the synchronised call pays its own launch and input copies). Weights are random (bf16 at
+the strict reference (the synchronised call pays its own launch and input copies). `dispatch_ms` is how long a call
+of the program holds the calling thread in a pipelined chain: near zero when the launch is asynchronous, near the
+program's time when something inside it makes the host wait for the device (a `lax.cond` whose predicate XLA's GPU
+runtime copies to the host). `--cond-as-select` (a diagnostic) traces every `lax.cond` as both branches and a
+select, to measure what the conds cost the host. Weights are random (bf16 at
 the real shapes; float32 with --smoke), so acceptance is whatever the random pair gives: the timings do not depend
 on it.
 
     python benchmarks/bench_host_overhead.py --model e2b --batch 1 2 16 [--spec] --context 1024
     python benchmarks/bench_host_overhead.py --smoke [--spec]          # tiny shapes, CPU
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL python benchmarks/bench_host_overhead.py ...
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
+
+import jax
 
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +65,22 @@ def program_call(engine: Engine):
     return call
 
 
+def dispatch_time(call, n: int) -> float:
+    """Median seconds for which call() holds the calling thread, in a chain of n calls waited for once."""
+    held = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = call()
+        held.append(time.perf_counter() - t0)
+    jax.block_until_ready(out)
+    return statistics.median(held)
+
+
+def cond_as_select(pred, true_fun, false_fun, *operands):
+    """`lax.cond` traced as both branches and a select (diagnostic only: no device-to-host predicate)."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fun(*operands), false_fun(*operands))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="e2b", choices=sorted(TARGETS))
@@ -64,8 +89,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="tokens per sequence when timing starts")
     ap.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
+    ap.add_argument("--cond-as-select", action="store_true",
+                    help="diagnostic: trace lax.cond as both branches and a select")
     args = ap.parse_args()
-    env = environment()
+    if args.cond_as_select:
+        jax.lax.cond = cond_as_select
+    env = {**environment(), "cond_as_select": args.cond_as_select, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(env, flush=True)
     name = "smoke" if args.smoke else args.model
     tcfg = parse_target_config(SMOKE if args.smoke else TARGETS[name])
@@ -99,8 +128,9 @@ def main() -> None:
         call = program_call(engine)
         program_s = median_time(call, (), repeats=args.steps, warmup=0)
         pipelined_s = pipelined_time(call, args.steps)
+        dispatch_s = dispatch_time(call, args.steps)
         row = {"model": name, "spec": args.spec, "batch": B, "context": context, "program_ms": program_s * 1e3,
-               "program_pipelined_ms": pipelined_s * 1e3}
+               "program_pipelined_ms": pipelined_s * 1e3, "dispatch_ms": dispatch_s * 1e3}
         for mode, key in ((True, "async"), (False, "sync")):
             row[f"{key}_step_ms"] = timed[mode] * 1e3
             row[f"{key}_host_overhead_fraction"] = (timed[mode] - program_s) / timed[mode]
@@ -110,11 +140,12 @@ def main() -> None:
         for req in list(engine.running) + list(engine.waiting):
             engine.cancel(req)
     write_json("bench_host_overhead.json", {"env": env, "rows": rows})
-    print(f"\n{'model':6} {'spec':>5} {'B':>3} {'program ms':>11} {'pipelined':>10} {'async step ms':>14} "
+    print(f"\n{'model':6} {'spec':>5} {'B':>3} {'program ms':>11} {'pipelined':>10} {'dispatch':>9} "
+          f"{'async step ms':>14} "
           f"{'host %':>7} {'vs pipe %':>9} {'sync step ms':>13} {'host %':>7}")
     for r in rows:
         print(f"{r['model']:6} {str(r['spec']):>5} {r['batch']:3d} {r['program_ms']:11.3f} "
-              f"{r['program_pipelined_ms']:10.3f} {r['async_step_ms']:14.3f} "
+              f"{r['program_pipelined_ms']:10.3f} {r['dispatch_ms']:9.3f} {r['async_step_ms']:14.3f} "
               f"{100 * r['async_host_overhead_fraction']:7.1f} {100 * r['async_over_pipelined_fraction']:9.1f} "
               f"{r['sync_step_ms']:13.3f} {100 * r['sync_host_overhead_fraction']:7.1f}")
 
