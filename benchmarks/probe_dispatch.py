@@ -1,0 +1,98 @@
+"""Where a compiled step's host time goes: how long a call of the E2B decode program (B = 1, random bf16 weights)
+holds the calling thread, synchronised and pipelined, with its per-step inputs fresh from the host (numpy arrays,
+as the engine passes them: new device buffers every call) or placed on the device once.
+
+XLA records a program's kernels into command buffers (CUDA graphs); a kernel node is re-recorded when a buffer it
+reads or writes has moved since the last run (`xla_gpu_command_buffer_update_mode` governs the temporaries), and a
+`lax.cond` predicate is copied to the host. Run it under XLA_FLAGS variants (scripts/gpu_run33.sh) and, with
+TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1, XLA logs each update ("Updated N commands in T us").
+
+    python benchmarks/probe_dispatch.py --context 1024 --repeats 40
+    python benchmarks/probe_dispatch.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
+from benchmarks.common import TARGETS, bench_state, environment, fresh_rows, layout_for, random_params  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
+from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
+from gemma4_mtp_jax.config import parse_target_config  # noqa: E402
+from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+
+
+def measure(call, repeats: int) -> dict:
+    """ms per call: synchronised (total and the time the call held the thread) and pipelined (the same two)."""
+    for _ in range(3):
+        jax.block_until_ready(call())
+    sync, sync_held = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = call()
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        sync.append(time.perf_counter() - t0)
+        sync_held.append(t1 - t0)
+    chains, held = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            t1 = time.perf_counter()
+            out = call()
+            held.append(time.perf_counter() - t1)
+        jax.block_until_ready(out)
+        chains.append((time.perf_counter() - t0) / repeats)
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return {"sync_ms": ms(sync), "sync_held_ms": ms(sync_held), "pipelined_ms": ms(chains),
+            "pipelined_held_ms": ms(held)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--tag", default="", help="a name for this run's XLA_FLAGS variant (in the JSON's file name)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
+    args = ap.parse_args()
+    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    print(env, flush=True)
+    cfg = parse_target_config(SMOKE if args.smoke else TARGETS["e2b"])
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    context = 48 if args.smoke else args.context
+    target = Target(cfg, random_params(abstract_target_params(cfg, dtype), 0), dtype, None, {})
+    layout = layout_for(cfg, 1, page_size=16, max_model_len=context + 16)
+    steps = CompiledSteps(target, layout, dtype, "auto")
+    t0 = time.perf_counter()
+    fn = steps.compile_decode(1)
+    compile_s = time.perf_counter() - t0
+    box = [bench_state(steps, random_pages(cfg, layout, dtype))]
+    tables = {g: np.arange(1, 1 + w, dtype=np.int32)[None] for g, w in layout.pages_per_seq}
+    host = (fresh_rows(np.array([5], np.int32), np.array([context - 8], np.int32), steps.num_slots), tables,
+            SamplingBatch.from_params([], 1))
+    placed = jax.device_put(host)
+    rows = {}
+    for name, inputs in (("host_inputs", host), ("device_inputs", placed)):
+        def call(inputs=inputs):
+            box[0], out = fn(steps.params, box[0], *inputs)
+            return out
+        rows[name] = measure(call, args.repeats)
+        print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
+    write_json(f"probe_dispatch{'_' + args.tag if args.tag else ''}.json",
+               {"env": env, "compile_s": compile_s, "context": context, **rows})
+
+
+if __name__ == "__main__":
+    main()
