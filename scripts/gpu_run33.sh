@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
     if XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$m" timeout 60 python3 -c "import jax; jax.devices()" \
         > /dev/null 2>&1; then modes="$modes $m"; echo "update mode $m: accepted"; else echo "update mode $m: rejected"; fi
   done
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 \
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd=1,command_buffer_cmd_executor=1 \
       run env OUT=$res timeout 120 python3 benchmarks/probe_dispatch.py --tag default 2> "$res/logs/default_vlog.txt"
   grep -E "Updated|Update command buffer|Skip updating|updated_allocs" "$res/logs/default_vlog.txt" | sort | uniq -c \
       | sort -rn | head -20
