@@ -9,15 +9,14 @@ waited for once: the device's own time per call). Host overhead = (engine step -
 either program time; issue 12's goal is <= 5 % at B = 1 on the real E2B shape, and the pipelined program time is
 the strict reference (the synchronised call pays its own launch and input copies). `dispatch_ms` is how long a call
 of the program holds the calling thread in a pipelined chain: near zero when the launch is asynchronous, near the
-program's time when something inside it makes the host wait for the device (a `lax.cond` whose predicate XLA's GPU
-runtime copies to the host). `--cond-as-select` (a diagnostic) traces every `lax.cond` as both branches and a
-select, to measure what the conds cost the host. Weights are random (bf16 at
+program's time when something makes the host wait (a `lax.cond`, whose predicate XLA's GPU runtime copies to
+the host; command-buffer nodes re-recorded because their buffers moved: benchmarks/probe_dispatch.py). Weights
+are random (bf16 at
 the real shapes; float32 with --smoke), so acceptance is whatever the random pair gives: the timings do not depend
 on it.
 
     python benchmarks/bench_host_overhead.py --model e2b --batch 1 2 16 [--spec] --context 1024
     python benchmarks/bench_host_overhead.py --smoke [--spec]          # tiny shapes, CPU
-    XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL python benchmarks/bench_host_overhead.py ...
 """
 
 from __future__ import annotations
@@ -76,11 +75,6 @@ def dispatch_time(call, n: int) -> float:
     return statistics.median(held)
 
 
-def cond_as_select(pred, true_fun, false_fun, *operands):
-    """`lax.cond` traced as both branches and a select (diagnostic only: no device-to-host predicate)."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fun(*operands), false_fun(*operands))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="e2b", choices=sorted(TARGETS))
@@ -89,12 +83,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="tokens per sequence when timing starts")
     ap.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
-    ap.add_argument("--cond-as-select", action="store_true",
-                    help="diagnostic: trace lax.cond as both branches and a select")
     args = ap.parse_args()
-    if args.cond_as_select:
-        jax.lax.cond = cond_as_select
-    env = {**environment(), "cond_as_select": args.cond_as_select, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(env, flush=True)
     name = "smoke" if args.smoke else args.model
     tcfg = parse_target_config(SMOKE if args.smoke else TARGETS[name])

@@ -154,8 +154,9 @@ def load_model(name: str) -> tuple[Target, Assistant]:
 
 
 def programs(target: Target, assistant: Assistant, batch: int, k: int, context: int, page_size: int) -> dict:
-    """The three lowered programs of one batch size: decode, verify (forward on k+1 tokens + logits, the target
-    half of the speculative step), speculative (k draft steps + verify + acceptance + bookkeeping)."""
+    """The lowered programs of one batch size: decode, verify (forward on k+1 tokens + logits, the target half of
+    the speculative step), speculative (k draft steps + verify + acceptance + bookkeeping), each for a greedy
+    batch; and the decode and speculative variants a batch with a sampled row runs (`*_sampled`)."""
     tcfg, acfg, dtype = target.config, assistant.config, target.dtype
     layout = layout_for(tcfg, batch, page_size=page_size, max_model_len=context, num_speculative_tokens=k,
                         assistant_window=acfg.text.sliding_window)
@@ -168,9 +169,11 @@ def programs(target: Target, assistant: Assistant, batch: int, k: int, context: 
         h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")
         return pages, jnp.argmax(lm_logits(target, params, h), -1)
 
-    return {"decode": lambda: plain._lower_decode(batch),
+    return {"decode": lambda: plain._lower_decode(batch, False),
             "verify": lambda: jax.jit(verify, donate_argnums=(1,)).lower(params, pages, tokens, tokens, tables),
-            "speculative": lambda: spec._lower_speculative(batch)}
+            "speculative": lambda: spec._lower_speculative(batch, False),
+            "decode_sampled": lambda: plain._lower_decode(batch, True),
+            "speculative_sampled": lambda: spec._lower_speculative(batch, True)}
 
 
 def main() -> None:
@@ -183,7 +186,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--json-name", default="kernel_count.json", help="file name of the JSON under $OUT")
     ap.add_argument("--programs", nargs="+", default=["decode", "verify", "speculative"],
-                    choices=["decode", "verify", "speculative"])
+                    choices=["decode", "verify", "speculative", "decode_sampled", "speculative_sampled"])
     ap.add_argument("--dump-hlo", default=None, help="write each program's optimized HLO (gzip) here")
     args = ap.parse_args()
     env = environment()

@@ -35,7 +35,7 @@ from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, StepRows
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, make_layout, page_bytes
 from gemma4_mtp_jax.runtime import Assistant, Target
-from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams, any_sampled
 from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
 from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
 from gemma4_mtp_jax.step import CompiledSteps
@@ -716,12 +716,13 @@ class Engine:
         """One decode step, or with a drafter one draft-and-verify round, for `rows`; returns the packed result
         ([B, k+4] int32, device_state.finish_round) without waiting for it."""
         B, step_rows, tables, sampling = self._step_inputs(rows)
+        sampled = any_sampled([row.sampling for row in rows])
         if self.assistant is None:
-            self.state, packed = self.steps.compile_decode(B)(self.steps.params, self.state, step_rows, tables,
-                                                              sampling)
+            self.state, packed = self.steps.compile_decode(B, sampled)(self.steps.params, self.state, step_rows,
+                                                                       tables, sampling)
         else:
-            self.state, packed = self.steps.compile_speculative(B)(self.steps.params, self.steps.draft_params,
-                                                                   self.state, step_rows, tables, sampling)
+            self.state, packed = self.steps.compile_speculative(B, sampled)(
+                self.steps.params, self.steps.draft_params, self.state, step_rows, tables, sampling)
         for row in rows:
             row.req.on_device = True
         return packed

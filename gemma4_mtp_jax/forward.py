@@ -47,7 +47,9 @@ def lm_logits(target: Target, params, hidden: Array) -> Array:
 def prefill_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
                  last_index, sampling: SamplingBatch):
     """One prompt chunk per row. Writes its K/V and samples from the logits at `last_index` (the row's last
-    real token; only meaningful on a prompt's final chunk). Returns (pages, token [B], hidden at last [B, H])."""
+    real token; only meaningful on a prompt's final chunk). Returns (pages, token [B], hidden at last [B, H]).
+    Prefill always takes `sample`'s sampling path: one draw per row is cheap next to a chunk's forward, and one
+    variant per bucket keeps start-up short."""
     hidden, pages = forward_paged(target, layout, params, pages, tokens, positions, tables,
                                   attention_impl=attention_impl)
     rows = jnp.arange(tokens.shape[0])
@@ -58,9 +60,10 @@ def prefill_step(target: Target, layout: KVLayout, attention_impl: str, params, 
 
 
 def decode_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
-                sampling: SamplingBatch):
-    """One token per row: tokens, positions [B] (-1 = padding row). Returns (pages, next token [B])."""
+                sampling: SamplingBatch, sampled: bool):
+    """One token per row: tokens, positions [B] (-1 = padding row). Returns (pages, next token [B]). `sampled`
+    (static): whether some row samples (`sampling.sample`)."""
     hidden, pages = forward_paged(target, layout, params, pages, tokens[:, None], positions[:, None], tables,
                                   attention_impl=attention_impl)
     logits = lm_logits(target, params, hidden[:, 0])
-    return pages, sample(logits, sampling, positions + 1)
+    return pages, sample(logits, sampling, positions + 1, sampled=sampled)

@@ -97,17 +97,25 @@ def request_keys(seed: Array, position: Array) -> Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, position)
 
 
-def sample(logits: Array, params: SamplingBatch, position: Array) -> Array:
-    """Next token per row [B] int32: argmax where temperature == 0, else a draw from the filtered softmax."""
+def sample(logits: Array, params: SamplingBatch, position: Array, *, sampled: bool = True) -> Array:
+    """Next token per row [B] int32: argmax where temperature == 0, else a draw from the filtered softmax.
+
+    `sampled` is static, decided on the host from the batch's rows: False when every row is greedy (the argmax
+    alone: the vocabulary sort costs real time at V = 262144), True when some row samples. A `lax.cond` on the
+    rows' temperatures would decide the same on the device, but XLA's GPU runtime copies a conditional's
+    predicate to the host and holds the dispatching thread until the device gets there, which stalls the next
+    step's dispatch behind this one."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy
+    temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    filtered = filter_logits(logits / temp[:, None], params.top_k, params.top_p)
+    keys = request_keys(params.seed, position)
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)
 
-    def draw():
-        temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
-        filtered = filter_logits(logits / temp[:, None], params.top_k, params.top_p)
-        keys = request_keys(params.seed, position)
-        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
-        return jnp.where(params.temperature > 0, drawn, greedy)
 
-    # The vocabulary sort costs real time at V = 262144: skip it when the whole batch is greedy.
-    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)
+def any_sampled(rows: list[tuple]) -> bool:
+    """Whether some row (a `SamplingParams.row()`) samples: which program variant a step runs (`sample`)."""
+    return any(row[0] > 0 for row in rows)

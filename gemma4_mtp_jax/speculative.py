@@ -55,18 +55,17 @@ def _key_for(seed: Array, position: Array, stream: int) -> Array:
 
 
 def _draft_tokens(assistant: Assistant, params_a, head: DraftHead, hn: Array, sampling: SamplingBatch,
-                  sampled_rows: Array, key_position: Array, step: int,
-                  attention_impl: str) -> tuple[Array, Array, Array | None]:
+                  sampled_rows: Array, key_position: Array, step: int, attention_impl: str,
+                  sampled: bool) -> tuple[Array, Array, Array | None]:
     """One draft per row from the normed draft hidden hn [B, Ha]: (token [B], q [B, N], candidate ids [B, N]).
 
     q is the distribution a sampled row's draft was drawn from, over N candidates: the centroid head's
     top_k * V / C tokens (ids: their canonical ids), or the whole vocabulary for the dense head (ids None: the
     vocabulary in order). Greedy rows take the argmax and get q = 0. Everything that only sampling needs (the
-    sparse logits, the top-k/top-p filter, the draw, the softmax) runs in one `lax.cond` branch taken only when some
-    row samples: a greedy batch launches the head's argmax and nothing else."""
+    sparse logits, the top-k/top-p filter, the draw, the softmax) is traced only when `sampled` (static, decided
+    on the host: some row samples; see `sampling.sample`): a greedy batch launches the head's argmax alone."""
     cfg = assistant.config
     B = hn.shape[0]
-    any_sampled = jnp.any(sampled_rows)
     temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
 
     def draw(logits: Array, ids: Array | None) -> tuple[Array, Array]:
@@ -84,22 +83,18 @@ def _draft_tokens(assistant: Assistant, params_a, head: DraftHead, hn: Array, sa
                      head.suppress)
         n = cfg.centroid_top_k * (cfg.text.vocab_size // cfg.num_centroids)
 
-        def greedy_only():  # the fused gather-dot + argmax kernel; no distribution is needed
+        if not sampled:  # the fused gather-dot + argmax kernel; no distribution is needed
             token, _ = centroid_head(*head_args, mode="argmax", impl=impl)
             return token.astype(jnp.int32), jnp.zeros((B, n), jnp.float32), jnp.zeros((B, n), jnp.int32)
-
-        def sampled():
-            logits, ids = centroid_head(*head_args, mode="sparse", impl=impl)
-            return (*draw(logits.astype(jnp.float32), ids), ids)
-
-        return jax.lax.cond(any_sampled, sampled, greedy_only)
+        logits, ids = centroid_head(*head_args, mode="sparse", impl=impl)
+        return (*draw(logits.astype(jnp.float32), ids), ids)
     logits = assistant.module.apply({"params": params_a}, hn, method=Gemma4Assistant.logits)
     if head.suppress is not None:
         logits = jnp.where(head.suppress, _NEG, logits)
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-    token, q = jax.lax.cond(any_sampled, lambda: draw(logits, None),
-                            lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
+    if not sampled:
+        return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros(logits.shape, jnp.float32), None
+    token, q = draw(logits, None)
     return token, q, None
 
 
@@ -123,9 +118,10 @@ def dense_q(q: Array, q_ids: Array | None, vocab_size: int) -> Array:
 
 def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, params_a, head: DraftHead, pages,
           tables, tokens: Array, hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-          attention_impl: str = "auto") -> tuple[Array, Array, Array | None, Array]:
+          attention_impl: str = "auto", sampled: bool = True) -> tuple[Array, Array, Array | None, Array]:
     """k draft steps. Returns drafts [B, k], q [B, k, N] and its candidate ids [B, k, N] or None (see
-    `_draft_tokens`; zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha]."""
+    `_draft_tokens`; zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha].
+    `sampled` (static): whether some row samples."""
     acfg = assistant.config
     source = {i: target.config.store_layers[t] for i, t in enumerate(acfg.text.layer_types)}
     kv = PagedDraftKV(pages=pages, tables=tables, lengths=lengths, source=source,
@@ -139,7 +135,7 @@ def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, para
         emb = target.module.apply({"params": params_t}, tok, method=Gemma4Target.embed)
         hn, h = assistant.module.apply({"params": params_a}, emb, h, kv)
         tok, q, q_ids = _draft_tokens(assistant, params_a, head, hn, sampling, sampled_rows, lengths, s,
-                                      attention_impl)
+                                      attention_impl, sampled)
         drafts.append(tok)
         qs.append(q)
         ids.append(q_ids)
@@ -156,12 +152,13 @@ class Drafter(Protocol):
         """The device arrays the drafter reads: an input of the compiled program (a pytree; () for none)."""
 
     def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
-              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-              attention_impl: str) -> tuple[Array, Array, Array | None]:
+              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int, attention_impl: str,
+              sampled: bool) -> tuple[Array, Array, Array | None]:
         """Drafts [B, k] int32 for rows whose newest token `tokens` sits at position `lengths` (the committed K/V
         in `pages`, the target's hidden at P-1 in `hidden`), and the distribution each draft was sampled from
         (exact verification needs it; zeros on greedy rows): q [B, k, N] over candidate ids [B, k, N], or over
-        the whole vocabulary in order (N = V, ids None)."""
+        the whole vocabulary in order (N = V, ids None). `sampled` (static): whether some row samples; when
+        False every row is greedy and q may be all zeros."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,16 +171,16 @@ class AssistantDrafter:
         return self.assistant.params, make_draft_head(self.assistant)
 
     def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
-              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-              attention_impl: str) -> tuple[Array, Array, Array | None]:
+              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int, attention_impl: str,
+              sampled: bool) -> tuple[Array, Array, Array | None]:
         params_a, head = params_d
         drafts, q, q_ids, _ = draft(target, self.assistant, layout, params_t, params_a, head, pages, tables, tokens,
-                                    hidden, lengths, sampling, k, attention_impl)
+                                    hidden, lengths, sampling, k, attention_impl, sampled)
         return drafts, q, q_ids
 
 
 def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, sampling: SamplingBatch,
-           spec_on: Array, positions: Array) -> tuple[Array, Array]:
+           spec_on: Array, positions: Array, sampled: bool = True) -> tuple[Array, Array]:
     """Exact verification (docs/DESIGN.md convention 3). drafts [B, k], target_logits [B, k+1, V], q [B, k, N] the
     draft distributions over candidate ids q_ids [B, k, N] (None: N = V, the vocabulary in order).
 
@@ -192,6 +189,7 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
     normalize(max(p_j - q_j, 0)); if all are accepted draw the bonus from p_k. p is the target's distribution
     at the request's temperature/top-k/top-p, the same filter the drafts were sampled under. Rows with
     spec_on = False accept nothing. Returns (emitted tokens [B, k+1], -1 after the bonus; n accepted [B]).
+    `sampled` (static): whether some row samples; when False only the greedy rule is traced.
     """
     B, k = drafts.shape
     logits = target_logits.astype(jnp.float32)
@@ -220,8 +218,10 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
         bonus = jax.vmap(jax.random.categorical)(_key_for(sampling.seed, positions, 101), jnp.log(residual))
         return n, bonus.astype(jnp.int32)
 
-    n_s, bonus_s = jax.lax.cond(jnp.any(~greedy_rows), sampled_path,
-                                lambda: (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)))
+    if sampled:
+        n_s, bonus_s = sampled_path()
+    else:
+        n_s, bonus_s = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32)
     n = jnp.where(spec_on, jnp.where(greedy_rows, n_greedy, n_s), 0).astype(jnp.int32)
     bonus = jnp.where(greedy_rows, argmax[jnp.arange(B), n], bonus_s)
     j = jnp.arange(k + 1)[None, :]
@@ -230,12 +230,12 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
     return emitted, n
 
 
-def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int, attention_impl: str,
+def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int, attention_impl: str, sampled: bool,
                      params_t, params_d, pages, hidden_buf: Array, slots: Array, tokens: Array, lengths: Array,
                      tables, sampling: SamplingBatch, spec_on: Array) -> tuple[Any, Array, Array, Array]:
     """One round for B sequences (rows with lengths < 0 are padding). `hidden_buf` [slots+1, H] holds each
     sequence's h by slot; both it and the pages are donated and updated in place. The drafts come from `drafter`
-    (`AssistantDrafter` in production).
+    (`AssistantDrafter` in production). `sampled` (static, decided on the host): whether some row samples.
 
     Returns (pages, hidden_buf, emitted [B, k+1]: the accepted drafts and the bonus, -1 after it, n accepted [B]);
     where the sequence's output stops is decided after, with the decode step's rule (device_state.finish_round)."""
@@ -243,13 +243,13 @@ def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int,
     P = jnp.where(valid, lengths, 0)
     hidden = hidden_buf[slots]
     drafts, q, q_ids = drafter.draft(target, layout, params_t, params_d, pages, tables, tokens, hidden, P, sampling,
-                                     k, attention_impl)
+                                     k, attention_impl, sampled)
     verify_tokens = jnp.concatenate([tokens[:, None], drafts], 1)  # [B, k+1]
     positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
     h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables,
                                  attention_impl=attention_impl)
     logits = lm_logits(target, params_t, h_all)  # [B, k+1, V]
-    emitted, n = accept(drafts, q, q_ids, logits, sampling, spec_on & valid, P)
+    emitted, n = accept(drafts, q, q_ids, logits, sampling, spec_on & valid, P, sampled)
     h_next = h_all[jnp.arange(h_all.shape[0]), n]
     hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
     return pages, hidden_buf, emitted, n

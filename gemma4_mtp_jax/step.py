@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -46,6 +47,32 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     return path
 
 
+def compiler_options() -> dict[str, str]:
+    """XLA options every step program is compiled with. On the GPU, XLA records a program's kernels into command
+    buffers (CUDA graphs) and re-records each kernel node whose buffers moved since the last run. The temporaries
+    are one allocation, which moves on every call dispatched before the previous one finished: the engine's
+    pipelined steps then re-recorded all 841 nodes of E2B's decode on every other call, 2.8 ms of host time
+    (benchmarks/RESULTS.md, run 33). SKIP_TEMP gives the temporaries a stable address."""
+    if jax.default_backend() != "gpu":
+        return {}
+    return {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
+
+
+_options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once
+
+
+def _compile(lowered: jax.stages.Lowered) -> Any:
+    options = compiler_options()
+    if options and not _options_rejected:
+        try:
+            return lowered.compile(compiler_options=options)
+        except (RuntimeError, ValueError) as e:  # an XLA that does not know the option: the programs still run
+            _options_rejected.append(str(e))
+            log.warning("compiling without %s (this XLA refused it: %s); every pipelined step then re-records its "
+                        "command buffers", options, str(e).splitlines()[0][:200])
+    return lowered.compile()
+
+
 def _shapes(tree: Any, shardings: Any = None) -> Any:
     if shardings is None:
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
@@ -76,7 +103,8 @@ class _MeshJit:
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
-    with a drafter, the speculative round."""
+    with a drafter, the speculative round, each in two variants: `sampled` False for batches whose rows are all
+    greedy, True when some row samples (`sampling.sample` says why the host, not the device, decides)."""
 
     target: Target
     layout: KVLayout
@@ -90,8 +118,8 @@ class CompiledSteps:
     # the shardings they went in with, so donation updates them in place.
     placement: Placement | None = None
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
-    decode: dict[int, Any] = dataclasses.field(default_factory=dict)
-    speculative: dict[int, Any] = dataclasses.field(default_factory=dict)
+    decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
+    speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
@@ -187,18 +215,20 @@ class CompiledSteps:
         zeros = jnp.zeros_like(token)
         return state, jnp.stack([token, zeros, keep, reason], 1)
 
-    def _decode_fn(self, params, state: DeviceState, rows: StepRows, tables, sampling) -> tuple[DeviceState, jax.Array]:
+    def _decode_fn(self, params, state: DeviceState, rows: StepRows, tables, sampling, *,
+                   sampled: bool) -> tuple[DeviceState, jax.Array]:
         token, length, remaining = read_rows(state, rows)
         pages, nxt = decode_step(self.target, self.layout, self.attention_impl, params, state.pages, token, length,
-                                 tables, sampling)
+                                 tables, sampling, sampled)
         return finish_round(state.replace(pages=pages), rows, length, remaining, nxt[:, None], jnp.zeros_like(nxt))
 
-    def _speculative_fn(self, params, params_d, state: DeviceState, rows: StepRows, tables,
-                        sampling) -> tuple[DeviceState, jax.Array]:
+    def _speculative_fn(self, params, params_d, state: DeviceState, rows: StepRows, tables, sampling, *,
+                        sampled: bool) -> tuple[DeviceState, jax.Array]:
         token, length, remaining = read_rows(state, rows)
         pages, hidden, emitted, n = speculative_step(self.target, self.drafter, self.layout, self.k,
-                                                     self.attention_impl, params, params_d, state.pages, state.hidden,
-                                                     rows.slot, token, length, tables, sampling, rows.speculate)
+                                                     self.attention_impl, sampled, params, params_d, state.pages,
+                                                     state.hidden, rows.slot, token, length, tables, sampling,
+                                                     rows.speculate)
         return finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
@@ -208,35 +238,39 @@ class CompiledSteps:
                 i32(batch, MAX_STOP_IDS), i32(batch))
         return self._jit(self._prefill_fn, (1,), (self.state_shardings(), self._rep)).lower(*args)
 
-    def _lower_decode(self, batch: int) -> jax.stages.Lowered:
+    def _lower_decode(self, batch: int, sampled: bool) -> jax.stages.Lowered:
         params, state, tables, sampling = self._abstract(batch)
-        return self._jit(self._decode_fn, (1,), (self.state_shardings(), self._rep)).lower(
+        fn = functools.partial(self._decode_fn, sampled=sampled)
+        return self._jit(fn, (1,), (self.state_shardings(), self._rep)).lower(
             params, state, self._abstract_rows(batch), tables, sampling)
 
-    def _lower_speculative(self, batch: int) -> jax.stages.Lowered:
+    def _lower_speculative(self, batch: int, sampled: bool) -> jax.stages.Lowered:
         params, state, tables, sampling = self._abstract(batch)
         rep = None if self.placement is None else self.placement.replicate(self.draft_params)
-        return self._jit(self._speculative_fn, (2,), (self.state_shardings(), self._rep)).lower(
+        fn = functools.partial(self._speculative_fn, sampled=sampled)
+        return self._jit(fn, (2,), (self.state_shardings(), self._rep)).lower(
             params, _shapes(self.draft_params, rep), state, self._abstract_rows(batch), tables, sampling)
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
         """(params, state, slot [B], tokens [B, T], positions [B, T], tables, last_index [B], sampling,
         stop_ids [B, S], remaining [B]) -> (state, packed [B, 4])."""
         if (batch, tokens) not in self.prefill:
-            self.prefill[(batch, tokens)] = self._lower_prefill(batch, tokens).compile()
+            self.prefill[(batch, tokens)] = _compile(self._lower_prefill(batch, tokens))
         return self.prefill[(batch, tokens)]
 
-    def compile_decode(self, batch: int) -> Any:
-        """(params, state, rows: StepRows, tables, sampling) -> (state, packed [B, 4])."""
-        if batch not in self.decode:
-            self.decode[batch] = self._lower_decode(batch).compile()
-        return self.decode[batch]
+    def compile_decode(self, batch: int, sampled: bool = False) -> Any:
+        """(params, state, rows: StepRows, tables, sampling) -> (state, packed [B, 4]). `sampled`: some row
+        samples (False: every row must be greedy)."""
+        if (batch, sampled) not in self.decode:
+            self.decode[(batch, sampled)] = _compile(self._lower_decode(batch, sampled))
+        return self.decode[(batch, sampled)]
 
-    def compile_speculative(self, batch: int) -> Any:
-        """(params, draft_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, k+4])."""
-        if batch not in self.speculative:
-            self.speculative[batch] = self._lower_speculative(batch).compile()
-        return self.speculative[batch]
+    def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
+        """(params, draft_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, k+4]). `sampled`:
+        some row samples (False: every row must be greedy)."""
+        if (batch, sampled) not in self.speculative:
+            self.speculative[(batch, sampled)] = _compile(self._lower_speculative(batch, sampled))
+        return self.speculative[(batch, sampled)]
 
     def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
         """Every program the engine runs with these buckets: (name, lower, store)."""
@@ -245,11 +279,14 @@ class CompiledSteps:
 
         progs = [(f"prefill[1x{t}]", lambda t=t: self._lower_prefill(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
-        if self.drafter is None:
-            progs += [(f"decode[{b}]", lambda b=b: self._lower_decode(b), put(self.decode, b)) for b in batch_buckets]
-        else:
-            progs += [(f"speculative[{b}x{self.k}]", lambda b=b: self._lower_speculative(b), put(self.speculative, b))
-                      for b in batch_buckets]
+        for sampled in (False, True):
+            tag = ",sampled" if sampled else ""
+            if self.drafter is None:
+                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self._lower_decode(b, s),
+                           put(self.decode, (b, sampled))) for b in batch_buckets]
+            else:
+                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self._lower_speculative(b, s),
+                           put(self.speculative, (b, sampled))) for b in batch_buckets]
         return progs
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
@@ -267,7 +304,7 @@ class CompiledSteps:
 
         def compile_one(low):
             t0 = time.perf_counter()
-            return low.compile(), time.perf_counter() - t0
+            return _compile(low), time.perf_counter() - t0
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
             futures = {pool.submit(compile_one, low): (name, store, t_lower) for name, low, store, t_lower in lowered}

@@ -3,6 +3,7 @@ compilation after start-up, in-place KV updates, page accounting, sampling."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -120,12 +121,26 @@ def test_kv_updated_in_place(engines):
         assert not copies, f"{name} copies a cache-sized array: {copies[:3]}"
 
 
+def test_step_programs_hold_no_conditional(engines):
+    """No step program holds an XLA conditional: on the GPU a conditional's predicate is copied to the host, which
+    holds the dispatching thread until the device gets there, so the engine could not dispatch step n+1 while step
+    n runs. Greedy and sampled batches run separate variants instead (`sampling.sample`)."""
+    engine = engines("e2b")
+    steps = engine.steps
+    for name, compiled in [("decode[2]", steps.compile_decode(2)), ("decode[2,sampled]", steps.compile_decode(2, True)),
+                           ("prefill[1x8]", steps.compile_prefill(1, 8))]:
+        text = compiled.as_text()
+        assert " conditional(" not in text, f"{name} holds a conditional"
+        assert (" sort(" in text) == (name != "decode[2]"), f"{name}: the sampling path is traced only when sampled"
+
+
 def test_donation_check_can_fail(engines):
     """The in-place check above is not vacuous: the same step compiled without donation has no aliasing."""
     engine = engines("e2b")
     steps = engine.steps
     params, state, tables, sampling = steps._abstract(2)
-    plain = jax.jit(steps._decode_fn).lower(params, state, steps._abstract_rows(2), tables, sampling).compile()
+    plain = jax.jit(functools.partial(steps._decode_fn, sampled=False)).lower(
+        params, state, steps._abstract_rows(2), tables, sampling).compile()
     assert plain.memory_analysis().alias_size_in_bytes == 0
 
 
@@ -502,3 +517,18 @@ def _check_fault_isolation(engine, run):
     assert not engine.running and not engine.waiting
     again, _ = run(False)
     assert [r.output for r in again] == [r.output for r in undisturbed]
+
+
+def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
+    """step.compiler_options() names an XLA option of recent GPU builds; an XLA that refuses it still compiles the
+    program (without it), says so once, and stops asking."""
+    from gemma4_mtp_jax import step
+
+    monkeypatch.setattr(step, "compiler_options", lambda: {"xla_gpu_command_buffer_update_mode": "NO_SUCH_MODE"})
+    monkeypatch.setattr(step, "_options_rejected", [])
+    lowered = jax.jit(lambda x: x * 2).lower(np.float32(3))
+    with caplog.at_level("WARNING", logger="gemma4_mtp_jax.step"):
+        assert float(step._compile(lowered)(np.float32(3))) == 6.0
+        assert float(step._compile(lowered)(np.float32(4))) == 8.0
+    assert len(step._options_rejected) == 1 and "NO_SUCH_MODE" in step._options_rejected[0]
+    assert sum("compiling without" in r.message for r in caplog.records) == 1

@@ -57,7 +57,7 @@ class TargetGreedyDrafter:
         return ()
 
     def draft(self, target, layout, params_t, params_d, pages, tables, tokens, hidden, lengths, sampling, k,
-              attention_impl):
+              attention_impl, sampled):
         from gemma4_mtp_jax.forward import forward_paged, lm_logits
 
         tok, drafts = tokens, []
@@ -811,6 +811,8 @@ def test_speculative_step_updates_state_in_place(engines):
 
     engine = engines("e2b", 4)
     compiled = engine.steps.compile_speculative(4)
+    for variant in (compiled, engine.steps.compile_speculative(4, sampled=True)):
+        assert " conditional(" not in variant.as_text(), "a conditional's predicate would hold the host (test_engine)"
     donated = sum(a.nbytes for kv in engine.state.pages.values() for a in kv) + engine.state.hidden.nbytes
     assert compiled.memory_analysis().alias_size_in_bytes >= donated
     dt = {"float32": "f32", "bfloat16": "bf16"}[engine.cache_dtype.name]
