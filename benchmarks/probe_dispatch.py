@@ -90,8 +90,24 @@ def main() -> None:
             return out
         rows[name] = measure(call, args.repeats)
         print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
+    # The same parameters into a program that does nothing with them: what passing ~540 weight arrays costs.
+    trivial = jax.jit(lambda params, x: x + 1, keep_unused=True).lower(steps.params, np.float32(0)).compile()
+    rows["same_args_trivial_program"] = measure(lambda: trivial(steps.params, np.float32(0)), args.repeats)
+    print("same_args_trivial_program", {k: round(v, 3) for k, v in rows["same_args_trivial_program"].items()},
+          flush=True)
+    # Which of the program's buffers move between calls (each move re-records the command-buffer nodes using it):
+    # the device addresses of the state's leaves and of the packed result over a few pipelined calls.
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(box[0])[0]]
+    seen: dict[str, set[int]] = {}
+    for _ in range(6):
+        box[0], out = fn(steps.params, box[0], *placed)
+        for name, leaf in zip(names + ["packed"], jax.tree_util.tree_leaves(box[0]) + [out]):
+            seen.setdefault(name, set()).add(leaf.unsafe_buffer_pointer())
+    jax.block_until_ready(out)
+    moved = {name: len(ptrs) for name, ptrs in seen.items() if len(ptrs) > 1}
+    print(f"buffers that moved over 6 calls: {moved or 'none'} (of {len(seen)})", flush=True)
     write_json(f"probe_dispatch{'_' + args.tag if args.tag else ''}.json",
-               {"env": env, "compile_s": compile_s, "context": context, **rows})
+               {"env": env, "compile_s": compile_s, "context": context, "moved": moved, **rows})
 
 
 if __name__ == "__main__":
