@@ -135,8 +135,8 @@ def main() -> None:
             tokens = rng.integers(0, cfg.vocab_size, B).astype(np.int32)
             positions = np.full(B, context - 1, np.int32)
             sampling = SamplingBatch.from_params([], B)
-            t, state = time_decode(fn, params, state, (fresh_rows(tokens, positions, steps.num_slots), tables,
-                                                       sampling), args.repeats)
+            rows = fresh_rows(tokens, positions, steps.num_slots)
+            t, state = time_decode(fn, steps.program_params, state, (rows, tables, sampling), args.repeats)
             need = bytes_per_step(cfg, params, B, context)
             floor = need["total"] / bw
             row = {"model": name, "batch": B, "context": context, "step_ms": t * 1e3, "roofline_ms": floor * 1e3,

@@ -53,13 +53,14 @@ def program_call(engine: Engine):
         fn = engine.steps.compile_decode(B)
 
         def call():
-            engine.state, out = fn(engine.steps.params, engine.state, rows, tables, sampling)
+            engine.state, out = fn(engine.steps.program_params, engine.state, rows, tables, sampling)
             return out
         return call
     fn = engine.steps.compile_speculative(B)
 
     def call():
-        engine.state, out = fn(engine.steps.params, engine.steps.draft_params, engine.state, rows, tables, sampling)
+        engine.state, out = fn(engine.steps.program_params, engine.steps.draft_params, engine.state, rows, tables,
+                               sampling)
         return out
     return call
 

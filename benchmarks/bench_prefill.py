@@ -81,12 +81,12 @@ def main() -> None:
             fn = steps.compile_prefill(1, chunk)
             compile_s = time.perf_counter() - t0
             state = bench_state(steps, random_pages(cfg, layout, dtype))
-            state, out = run_prompt(fn, target.params, state, prompt, chunk, tables, sampling)  # warm-up
+            state, out = run_prompt(fn, steps.program_params, state, prompt, chunk, tables, sampling)  # warm-up
             hs[impl] = written_kv(cfg, state, tables, prompt_len, args.page_size)
             samples = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                state, out = run_prompt(fn, target.params, state, prompt, chunk, tables, sampling)
+                state, out = run_prompt(fn, steps.program_params, state, prompt, chunk, tables, sampling)
                 out.block_until_ready()
                 samples.append(time.perf_counter() - t0)
             times[impl] = (statistics.median(samples), compile_s)

@@ -127,7 +127,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         t0 = time.perf_counter()
         dec = plain.compile_decode(B)
         row["compile_decode_s"] = time.perf_counter() - t0
-        t, tp, (state,) = timed(lambda s, *r: dec(params, s, *r), (bench_state(plain, pages),),
+        t, tp, (state,) = timed(lambda s, *r: dec(plain.program_params, s, *r), (bench_state(plain, pages),),
                                 (fresh_rows(tokens, P, plain.num_slots), tables, sampling), args.repeats)
         pages = state.pages
         row["decode_ms"], row["decode_pipelined_ms"] = t * 1e3, tp * 1e3
@@ -150,7 +150,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         t0 = time.perf_counter()
         spec = steps.compile_speculative(B)
         row["compile_spec_s"] = time.perf_counter() - t0
-        t, tp, (state,) = timed(lambda s, *r: spec(steps.params, steps.draft_params, s, *r),
+        t, tp, (state,) = timed(lambda s, *r: spec(steps.program_params, steps.draft_params, s, *r),
                                 (bench_state(steps, pages, hidden),), (fresh_rows(tokens, P, steps.num_slots),
                                                                        tables, sampling), args.repeats)
         pages, hidden = state.pages, state.hidden

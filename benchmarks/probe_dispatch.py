@@ -86,21 +86,24 @@ def main() -> None:
     rows = {}
     for name, inputs in (("host_inputs", host), ("device_inputs", placed)):
         def call(inputs=inputs):
-            box[0], out = fn(steps.params, box[0], *inputs)
+            box[0], out = fn(steps.program_params, box[0], *inputs)
             return out
         rows[name] = measure(call, args.repeats)
         print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
-    # The same parameters into a program that does nothing with them: what passing ~540 weight arrays costs.
-    trivial = jax.jit(lambda params, x: x + 1, keep_unused=True).lower(steps.params, np.float32(0)).compile()
-    rows["same_args_trivial_program"] = measure(lambda: trivial(steps.params, np.float32(0)), args.repeats)
-    print("same_args_trivial_program", {k: round(v, 3) for k, v in rows["same_args_trivial_program"].items()},
-          flush=True)
+    # The parameters into a program that does nothing with them: what passing the weight arrays costs, as the
+    # tree (every array) and as the programs take them (param_pack.py).
+    for name, params in (("trivial_program_param_tree", steps.params),
+                         ("trivial_program_packed_params", steps.program_params)):
+        trivial = jax.jit(lambda params, x: x + 1, keep_unused=True).lower(params, np.float32(0)).compile()
+        rows[name] = measure(lambda: trivial(params, np.float32(0)), args.repeats)
+        print(f"{name} ({len(jax.tree_util.tree_leaves(params))} arrays)",
+              {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
     # Which of the program's buffers move between calls (each move re-records the command-buffer nodes using it):
     # the device addresses of the state's leaves and of the packed result over a few pipelined calls.
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(box[0])[0]]
     seen: dict[str, set[int]] = {}
     for _ in range(6):
-        box[0], out = fn(steps.params, box[0], *placed)
+        box[0], out = fn(steps.program_params, box[0], *placed)
         for name, leaf in zip(names + ["packed"], jax.tree_util.tree_leaves(box[0]) + [out]):
             seen.setdefault(name, set()).add(leaf.unsafe_buffer_pointer())
     jax.block_until_ready(out)

@@ -702,8 +702,8 @@ class Engine:
             tokens[0, :n] = todo[start : start + n]
             positions[0, :n] = np.arange(start, start + n)
             fn = self.steps.compile_prefill(1, T)
-            self.state, packed = fn(self.steps.params, self.state, np.array([req.slot], np.int32), tokens, positions,
-                                    tables, np.array([n - 1], np.int32), sampling, row.stop_ids[None],
+            self.state, packed = fn(self.steps.program_params, self.state, np.array([req.slot], np.int32), tokens,
+                                    positions, tables, np.array([n - 1], np.int32), sampling, row.stop_ids[None],
                                     np.array([row.remaining], np.int32))
             req.prefilled += n
             done += n
@@ -718,11 +718,11 @@ class Engine:
         B, step_rows, tables, sampling = self._step_inputs(rows)
         sampled = any_sampled([row.sampling for row in rows])
         if self.assistant is None:
-            self.state, packed = self.steps.compile_decode(B, sampled)(self.steps.params, self.state, step_rows,
+            self.state, packed = self.steps.compile_decode(B, sampled)(self.steps.program_params, self.state, step_rows,
                                                                        tables, sampling)
         else:
             self.state, packed = self.steps.compile_speculative(B, sampled)(
-                self.steps.params, self.steps.draft_params, self.state, step_rows, tables, sampling)
+                self.steps.program_params, self.steps.draft_params, self.state, step_rows, tables, sampling)
         for row in rows:
             row.req.on_device = True
         return packed

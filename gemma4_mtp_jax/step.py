@@ -24,6 +24,7 @@ from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, StepRows, finish_round, init_slots, read_rows,
                                          stop_check)
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
+from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
@@ -137,6 +138,22 @@ class CompiledSteps:
             self.params = pl.put(self.target.params, self.param_shardings())
             if self.draft_params is not None:
                 self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
+        # What the programs take for the target's parameters: its vectors and scalars packed (param_pack.py says
+        # why). `params` stays the tree, for whoever reads the weights; the kept leaves are the same arrays.
+        shardings = self.param_shardings()
+        if shardings is None:
+            self.pack = ParamPack.plan(self.params)
+        else:  # only replicated leaves are packed: the packed groups are replicated
+            flat = dict(zip((jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shardings)[0]),
+                            jax.tree_util.tree_leaves(shardings)))
+            self.pack = ParamPack.plan(self.params, lambda path, _: flat[path].is_fully_replicated)
+        if _abstract_tree(self.params):
+            self.program_params = self.pack.abstract(_shapes(self.params, shardings), self._rep)
+        else:
+            self.program_params = self.pack.pack(self.params)
+            if pl is not None:
+                self.program_params = PackedParams(self.program_params.kept,
+                                                   pl.put(self.program_params.packed, self._rep))
 
     # ------------------------------------------------------------------ shardings (None without a placement)
     def param_shardings(self) -> Any:
@@ -195,7 +212,8 @@ class CompiledSteps:
         tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
         f32 = self._sds((batch,), jnp.float32)
         sampling = SamplingBatch(temperature=f32, top_k=i32(batch), top_p=f32, seed=self._sds((batch,), jnp.uint32))
-        return _shapes(self.target.params, self.param_shardings()), self._abstract_state(), tables, sampling
+        params = self.pack.abstract(_shapes(self.target.params, self.param_shardings()), self._rep)
+        return params, self._abstract_state(), tables, sampling
 
     def _abstract_rows(self, batch: int) -> StepRows:
         i32, flag = self._i32(batch), self._sds((batch,), jnp.bool_)
@@ -206,6 +224,7 @@ class CompiledSteps:
                     remaining) -> tuple[DeviceState, jax.Array]:
         """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
         a prompt's final chunk) as a packed [B, 4] result; the drafter's h (the hidden there) into its slot."""
+        params = self.pack.unpack(params)
         pages, token, h_last = prefill_step(self.target, self.layout, self.attention_impl, params, state.pages, tokens,
                                             positions, tables, last_index, sampling)
         state = state.replace(pages=pages)
@@ -217,6 +236,7 @@ class CompiledSteps:
 
     def _decode_fn(self, params, state: DeviceState, rows: StepRows, tables, sampling, *,
                    sampled: bool) -> tuple[DeviceState, jax.Array]:
+        params = self.pack.unpack(params)
         token, length, remaining = read_rows(state, rows)
         pages, nxt = decode_step(self.target, self.layout, self.attention_impl, params, state.pages, token, length,
                                  tables, sampling, sampled)
@@ -224,6 +244,7 @@ class CompiledSteps:
 
     def _speculative_fn(self, params, params_d, state: DeviceState, rows: StepRows, tables, sampling, *,
                         sampled: bool) -> tuple[DeviceState, jax.Array]:
+        params = self.pack.unpack(params)
         token, length, remaining = read_rows(state, rows)
         pages, hidden, emitted, n = speculative_step(self.target, self.drafter, self.layout, self.k,
                                                      self.attention_impl, sampled, params, params_d, state.pages,
@@ -252,22 +273,22 @@ class CompiledSteps:
             params, _shapes(self.draft_params, rep), state, self._abstract_rows(batch), tables, sampling)
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
-        """(params, state, slot [B], tokens [B, T], positions [B, T], tables, last_index [B], sampling,
+        """(program_params, state, slot [B], tokens [B, T], positions [B, T], tables, last_index [B], sampling,
         stop_ids [B, S], remaining [B]) -> (state, packed [B, 4])."""
         if (batch, tokens) not in self.prefill:
             self.prefill[(batch, tokens)] = _compile(self._lower_prefill(batch, tokens))
         return self.prefill[(batch, tokens)]
 
     def compile_decode(self, batch: int, sampled: bool = False) -> Any:
-        """(params, state, rows: StepRows, tables, sampling) -> (state, packed [B, 4]). `sampled`: some row
+        """(program_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, 4]). `sampled`: some row
         samples (False: every row must be greedy)."""
         if (batch, sampled) not in self.decode:
             self.decode[(batch, sampled)] = _compile(self._lower_decode(batch, sampled))
         return self.decode[(batch, sampled)]
 
     def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
-        """(params, draft_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, k+4]). `sampled`:
-        some row samples (False: every row must be greedy)."""
+        """(program_params, draft_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, k+4]).
+        `sampled`: some row samples (False: every row must be greedy)."""
         if (batch, sampled) not in self.speculative:
             self.speculative[(batch, sampled)] = _compile(self._lower_speculative(batch, sampled))
         return self.speculative[(batch, sampled)]
