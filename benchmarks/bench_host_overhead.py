@@ -83,9 +83,11 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="the speculative engine (the family's assistant)")
     ap.add_argument("--context", type=int, default=1024, help="tokens per sequence when timing starts")
     ap.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
+    ap.add_argument("--pack-params", action="store_true", help="programs take the vectors and scalars packed "
+                    "(EngineConfig.pack_params)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
-    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "pack_params": args.pack_params}
     print(env, flush=True)
     name = "smoke" if args.smoke else args.model
     tcfg = parse_target_config(SMOKE if args.smoke else TARGETS[name])
@@ -101,7 +103,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for B in args.batch:
         config = EngineConfig(max_num_seqs=B, max_model_len=context + (warmup + args.steps + 2) * 17,
-                              compile_at_start=False)
+                              compile_at_start=False, pack_params=args.pack_params)
         engine = Engine(target, config, assistant=assistant)
         for _ in range(B):
             engine.add_request(rng.integers(3, tcfg.vocab_size, context).tolist(), config.max_model_len - context,

@@ -153,19 +153,22 @@ def load_model(name: str) -> tuple[Target, Assistant]:
             Assistant(acfg, abstract_assistant_params(acfg, dtype), dtype, None, {}))
 
 
-def programs(target: Target, assistant: Assistant, batch: int, k: int, context: int, page_size: int) -> dict:
+def programs(target: Target, assistant: Assistant, batch: int, k: int, context: int, page_size: int,
+             pack_params: bool = False) -> dict:
     """The lowered programs of one batch size: decode, verify (forward on k+1 tokens + logits, the target half of
     the speculative step), speculative (k draft steps + verify + acceptance + bookkeeping), each for a greedy
     batch; and the decode and speculative variants a batch with a sampled row runs (`*_sampled`)."""
     tcfg, acfg, dtype = target.config, assistant.config, target.dtype
     layout = layout_for(tcfg, batch, page_size=page_size, max_model_len=context, num_speculative_tokens=k,
                         assistant_window=acfg.text.sliding_window)
-    spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch)
-    plain = CompiledSteps(target, layout, dtype, "auto")
+    spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch,
+                         pack_params=pack_params)
+    plain = CompiledSteps(target, layout, dtype, "auto", pack_params=pack_params)
     params, state, tables, _ = plain._abstract(batch)
     pages, tokens = state.pages, plain._i32(batch, k + 1)
 
     def verify(params, pages, tokens, positions, tables):
+        params = plain.pack.unpack(params)
         h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")
         return pages, jnp.argmax(lm_logits(target, params, h), -1)
 
@@ -185,6 +188,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096, help="max_model_len of the layout (table widths)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--json-name", default="kernel_count.json", help="file name of the JSON under $OUT")
+    ap.add_argument("--pack-params", action="store_true", help="programs take the vectors and scalars packed "
+                    "(EngineConfig.pack_params)")
     ap.add_argument("--programs", nargs="+", default=["decode", "verify", "speculative"],
                     choices=["decode", "verify", "speculative", "decode_sampled", "speculative_sampled"])
     ap.add_argument("--dump-hlo", default=None, help="write each program's optimized HLO (gzip) here")
@@ -197,7 +202,8 @@ def main() -> None:
         layers = target.config.num_layers
         for B in args.batch:
             row = {"model": name, "batch": B, "k": args.k, "target_layers": layers}
-            for prog, lower in programs(target, assistant, B, args.k, args.context, args.page_size).items():
+            for prog, lower in programs(target, assistant, B, args.k, args.context, args.page_size,
+                                        args.pack_params).items():
                 if prog not in args.programs:
                     continue
                 t0 = time.perf_counter()

@@ -65,16 +65,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--tag", default="", help="a name for this run's XLA_FLAGS variant (in the JSON's file name)")
+    ap.add_argument("--pack-params", action="store_true", help="programs take the vectors and scalars packed "
+                    "(EngineConfig.pack_params)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
-    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "pack_params": args.pack_params}
     print(env, flush=True)
     cfg = parse_target_config(SMOKE if args.smoke else TARGETS["e2b"])
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     context = 48 if args.smoke else args.context
     target = Target(cfg, random_params(abstract_target_params(cfg, dtype), 0), dtype, None, {})
     layout = layout_for(cfg, 1, page_size=16, max_model_len=context + 16)
-    steps = CompiledSteps(target, layout, dtype, "auto")
+    steps = CompiledSteps(target, layout, dtype, "auto", pack_params=args.pack_params)
     t0 = time.perf_counter()
     fn = steps.compile_decode(1)
     compile_s = time.perf_counter() - t0

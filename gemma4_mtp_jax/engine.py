@@ -85,6 +85,10 @@ class EngineConfig:
     # Dispatch step n+1 before reading step n's tokens (the device state carries each sequence's newest token), so
     # the device does not wait for the host between steps; each step's tokens then reach the caller one step later.
     async_scheduling: bool = True
+    # Pass the target's norm scales and layer scalars to the step programs packed, one array per dtype
+    # (param_pack.py): half as many arrays per call, each of which costs the host ~3 us on the GPU. Off until it is
+    # measured on the GPU (scripts/gpu_run37.sh): it also lengthens compiles.
+    pack_params: bool = False
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200
@@ -273,7 +277,8 @@ class Engine:
             drafter = AssistantDrafter(assistant)
         self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
                                    k=self.k, num_slots=cfg.max_num_seqs,
-                                   placement=self._placement(cfg.tensor_parallel_size, devices))
+                                   placement=self._placement(cfg.tensor_parallel_size, devices),
+                                   pack_params=cfg.pack_params)
         self.state: DeviceState = self.steps.init_state()
         # Each running sequence owns a slot: its row of the device state's per-sequence arrays.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))

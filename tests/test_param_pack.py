@@ -34,15 +34,21 @@ def test_pack_round_trips_inside_a_program():
     assert [(a.shape, a.dtype) for a in abstract.packed] == [(a.shape, a.dtype) for a in packed.packed]
 
 
-def test_engine_programs_take_the_packed_parameters(tiny_ckpts, jax_models):
+def test_packed_parameters_give_the_same_output(tiny_ckpts, jax_models):
     from gemma4_mtp_jax.engine import Engine, EngineConfig
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
-    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=32, page_size=4, prefill_chunk=8,
-                                         min_prefill_bucket=4, compile_at_start=False))
-    leaves = jax.tree_util.tree_leaves(engine.steps.params)
-    assert len(jax.tree_util.tree_leaves(engine.steps.program_params)) == engine.steps.pack.num_arrays
-    assert engine.steps.pack.num_arrays < len(leaves) * 3 // 4  # the norms and layer scalars are packed
-    out = engine.add_request([5, 6, 7], 4, stop_ids=frozenset())
-    engine.run()
-    assert len(out.output) == 4
+    outputs = {}
+    for pack in (False, True):
+        engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=32, page_size=4, prefill_chunk=8,
+                                             min_prefill_bucket=4, compile_at_start=False, pack_params=pack))
+        leaves = jax.tree_util.tree_leaves(engine.steps.params)
+        assert len(jax.tree_util.tree_leaves(engine.steps.program_params)) == engine.steps.pack.num_arrays
+        if pack:  # the norms and layer scalars are packed
+            assert engine.steps.pack.num_arrays < len(leaves) * 3 // 4
+        else:
+            assert engine.steps.pack.num_arrays == len(leaves)
+        reqs = [engine.add_request(p, 6, stop_ids=frozenset()) for p in ([5, 6, 7], [9, 3, 4, 8, 2])]
+        engine.run()
+        outputs[pack] = [r.output for r in reqs]
+    assert outputs[True] == outputs[False]
