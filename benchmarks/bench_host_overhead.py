@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE  # noqa: E402
 from benchmarks.bench_spec import SMOKE_ASSISTANT  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, environment, median_time, pipelined_time,  # noqa: E402
+from benchmarks.common import (ASSISTANTS, TARGETS, add_pack_params_arg, environment, median_time, pipelined_time,  # noqa: E402
                                random_params, write_json)
 from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
@@ -83,8 +83,7 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="the speculative engine (the family's assistant)")
     ap.add_argument("--context", type=int, default=1024, help="tokens per sequence when timing starts")
     ap.add_argument("--steps", type=int, default=30, help="timed steps (after 5 warm-up steps)")
-    ap.add_argument("--pack-params", action="store_true", help="programs take the vectors and scalars packed "
-                    "(EngineConfig.pack_params)")
+    add_pack_params_arg(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
     env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "pack_params": args.pack_params}

@@ -140,6 +140,12 @@ def pipelined_time(call: Callable, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def add_pack_params_arg(ap) -> None:
+    """--pack-params: the step programs take the target's vectors and scalars packed (EngineConfig.pack_params)."""
+    ap.add_argument("--pack-params", action="store_true", help="programs take the target's vectors and scalars "
+                    "packed into one array per dtype (EngineConfig.pack_params)")
+
+
 def environment() -> dict:
     info = {"jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import ASSISTANTS, TARGETS, environment, layout_for, write_json  # noqa: E402
+from benchmarks.common import ASSISTANTS, TARGETS, add_pack_params_arg, environment, layout_for, write_json  # noqa: E402
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
@@ -188,8 +188,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096, help="max_model_len of the layout (table widths)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--json-name", default="kernel_count.json", help="file name of the JSON under $OUT")
-    ap.add_argument("--pack-params", action="store_true", help="programs take the vectors and scalars packed "
-                    "(EngineConfig.pack_params)")
+    add_pack_params_arg(ap)
     ap.add_argument("--programs", nargs="+", default=["decode", "verify", "speculative"],
                     choices=["decode", "verify", "speculative", "decode_sampled", "speculative_sampled"])
     ap.add_argument("--dump-hlo", default=None, help="write each program's optimized HLO (gzip) here")

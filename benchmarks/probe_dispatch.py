@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
 from benchmarks.common import TARGETS, bench_state, environment, fresh_rows, layout_for, random_params  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import add_pack_params_arg, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_target_config  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
@@ -65,8 +65,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--tag", default="", help="a name for this run's XLA_FLAGS variant (in the JSON's file name)")
-    ap.add_argument("--pack-params", action="store_true", help="programs take the vectors and scalars packed "
-                    "(EngineConfig.pack_params)")
+    add_pack_params_arg(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
     env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "pack_params": args.pack_params}
