@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (TARGETS, bench_state, copy_bandwidth, environment, fresh_rows,  # noqa: E402
                                layout_for, random_params, write_json)
+from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.kv_state import abstract_pages  # noqa: E402
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--attention", default="auto", choices=["auto", "pallas", "xla"])
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace 5 steps and list the kernels the device spent the step in (kernel_profile.py)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
     args = ap.parse_args()
     env = environment()
@@ -135,8 +138,8 @@ def main() -> None:
             tokens = rng.integers(0, cfg.vocab_size, B).astype(np.int32)
             positions = np.full(B, context - 1, np.int32)
             sampling = SamplingBatch.from_params([], B)
-            rows = fresh_rows(tokens, positions, steps.num_slots)
-            t, state = time_decode(fn, steps.program_params, state, (rows, tables, sampling), args.repeats)
+            rows_in = fresh_rows(tokens, positions, steps.num_slots)
+            t, state = time_decode(fn, steps.program_params, state, (rows_in, tables, sampling), args.repeats)
             need = bytes_per_step(cfg, params, B, context)
             floor = need["total"] / bw
             row = {"model": name, "batch": B, "context": context, "step_ms": t * 1e3, "roofline_ms": floor * 1e3,
@@ -149,6 +152,16 @@ def main() -> None:
                     row[f"experts_{key}"] = n
                     row[f"roofline_{key}_ms"] = b / bw * 1e3
                     row[f"roofline_{key}_fraction"] = b / bw / t
+            if args.profile:
+                holder = [state]
+
+                def one_step():
+                    holder[0], out = fn(steps.program_params, holder[0], rows_in, tables, sampling)
+                    return out
+
+                row["profile"] = profile_calls(one_step)
+                state = holder[0]
+                print_profile(f"{name} B={B} decode", row["profile"], t * 1e6)
             rows.append(row)
             print(row, flush=True)
         del params, state, steps

@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import copy_bandwidth, environment, median_time, write_json  # noqa: E402
+from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.kernels import grouped_matmul as gm  # noqa: E402
 
 REAL = dict(E=128, k=8, H=2816, Im=704)
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--no-tokamax", action="store_true")
     ap.add_argument("--sweep-at", nargs="*", type=int, default=[2, 2048], help="token counts to try kernel tilings at")
+    ap.add_argument("--profile", action="store_true", help="trace the grouped variant and list its kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
     args = ap.parse_args()
     env = environment()
@@ -143,6 +145,10 @@ def main() -> None:
                 err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / (jnp.max(jnp.abs(ref)) + 1e-9))
                 t = median_time(f, (x, weights, idx, gate_up, down), repeats=args.repeats)
                 row[name] = {"us": t * 1e6, "of_roofline": floor / t, "rel_err_vs_dense": err}
+                if args.profile and name in ("grouped", "dense"):
+                    prof = profile_calls(lambda: f(x, weights, idx, gate_up, down))
+                    row[name]["profile"] = prof
+                    print_profile(f"N={N} {name}", prof, t * 1e6, top=8)
             except Exception as e:  # noqa: BLE001
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(N, name, row[name], flush=True)

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
 from benchmarks.common import (ASSISTANTS, TARGETS, bench_state, copy_bandwidth, environment,  # noqa: E402
                                fresh_rows, layout_for, pipelined_time, random_params, write_json)
+from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
     Target,
@@ -153,6 +154,17 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         t, tp, (state,) = timed(lambda s, *r: spec(steps.program_params, steps.draft_params, s, *r),
                                 (bench_state(steps, pages, hidden),), (fresh_rows(tokens, P, steps.num_slots),
                                                                        tables, sampling), args.repeats)
+        if args.profile:
+            box = [state]
+
+            def one_spec():
+                box[0], out = spec(steps.program_params, steps.draft_params, box[0],
+                                   fresh_rows(tokens, P, steps.num_slots), tables, sampling)
+                return out
+
+            row["spec_profile"] = profile_calls(one_spec)
+            state = box[0]
+            print_profile(f"{name} B={B} speculative", row["spec_profile"], t * 1e6, top=25)
         pages, hidden = state.pages, state.hidden
         row["spec_ms"], row["spec_pipelined_ms"] = t * 1e3, tp * 1e3
         need = bytes_per_step(tcfg, target.params, B, context)
@@ -181,6 +193,8 @@ def main() -> None:
                     help="mean tokens per round for the projected speedup (vLLM's 31B figure at k=4)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the target over the first N devices (sharding.py)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace the speculative step and list its kernels (kernel_profile.py)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     env = environment()
