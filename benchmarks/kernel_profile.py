@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import glob
 import re
+import shutil
 import tempfile
 from typing import Callable
 
@@ -63,10 +64,13 @@ def profile_calls(call: Callable[[], object], calls: int = 5) -> dict:
     with jax.profiler.trace(log_dir):
         for _ in range(calls):
             jax.block_until_ready(call())
-    paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
-    if not paths:
-        raise RuntimeError(f"kernel_profile: jax.profiler wrote no .xplane.pb under {log_dir}")
-    events = _device_events(paths[0])
+    try:
+        paths = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            raise RuntimeError(f"kernel_profile: jax.profiler wrote no .xplane.pb under {log_dir}")
+        events = _device_events(paths[0])
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
     per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     by_kind: dict[str, float] = collections.Counter()
     for name, us in events:
