@@ -1,11 +1,16 @@
-"""The step programs' parameters as fewer arrays: the target's vectors and scalars packed into one array per dtype.
+"""The step programs' parameters as fewer arrays: the target's leaves packed into a few 1-D arrays per dtype.
 
 Every array passed to a compiled program costs the host a few microseconds per call in JAX's GPU runtime (2.9 us
 on the H200, benchmarks/RESULTS.md run 36): E2B's 540 parameter arrays held the dispatching thread 1.5 ms per
 step, more than half the step's device time. About half of them are norm scales and layer scalars, 0.6 MB in all.
 `ParamPack` concatenates those into one 1-D array per dtype once, at start-up, and a program slices them back out
 (static offsets, which XLA fuses into their elementwise consumers), so the model still sees its usual tree.
-Matrices stay separate arrays: a slice feeding a matmul kernel might be copied.
+
+Modes (`PACK_MODES`): "none" passes every array as it is; "vectors" packs the 0-D and 1-D leaves (the norms and
+scalars); "all" packs the matrices too, each at an offset aligned to `ALIGN` elements, a packed array holding at
+most `GROUP_ELEMENTS` (so byte offsets stay inside int32 for any kernel) and leaves larger than that kept as they
+are. Whether XLA reads a matmul's weights straight out of the packed array or copies the slice first is what
+decides "all" on the GPU (scripts/gpu_run37.sh measures it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ from jax import lax
 # Vectors up to this many elements are packed: every norm scale of the released models (the widest, 31B's 5376)
 # and the layer scalars; no matrix qualifies (only 1-D and 0-D leaves do).
 MAX_PACKED_ELEMENTS = 1 << 16
+# A packed array's size cap (1 GiB of bf16) and the alignment of every leaf in it (128 bytes of bf16: vector loads
+# and GEMM operands want aligned addresses).
+GROUP_ELEMENTS = 1 << 29
+ALIGN = 64
+# mode -> (largest leaf packed, largest rank packed); "none" packs nothing.
+PACK_MODES: dict[str, tuple[int, int] | None] = {"none": None, "vectors": (MAX_PACKED_ELEMENTS, 1),
+                                                 "all": (GROUP_ELEMENTS, 8)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +65,12 @@ class ParamPack:
     sizes: tuple[int, ...]  # elements of each packed group
 
     @staticmethod
-    def plan(tree: Any, packable: Callable[[str, Any], bool] | None = None) -> "ParamPack":
-        """Pack the 0-D and 1-D leaves of at most MAX_PACKED_ELEMENTS elements for which `packable(path, leaf)`
-        holds (all of them without it; a tensor-parallel placement keeps its split leaves out)."""
+    def plan(tree: Any, packable: Callable[[str, Any], bool] | None = None, mode: str = "vectors") -> "ParamPack":
+        """Pack the leaves `mode` takes (PACK_MODES) for which `packable(path, leaf)` holds (all of them without
+        it; a tensor-parallel placement keeps its split leaves out)."""
+        if mode not in PACK_MODES:
+            raise ValueError(f"pack_params must be one of {sorted(PACK_MODES)}, got {mode!r}")
+        limits = PACK_MODES[mode]
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         dtypes: list[Any] = []
         sizes: list[int] = []
@@ -63,15 +78,17 @@ class ParamPack:
         kept = 0
         for path, leaf in leaves:
             n = math.prod(leaf.shape)
-            if len(leaf.shape) <= 1 and n <= MAX_PACKED_ELEMENTS and (
+            if limits is not None and len(leaf.shape) <= limits[1] and n <= limits[0] and (
                     packable is None or packable(jax.tree_util.keystr(path), leaf)):
                 dt = jnp.dtype(leaf.dtype)
-                if dt not in dtypes:
+                g = max((i for i, d in enumerate(dtypes) if d == dt), default=-1)
+                start = -(-sizes[g] // ALIGN) * ALIGN if g >= 0 else 0
+                if g < 0 or start + n > GROUP_ELEMENTS:
                     dtypes.append(dt)
                     sizes.append(0)
-                g = dtypes.index(dt)
-                slots.append(_Slot(g, sizes[g], tuple(leaf.shape)))
-                sizes[g] += n
+                    g, start = len(dtypes) - 1, 0
+                slots.append(_Slot(g, start, tuple(leaf.shape)))
+                sizes[g] = start + n
             else:
                 slots.append(_Slot(-1, kept, tuple(leaf.shape)))
                 kept += 1
@@ -86,9 +103,17 @@ class ParamPack:
         """The tree's arrays as a PackedParams (the packed groups are new arrays; kept leaves are not copied)."""
         leaves = self.treedef.flatten_up_to(tree)
         kept = tuple(leaf for leaf, s in zip(leaves, self.slots) if s.group < 0)
-        packed = tuple(jnp.concatenate([jnp.ravel(leaf) for leaf, s in zip(leaves, self.slots) if s.group == g])
-                       for g in range(len(self.dtypes)))
-        return PackedParams(kept, packed)
+        packed = []
+        for g, (dt, size) in enumerate(zip(self.dtypes, self.sizes)):
+            parts, end = [], 0
+            for leaf, s in zip(leaves, self.slots):
+                if s.group == g:
+                    if s.index > end:  # alignment padding
+                        parts.append(jnp.zeros((s.index - end,), dt))
+                    parts.append(jnp.ravel(leaf).astype(dt))
+                    end = s.index + math.prod(s.shape)
+            packed.append(jnp.concatenate(parts))
+        return PackedParams(kept, tuple(packed))
 
     def abstract(self, tree: Any, packed_sharding: Any = None) -> PackedParams:
         """The PackedParams of a tree of shapes (jax.ShapeDtypeStruct leaves, with their shardings)."""

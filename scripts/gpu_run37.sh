@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Run 37 (planned; issue 12's host overhead): `EngineConfig.pack_params` (off by default) passes the target's norm
-# scales and layer scalars packed into one array per dtype (param_pack.py: E2B 540 -> 279 arrays, 31B 832 -> 412),
-# since each array costs ~2.9 us of host time per call (run 36). Off and on, in one run. Carry `.whl`.
+# Run 37 (planned; issue 12's host overhead): `EngineConfig.pack_params` ("none" by default) passes the target's
+# norm scales and layer scalars ("vectors": E2B 540 -> 279 arrays, 31B 832 -> 412), or every leaf up to 1 GiB
+# ("all"), packed into a few arrays per dtype (param_pack.py), since each array costs ~2.9 us of host time per call
+# (run 36). The three modes in one run. Carry `.whl`.
 # (1) probe_dispatch: the trivial program on the tree vs the packed parameters; the decode call held / pipelined;
 # (2) kernel counts and compile seconds of the E2B B = 2 decode program (on the CPU backend packing added one kernel per layer and
 #     doubled the E2B decode compile, 3.9-5.4 s -> 8.4-11.8 s: cold start pays that);
@@ -11,8 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run37
 {
-  for pack in "" --pack-params; do
-    tag=${pack:+packed}; tag=${tag:-tree}
+  for mode in all none vectors; do
+    pack="--pack-params $mode"; tag=$mode
     run env OUT=$res timeout 150 python3 benchmarks/probe_dispatch.py --tag $tag $pack
     run env OUT=$res timeout 120 python3 benchmarks/kernel_count.py --models e2b --batch 2 --programs decode \
         --json-name kernel_count_$tag.json $pack
