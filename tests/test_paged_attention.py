@@ -222,9 +222,15 @@ def test_attend_paged_dispatch():
 
 
 def test_kernel_config_defaults():
-    # E2B sliding, verify k=4: 5 * 8 = 40 rows -> one block of 64; D=512 keeps the accumulator at 32 x 512.
-    cfg = pa.kernel_config((1, 5, 8, 256), (1, 100, 64, 256), (1, 9), window=512, ring_pages=9)
-    assert (cfg.block_rows, cfg.block_k) == (64, 64) and cfg.k_splits >= 1
+    # E2B sliding, verify k=4: 5 * 8 = 40 rows in 16-row blocks (the window's keys are few, so re-reading them per
+    # block is cheap and the programs triple); a prefill chunk's rows keep large blocks.
+    cfg = pa.kernel_config((2, 5, 8, 256), (1, 100, 16, 256), (2, 34), window=512, ring_pages=34)
+    assert (cfg.block_rows, cfg.block_k) == (16, 64) and cfg.k_splits >= 4
+    assert pa.kernel_config((1, 256, 8, 256), (1, 100, 16, 256), (1, 34), window=512,
+                            ring_pages=34).block_rows == 64
+    # E2B full, verify at B = 2: D=512 keeps the accumulator at 32 x 512; 32 splits of the 4096 keys.
+    cfg = pa.kernel_config((2, 5, 8, 512), (1, 9000, 16, 512), (2, 256))
+    assert (cfg.block_rows, cfg.block_k, cfg.k_splits) == (32, 32, 32)
     cfg = pa.kernel_config((16, 5, 8, 512), (1, 9000, 64, 512), (16, 512))
     assert (cfg.block_rows, cfg.block_k) == (32, 32)
     # Batch 1, long full context: the key range is split to fill the GPU; batch 16 x 16 heads needs no split.

@@ -185,6 +185,11 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
     nKV, _, page_size, _ = k_pages_shape
     rows = Tq * (nH // nKV)
     br = block_rows or min(_next_pow2(max(16, rows)), max(16, 16384 // D))
+    if block_rows is None and window is not None and rows <= 64:
+        # A sliding layer's keys are few (the window plus the query span), so 16-row blocks, which re-read them
+        # once per block, cost little and give a verify step more programs (benchmarks/RESULTS.md run 39: E2B,
+        # B = 2, 5 query tokens: 43 us with 64-row blocks and 2 splits, 21-24 us with 16-row blocks).
+        br = 16
     bk = block_k or (64 if D <= 256 else 32)
     st = num_stages or 2
     if not (_is_pow2(br) and br >= 16 and _is_pow2(bk) and bk >= 16):
@@ -217,10 +222,11 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
             k_splits = 1
         else:
             # ~2 programs per SM; >= 2 key blocks per split; the partial outputs the merge reads back
-            # (k_splits x rows x D) at most ~1/8 of the K/V bytes (max_keys x 2 x D); at most 64 splits.
+            # (k_splits x rows x D) at most ~1/4 of the K/V bytes (max_keys x 2 x D); at most 64 splits. (A 1/8
+            # cap left E2B's verify full-attention layer at 16 splits: 64 us, against 56 us at 32; run 39.)
             rows_padded = n_row_blocks * br
             k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // 2,
-                                  max_keys // (4 * rows_padded), 64))
+                                  max_keys // (2 * rows_padded), 64))
     return KernelConfig(int(br), int(bk), int(k_splits), int(warps()), int(st))
 
 
