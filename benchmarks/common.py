@@ -16,7 +16,6 @@ import numpy as np
 
 from gemma4_mtp_jax.device_state import MAX_STOP_IDS, DeviceState, StepRows, init_slots
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
-from gemma4_mtp_jax.param_pack import PACK_MODES
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
 _S, _F = "sliding_attention", "full_attention"
@@ -142,9 +141,9 @@ def pipelined_time(call: Callable, n: int = 20) -> float:
 
 
 def add_pack_params_arg(ap) -> None:
-    """--pack-params MODE: which of the target's leaves the step programs take packed (EngineConfig.pack_params)."""
-    ap.add_argument("--pack-params", default="none", choices=sorted(PACK_MODES),
-                    help="which of the target's leaves the programs take packed (EngineConfig.pack_params)")
+    """--pack-params: the step programs take the target's leaves stacked into a few arrays (EngineConfig.pack_params)."""
+    ap.add_argument("--pack-params", action="store_true", help="programs take the target's leaves stacked as rows "
+                    "of a few arrays (EngineConfig.pack_params)")
 
 
 def environment() -> dict:

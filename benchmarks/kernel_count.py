@@ -154,7 +154,7 @@ def load_model(name: str) -> tuple[Target, Assistant]:
 
 
 def programs(target: Target, assistant: Assistant, batch: int, k: int, context: int, page_size: int,
-             pack_params: str = "none") -> dict:
+             pack_params: bool = False) -> dict:
     """The lowered programs of one batch size: decode, verify (forward on k+1 tokens + logits, the target half of
     the speculative step), speculative (k draft steps + verify + acceptance + bookkeeping), each for a greedy
     batch; and the decode and speculative variants a batch with a sampled row runs (`*_sampled`)."""

@@ -85,10 +85,11 @@ class EngineConfig:
     # Dispatch step n+1 before reading step n's tokens (the device state carries each sequence's newest token), so
     # the device does not wait for the host between steps; each step's tokens then reach the caller one step later.
     async_scheduling: bool = True
-    # Pass the target's parameters to the step programs packed into a few arrays (param_pack.py): "vectors" packs
-    # the norm scales and layer scalars (half as many arrays per call, each of which costs the host ~3 us on the
-    # GPU), "all" the matrices too. "none" until measured on the GPU (scripts/gpu_run37.sh): it lengthens compiles.
-    pack_params: str = "none"
+    # Pass the target's parameters to the step programs stacked as rows of a few arrays (param_pack.py): E2B 540
+    # arrays per call -> ~20, each of which costs the host ~3 us on the GPU. Off until the row layout is timed on
+    # the GPU (run 39 timed a flat layout: no host overhead left, but every weight copied) and the packed copy
+    # stops doubling the weights' memory (the loaded tree is still held beside it).
+    pack_params: bool = False
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200

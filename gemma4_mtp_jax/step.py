@@ -118,8 +118,8 @@ class CompiledSteps:
     # no sharding annotations). Host inputs and outputs are replicated; pages and the hidden buffer come back with
     # the shardings they went in with, so donation updates them in place.
     placement: Placement | None = None
-    # Which of the target's leaves the programs take packed (param_pack.PACK_MODES); "none": every array as it is.
-    pack_params: str = "none"
+    # Programs take the target's leaves stacked as rows of a few arrays (param_pack.py); False: every array as it is.
+    pack_params: bool = False
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
     speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
@@ -140,17 +140,17 @@ class CompiledSteps:
             self.params = pl.put(self.target.params, self.param_shardings())
             if self.draft_params is not None:
                 self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
-        # What the programs take for the target's parameters (`program_params`): with `pack_params` its vectors
-        # and scalars packed (param_pack.py says why), else every array as it is. `params` stays the tree, for
+        # What the programs take for the target's parameters (`program_params`): with `pack_params` its leaves
+        # stacked into a few arrays (param_pack.py says why), else every array as it is. `params` stays the tree, for
         # whoever reads the weights; the kept leaves are the same arrays.
         shardings = self.param_shardings()
         if shardings is None:
-            self.pack = ParamPack.plan(self.params, mode=self.pack_params)
+            self.pack = ParamPack.plan(self.params, enabled=self.pack_params)
         else:  # only replicated leaves are packed: the packed groups are replicated
             flat = dict(zip((jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shardings)[0]),
                             jax.tree_util.tree_leaves(shardings)))
             self.pack = ParamPack.plan(self.params, lambda path, _: flat[path].is_fully_replicated,
-                                       mode=self.pack_params)
+                                       enabled=self.pack_params)
         if _abstract_tree(self.params):
             self.program_params = self.pack.abstract(_shapes(self.params, shardings), self._rep)
         else:
