@@ -18,10 +18,9 @@ Two implementations with the same contract:
   reads only the experts its tokens were routed to. With `glu` a program holds two accumulators (gate rows and
   the matching up rows) and writes the activated product, so the [M, 2 O'] intermediate never exists.
 
-Performance (benchmarks/RESULTS.md, runs 21-22, H200): 26B-A4B decode 16.8 -> 9.2 ms at B = 2, and 2.4x-40x
-faster than lax.ragged_dot, but at decode sizes the kernel streams only 0.2-0.4 TB/s of the touched experts: a
-program's loop over I is latency-bound with so few rows. A variant with contiguous `pl.ds` block loads measured
-slower (run 22) and was not kept; split-K or a Mosaic GPU (TMA) version is the next thing to try.
+Performance (benchmarks/RESULTS.md, H200): the kernels stream the touched experts at the HBM rate (run 38's
+kernel profile: 3.2-4.3 TB/s of expert weights at 1-16 tokens; run 21's 0.2-0.4 TB/s timed a lone call's launch,
+not the kernel). 26B-A4B decode at B = 16 runs at the roofline of the experts it touches (run 40, pipelined).
 
 `grouped_matmul_auto` picks the kernel on GPU and the reference elsewhere; `routed_experts` is the whole MoE
 expert block on top of it (sort the (token, expert) pairs, two grouped matmuls, weighted sum per token).
