@@ -6,6 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run35
+trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   run timeout 560 python3 benchmarks/bench_serve.py --random-weights 31b --dataset random --input-len 512 \
@@ -14,5 +15,4 @@ cd "$(dirname "$0")/.."
   grep -hE "compiled|ready|programs" "$res"/logs/*.log 2>/dev/null | tail -n 40
   echo "== $(date +%T) done"
 } > "$out/run35.log" 2>&1
-tar czf "$out/results.tar.gz" -C "$res" .
 grep -v "cuda_timer\|^W12\|^I12" "$out/run35.log" | tail -n 100
