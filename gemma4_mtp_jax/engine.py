@@ -86,9 +86,10 @@ class EngineConfig:
     # the device does not wait for the host between steps; each step's tokens then reach the caller one step later.
     async_scheduling: bool = True
     # Pass the target's parameters to the step programs stacked as rows of a few arrays (param_pack.py): E2B 540
-    # arrays per call -> ~20, each of which costs the host ~3 us on the GPU. Off until the row layout is timed on
-    # the GPU (run 39 timed a flat layout: no host overhead left, but every weight copied) and the packed copy
-    # stops doubling the weights' memory (the loaded tree is still held beside it).
+    # arrays per call -> 12, each of which costs the host ~3 us on the GPU. Only the packed arrays stay on the
+    # device (load the weights into host memory first, as `serve --pack-params` does, or they are held twice).
+    # Off until the row layout is timed on the GPU (scripts/gpu_run41.sh; run 39 timed a flat layout: no host
+    # overhead left, but every weight copied).
     pack_params: bool = False
 
     def batch_buckets(self) -> list[int]:

@@ -131,33 +131,45 @@ class CompiledSteps:
         # straight to its shards); already-placed arrays are not copied.
         # Shapes alone (jax.ShapeDtypeStruct leaves) stay as they are: such steps lower and compile but never run.
         pl = self.placement
-        if _abstract_tree(self.target.params):
-            self.params = self.target.params
-        elif pl is None:
-            self.params = jax.device_put(self.target.params)
-            self.draft_params = None if self.draft_params is None else jax.device_put(self.draft_params)
-        else:
-            self.params = pl.put(self.target.params, self.param_shardings())
-            if self.draft_params is not None:
-                self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
-        # What the programs take for the target's parameters (`program_params`): with `pack_params` its leaves
-        # stacked into a few arrays (param_pack.py says why), else every array as it is. `params` stays the tree, for
-        # whoever reads the weights; the kept leaves are the same arrays.
         shardings = self.param_shardings()
-        if shardings is None:
-            self.pack = ParamPack.plan(self.params, enabled=self.pack_params)
+        tree = self.target.params
+        if pl is None:
+            self.pack = ParamPack.plan(tree, enabled=self.pack_params)
         else:  # only replicated leaves are packed: the packed groups are replicated
             flat = dict(zip((jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shardings)[0]),
                             jax.tree_util.tree_leaves(shardings)))
-            self.pack = ParamPack.plan(self.params, lambda path, _: flat[path].is_fully_replicated,
+            self.pack = ParamPack.plan(tree, lambda path, _: flat[path].is_fully_replicated,
                                        enabled=self.pack_params)
-        if _abstract_tree(self.params):
-            self.program_params = self.pack.abstract(_shapes(self.params, shardings), self._rep)
-        else:
-            self.program_params = self.pack.pack(self.params)
-            if pl is not None:
-                self.program_params = PackedParams(self.program_params.kept,
-                                                   pl.put(self.program_params.packed, self._rep))
+        # What the programs take for the target's parameters (`program_params`): with `pack_params` its leaves
+        # stacked into a few arrays (param_pack.py says why), else every array as it is. Packed, the leaves go to
+        # the device group by group and only the packed arrays stay there (weights loaded into host memory are
+        # never whole on the device twice); `params` then rebuilds the tree on demand.
+        if _abstract_tree(tree):
+            self._params = tree
+            self.program_params = self.pack.abstract(_shapes(tree, shardings), self._rep)
+            return
+        if pl is None:
+            self.draft_params = None if self.draft_params is None else jax.device_put(self.draft_params)
+        elif self.draft_params is not None:
+            self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
+        if not self.pack_params:
+            self._params = jax.device_put(tree) if pl is None else pl.put(tree, shardings)
+            self.program_params = self.pack.pack(self._params)
+            return
+        self._params = None
+        packed = self.pack.pack(tree)  # each group concatenated on the default device
+        kept = jax.device_put(packed.kept) if pl is None else pl.put(
+            packed.kept, tuple(s for s, slot in zip(self.pack.treedef.flatten_up_to(shardings), self.pack.slots)
+                               if slot.group < 0))
+        self.program_params = PackedParams(kept, packed.packed if pl is None else pl.put(packed.packed, self._rep))
+
+    @property
+    def params(self) -> Any:
+        """The target's parameter tree on the programs' devices. With `pack_params` it is rebuilt from the packed
+        arrays on each access (a copy of the weights: for inspection, not for the step loop)."""
+        if self._params is not None:
+            return self._params
+        return jax.jit(self.pack.unpack)(self.program_params)
 
     # ------------------------------------------------------------------ shardings (None without a placement)
     def param_shardings(self) -> Any:

@@ -63,17 +63,23 @@ def test_packed_parameters_give_the_same_output(tiny_ckpts, jax_models):
     shapes on the GPU (`benchmarks/kernel_count.py --pack-params`), not here: at these tiny float32 shapes the
     GPU may pick other kernels. (The seventh session's GPU suite failed an earlier version of this test that also
     compared kernel counts; the run was cut before pytest printed which assertion failed.)"""
+    from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.engine import Engine, EngineConfig
 
-    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    path = tiny_ckpts["e2b"]["target_plain"]
+    # Packed, the weights come from host memory, as `serve --pack-params` loads them: only the packed arrays and
+    # the leaves kept separate reach the device.
+    targets = {False: jax_models.target(path), True: load_target(str(path), "float32", on_host=True)}
+    assert all(isinstance(a, np.ndarray) for a in jax.tree_util.tree_leaves(targets[True].params))
     outputs = {}
     for pack in (False, True):
-        engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=32, page_size=4, prefill_chunk=8,
+        engine = Engine(targets[pack], EngineConfig(max_num_seqs=2, max_model_len=32, page_size=4, prefill_chunk=8,
                                              min_prefill_bucket=4, compile_at_start=False, pack_params=pack))
         steps = engine.steps
         leaves = jax.tree_util.tree_leaves(steps.params)
         assert len(jax.tree_util.tree_leaves(steps.program_params)) == steps.pack.num_arrays
         assert steps.pack.num_arrays < len(leaves) // 4 if pack else steps.pack.num_arrays == len(leaves)
+        assert all(isinstance(a, jax.Array) for a in jax.tree_util.tree_leaves(steps.program_params))
         reqs = [engine.add_request(p, 6, stop_ids=frozenset()) for p in ([5, 6, 7], [9, 3, 4, 8, 2])]
         engine.run()
         outputs[pack] = [r.output for r in reqs]

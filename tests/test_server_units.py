@@ -168,6 +168,8 @@ def test_kv_cache_memory_sizes():
     assert build_parser().parse_args(["--load-format", "dummy"]).load_format == "dummy"
     assert build_parser().parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert build_parser().parse_args([]).enable_prefix_caching is True
+    assert build_parser().parse_args([]).pack_params is False
+    assert build_parser().parse_args(["--pack-params"]).pack_params is True
 
 
 def test_parse_defaults_and_extensions():

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each engine step before reading the previous one's tokens, so the device never "
                         "waits for the host between steps (default: on)")
+    e.add_argument("--pack-params", action=argparse.BooleanOptionalAction, default=False,
+                   help="pass the target's weights to each step stacked as rows of a few arrays instead of one "
+                        "array per tensor (each array passed costs the host a few microseconds per step; "
+                        "param_pack.py); the weights are then loaded into host memory first (default: off)")
     e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="devices one engine spans: parameters and KV pages split Megatron-style (N must divide the "
                         "attention heads and the MLP width), one SPMD program per step")
@@ -223,7 +227,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     if assistant_path is not None and assistant_path.lower() == "none":
         assistant_path = None
     dtype = None if args.dtype == "auto" else args.dtype
-    spread = args.tensor_parallel_size * args.data_parallel_size > 1  # weights go from host memory to each device
+    # Weights go from host memory to each device, or (packed) to the packed arrays, never whole on a device twice.
+    spread = args.tensor_parallel_size * args.data_parallel_size > 1 or args.pack_params
 
     with _Timer(f"loading target {ckpt}"):
         target = load_target(ckpt, dtype, args.load_format, on_host=spread)
@@ -252,7 +257,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params)
     if assistant is not None:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:
