@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran at a26c06e, when --pack-params took a mode: none / vectors / all. It is now a switch; run41 measures it.)
 # Run 39: (1) 26B-A4B decode after row_tiles' binary search became one compare fusion (run 38: 32 of its ~72
 # kernels per layer were that search's loop); (2) param packing, modes "all" and "none" (run37's measurements:
 # probe, E2B decode kernel count and compile seconds, host overhead at B = 1 plain and speculative); (3) the paged
