@@ -152,16 +152,16 @@ class CompiledSteps:
             self.draft_params = None if self.draft_params is None else jax.device_put(self.draft_params)
         elif self.draft_params is not None:
             self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
-        if not self.pack_params:
-            self._params = jax.device_put(tree) if pl is None else pl.put(tree, shardings)
-            self.program_params = self.pack.pack(self._params)
-            return
-        self._params = None
-        packed = self.pack.pack(tree)  # each group concatenated on the default device
-        kept = jax.device_put(packed.kept) if pl is None else pl.put(
-            packed.kept, tuple(s for s, slot in zip(self.pack.treedef.flatten_up_to(shardings), self.pack.slots)
-                               if slot.group < 0))
-        self.program_params = PackedParams(kept, packed.packed if pl is None else pl.put(packed.packed, self._rep))
+        packed = self.pack.pack(tree)  # packed groups are concatenated on the default device
+        if pl is None:
+            packed = jax.device_put(packed)
+        else:
+            kept_shardings = tuple(s for s, slot in zip(self.pack.treedef.flatten_up_to(shardings), self.pack.slots)
+                                   if slot.group < 0)
+            packed = PackedParams(pl.put(packed.kept, kept_shardings), pl.put(packed.packed, self._rep))
+        self.program_params = packed
+        # Unpacked, every leaf is kept: the kept leaves, placed, are the tree.
+        self._params = None if self.pack_params else self.pack.treedef.unflatten(packed.kept)
 
     @property
     def params(self) -> Any:
