@@ -7,6 +7,8 @@
 # (2) Why the packed engines of run 43 did not start within 85 s: the decode program's compile seconds with and
 #     without --pack-params (kernel_count.py), then the same packed under --xla_gpu_autotune_level=0. The suspicion:
 #     every layer's GEMM fusion reads its own row slice, so the autotuner tunes each layer's fusion anew.
+# (3) benchmarks/probe_ple.py: the 35 `wrapped_slice` kernels that copy out each layer's per-layer input (run 44's
+#     HLO), against two other ways of handing the slices over.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run45
@@ -30,6 +32,7 @@ lim() { local left=$((end - SECONDS)); [ "$left" -lt "$1" ] && echo "$left" || e
       --json-name kernel_count_packed.json --pack-params
   run env OUT=$res XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 80) python3 benchmarks/kernel_count.py \
       --models e2b --batch 2 --programs decode --json-name kernel_count_packed_noautotune.json --pack-params
+  run env OUT=$res timeout $(lim 120) python3 benchmarks/probe_ple.py --model e2b --batch 2 16
   echo "== $(date +%T) done"
 } > "$out/run45.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^{'model'" "$out/run45.log" | grep -v "^      " | tail -n 100

@@ -14,6 +14,14 @@ from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
 Array = jax.Array
 
 
+def layer_major(ple: Array) -> Array:
+    """The per-layer inputs [B, T, L, P] as [L, B, T, P], materialized once: left to itself, XLA re-computes the
+    normed projection inside each layer's slice (one extra kernel per layer). On the GPU each layer's slice is
+    still copied out by a kernel of its own (35 at E2B, benchmarks/RESULTS.md run 44); benchmarks/probe_ple.py
+    compares other ways to hand the slices over."""
+    return jax.lax.optimization_barrier(jnp.moveaxis(ple, -2, 0))
+
+
 class Gemma4Target(nn.Module):
     """tokens [B, T], positions [B, T] -> logits [B, T, V] (softcapped), post-norm hidden [B, T, H], K/V view.
 
@@ -46,9 +54,7 @@ class Gemma4Target(nn.Module):
             kv = DenseKV(positions)
         ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
         if ple is not None:
-            # Layer-major and materialized once: left to itself, XLA re-computes the normed projection inside
-            # each layer's slice (one extra kernel per layer).
-            ple = jax.lax.optimization_barrier(jnp.moveaxis(ple, -2, 0))  # [L, B, T, P]
+            ple = layer_major(ple)
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, positions, kv, None if ple is None else ple[i])
         hidden = self.norm(x)
