@@ -13,7 +13,6 @@ cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run44
 trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=440
-lim() { local left=$((end - SECONDS)); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 {
   run env OUT=$res timeout $(lim 70) python3 benchmarks/kernel_count.py --models e2b --batch 2 --programs decode \
       --json-name kernel_count_e2b.json --dump-hlo "$res/hlo"

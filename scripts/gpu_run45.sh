@@ -14,7 +14,6 @@ cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run45
 trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=575
-lim() { local left=$((end - SECONDS)); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 {
   for gemm in triton nosplitk cublas; do
     case $gemm in
