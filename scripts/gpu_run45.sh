@@ -17,7 +17,8 @@ end=570
   run env OUT=$res timeout $(lim 400) python3 benchmarks/probe_decode_variants.py --model e2b --batch 2 16 \
       --deadline 330
   run env OUT=$res TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
-      timeout $(lim 100) python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 --context 1024 --steps 40 --spec \
+      timeout $(lim 100) python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 --context 1024 \
+      --steps 40 --spec \
       > "$res/host_overhead_spec_vmodule.log" 2>&1
   echo "== rc=$? (the log: host_overhead_spec_vmodule.log)"
   grep -v "Updated\|command_buffer\|command_executor" "$res/host_overhead_spec_vmodule.log" | tail -n 30
