@@ -172,8 +172,9 @@ def main() -> None:
                 tokens = np.asarray(one_step())[:, 0].tolist()  # equal across variants, or a variant is wrong
                 state = holder[0]
                 kernels = summarize(fn.as_text())
-                rows.append({"variant": variant, "batch": B, "kernels": kernels["kernels"], "by_kind": kernels["by_kind"],
-                             "pipelined_ms": t * 1e3, "compile_s": compile_s, "tokens": tokens})
+                rows.append({"variant": variant, "batch": B, "kernels": kernels["kernels"],
+                             "by_kind": kernels["by_kind"], "pipelined_ms": t * 1e3, "compile_s": compile_s,
+                             "tokens": tokens})
                 print(rows[-1], flush=True)
             del steps, state
         write_json("probe_decode_variants.json", {"env": env, "model": "smoke" if args.smoke else args.model,

@@ -88,8 +88,8 @@ class EngineConfig:
     # Pass the target's parameters to the step programs stacked as rows of a few arrays (param_pack.py): E2B 540
     # arrays per call -> 12, each of which costs the host ~3 us on the GPU. Only the packed arrays stay on the
     # device (load the weights into host memory first, as `serve --pack-params` does, or they are held twice).
-    # Off until the row layout is timed on the GPU (its engines did not finish compiling within 85 s in run 43;
-    # scripts/gpu_run45.sh times the compile; run 39 timed a flat layout: no host overhead left, every weight copied).
+    # Off until the row layout is timed on the GPU (its engines did not finish compiling within 85 s in run 43, for
+    # a reason not yet measured; run 39 timed a flat layout: no host overhead left, every weight copied).
     pack_params: bool = False
 
     def batch_buckets(self) -> list[int]:
