@@ -19,15 +19,19 @@ count of the optimized HLO of the very executable it times) and the pipelined st
     python benchmarks/probe_decode_variants.py --model e2b --batch 2 16      # on the GPU
     python benchmarks/probe_decode_variants.py --smoke                         # tiny shapes, CPU
 
-Variants run in the order given; none starts after --deadline seconds, and the JSON ($OUT/probe_decode_variants.json)
-is rewritten after each, so a run cut short keeps what it measured.
+Every program is compiled first (none after --deadline seconds), then timed round-robin, --rounds times (the median
+is reported), so that drifts of the GPU's clock and temperature fall on every variant alike: in run 45, which timed
+each variant once in turn, two variants that compile to the same kernels differed by 8-11 %. All programs pass one
+device state along. JSON to $OUT/probe_decode_variants.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
+import statistics
 import sys
 import time
 
@@ -124,9 +128,10 @@ def main() -> None:
     ap.add_argument("--model", default="e2b", choices=["e2b", "e4b", "31b"])
     ap.add_argument("--batch", nargs="+", type=int, default=[2, 16])
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=20, help="calls per pipelined chain")
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds over all programs (median reported)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no variant starts")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which no variant is compiled")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -137,15 +142,17 @@ def main() -> None:
     context = 48 if args.smoke else args.context
     target = Target(cfg, random_params(abstract_target_params(cfg, dtype)), dtype, None, {})
     layout = layout_for(cfg, max(args.batch), page_size=16, max_model_len=context + 16)
-    rows = []
+    rows, programs = [], []
+    state = [None]  # one device state, passed through every variant's program in turn
     for variant in args.variants:
         if time.perf_counter() - start > args.deadline:
-            print(f"deadline: {variant} and later variants not run", flush=True)
+            print(f"deadline: {variant} and later variants not compiled", flush=True)
             break
         options, swap = VARIANTS[variant]
         with swapped(*swap) if swap else contextlib.nullcontext():
             steps = CompiledSteps(target, layout, dtype)
-            state = bench_state(steps, random_pages(cfg, layout, dtype))
+            if state[0] is None:
+                state[0] = bench_state(steps, random_pages(cfg, layout, dtype))
             for B in args.batch:
                 t0 = time.perf_counter()
                 try:
@@ -154,38 +161,44 @@ def main() -> None:
                     rows.append({"variant": variant, "batch": B, "error": str(e).splitlines()[0][:300]})
                     print(rows[-1], flush=True)
                     break
-                compile_s = time.perf_counter() - t0
-                rng = np.random.default_rng(B)  # every variant decodes the same inputs
-                tables = {g: rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
-                          for g, w in layout.pages_per_seq}
-                step_rows = fresh_rows(rng.integers(0, cfg.vocab_size, B), np.full(B, context - 1), steps.num_slots)
-                sampling = SamplingBatch.from_params([], B)
-                holder = [state]
-
-                def one_step():
-                    holder[0], out = fn(steps.program_params, holder[0], step_rows, tables, sampling)
-                    return out
-
-                for _ in range(3):
-                    one_step()
-                t = pipelined_time(one_step, args.repeats)
-                tokens = np.asarray(one_step())[:, 0].tolist()  # equal across variants, or a variant is wrong
-                state = holder[0]
                 kernels = summarize(fn.as_text())
                 rows.append({"variant": variant, "batch": B, "kernels": kernels["kernels"],
-                             "by_kind": kernels["by_kind"], "pipelined_ms": t * 1e3, "compile_s": compile_s,
-                             "tokens": tokens})
-                print(rows[-1], flush=True)
-            del steps, state
-        write_json("probe_decode_variants.json", {"env": env, "model": "smoke" if args.smoke else args.model,
-                                                  "context": context, "rows": rows})
-    print(f"\n{'variant':15} {'B':>3} {'kernels':>8} {'pipelined ms':>13} {'compile s':>10}")
+                             "by_kind": kernels["by_kind"], "compile_s": time.perf_counter() - t0, "times_ms": []})
+                programs.append((rows[-1], functools.partial(fn, steps.program_params)))
+                print({k: v for k, v in rows[-1].items() if k != "by_kind"}, flush=True)
+
+    def step_of(row, call, B):
+        rng = np.random.default_rng(B)  # every variant decodes the same inputs
+        tables = {g: rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
+                  for g, w in layout.pages_per_seq}
+        step_rows = fresh_rows(rng.integers(0, cfg.vocab_size, B), np.full(B, context - 1), 1)
+        sampling = SamplingBatch.from_params([], B)
+
+        def one_step():
+            state[0], out = call(state[0], step_rows, tables, sampling)
+            return out
+        return one_step
+
+    # Timed round-robin: each round times every program once, so drifts of clock and temperature fall on all alike.
+    calls = [(row, step_of(row, call, row["batch"])) for row, call in programs]
+    for row, one_step in calls:
+        for _ in range(3):
+            one_step()
+        row["tokens"] = np.asarray(one_step())[:, 0].tolist()  # equal across variants, or a variant is wrong
+    for _ in range(args.rounds):
+        for row, one_step in calls:
+            row["times_ms"].append(pipelined_time(one_step, args.repeats) * 1e3)
+    for row, _ in calls:
+        row["pipelined_ms"] = statistics.median(row["times_ms"])
+    write_json("probe_decode_variants.json", {"env": env, "model": "smoke" if args.smoke else args.model,
+                                              "context": context, "rounds": args.rounds, "rows": rows})
+    print(f"\n{'variant':15} {'B':>3} {'kernels':>8} {'pipelined ms':>13} {'min':>7} {'max':>7} {'compile s':>10}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:15} {r['batch']:3d} error: {r['error'][:80]}")
         else:
             print(f"{r['variant']:15} {r['batch']:3d} {r['kernels']:8d} {r['pipelined_ms']:13.3f} "
-                  f"{r['compile_s']:10.1f}")
+                  f"{min(r['times_ms']):7.3f} {max(r['times_ms']):7.3f} {r['compile_s']:10.1f}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""Where a compiled step's host time goes: how long a call of the E2B decode program (B = 1, random bf16 weights)
-holds the calling thread, synchronised and pipelined, with its per-step inputs fresh from the host (numpy arrays,
-as the engine passes them: new device buffers every call) or placed on the device once.
+"""Where a compiled step's host time goes: how long a call of the E2B decode program (B = 1, random bf16 weights; with
+--spec the speculative program, k = 4) holds the calling thread, synchronised and pipelined, with its per-step inputs
+fresh from the host (numpy arrays, as the engine passes them: new device buffers every call) or placed on the device
+once.
 
 XLA records a program's kernels into command buffers (CUDA graphs); a kernel node is re-recorded when a buffer it
 reads or writes has moved since the last run (`xla_gpu_command_buffer_update_mode` governs the temporaries), and a
 `lax.cond` predicate is copied to the host. Run it under XLA_FLAGS variants (scripts/gpu_run33.sh) and, with
 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1, XLA logs each update ("Updated N commands in T us").
 
-    python benchmarks/probe_dispatch.py --context 1024 --repeats 40
+    python benchmarks/probe_dispatch.py --context 1024 --repeats 40 [--spec]
     python benchmarks/probe_dispatch.py --smoke
 """
 
@@ -26,11 +27,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
-from benchmarks.common import TARGETS, bench_state, environment, fresh_rows, layout_for, random_params  # noqa: E402
+from benchmarks.bench_spec import SMOKE_ASSISTANT  # noqa: E402
+from benchmarks.common import (ASSISTANTS, TARGETS, bench_state, environment, fresh_rows, layout_for,  # noqa: E402
+                               random_params)
 from benchmarks.common import add_pack_params_arg, write_json  # noqa: E402
-from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
-from gemma4_mtp_jax.config import parse_target_config  # noqa: E402
+from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
+from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
 
@@ -65,6 +69,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--tag", default="", help="a name for this run's XLA_FLAGS variant (in the JSON's file name)")
+    ap.add_argument("--spec", action="store_true", help="the speculative program (E2B's assistant, k = 4)")
     add_pack_params_arg(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
@@ -74,12 +79,24 @@ def main() -> None:
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     context = 48 if args.smoke else args.context
     target = Target(cfg, random_params(abstract_target_params(cfg, dtype), 0), dtype, None, {})
-    layout = layout_for(cfg, 1, page_size=16, max_model_len=context + 16)
-    steps = CompiledSteps(target, layout, dtype, "auto", pack_params=args.pack_params)
+    drafter, k, acfg = None, 0, None
+    if args.spec:
+        acfg = parse_assistant_config(SMOKE_ASSISTANT if args.smoke else ASSISTANTS["e2b"])
+        drafter = AssistantDrafter(Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype,
+                                             None, {}))
+        k = 4
+    layout = layout_for(cfg, 1, page_size=16, max_model_len=context + 16, num_speculative_tokens=k,
+                        assistant_window=acfg.text.sliding_window if acfg else 0)
+    steps = CompiledSteps(target, layout, dtype, "auto", drafter=drafter, k=k, pack_params=args.pack_params)
     t0 = time.perf_counter()
-    fn = steps.compile_decode(1)
+    program = steps.compile_speculative(1) if args.spec else steps.compile_decode(1)
     compile_s = time.perf_counter() - t0
-    box = [bench_state(steps, random_pages(cfg, layout, dtype))]
+
+    def fn(params, state, *inputs):  # decode's call; the speculative program also takes the drafter's parameters
+        return program(params, steps.draft_params, state, *inputs) if args.spec else program(params, state, *inputs)
+
+    hidden = jnp.zeros((steps.num_slots + 1, cfg.hidden_size), dtype) if args.spec else None
+    box = [bench_state(steps, random_pages(cfg, layout, dtype), hidden)]
     tables = {g: np.arange(1, 1 + w, dtype=np.int32)[None] for g, w in layout.pages_per_seq}
     host = (fresh_rows(np.array([5], np.int32), np.array([context - 8], np.int32), steps.num_slots), tables,
             SamplingBatch.from_params([], 1))
@@ -110,7 +127,7 @@ def main() -> None:
     jax.block_until_ready(out)
     moved = {name: len(ptrs) for name, ptrs in seen.items() if len(ptrs) > 1}
     print(f"buffers that moved over 6 calls: {moved or 'none'} (of {len(seen)})", flush=True)
-    write_json(f"probe_dispatch{'_' + args.tag if args.tag else ''}.json",
+    write_json(f"probe_dispatch{'_spec' if args.spec else ''}{'_' + args.tag if args.tag else ''}.json",
                {"env": env, "compile_s": compile_s, "context": context, "moved": moved, **rows})
 
 
