@@ -35,7 +35,7 @@ from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abs
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
-from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+from gemma4_mtp_jax.step import CompiledSteps, compiler_options  # noqa: E402
 
 
 def measure(call, repeats: int) -> dict:
@@ -71,9 +71,14 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="a name for this run's XLA_FLAGS variant (in the JSON's file name)")
     ap.add_argument("--spec", action="store_true", help="the speculative program (E2B's assistant, k = 4)")
     add_pack_params_arg(ap)
+    ap.add_argument("--options", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="XLA options for this program on top of the steps' own (step.compiler_options), e.g. "
+                         "xla_gpu_command_buffer_update_mode=SKIP_PROFILED or xla_dump_to=DIR")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, float32 (runs on CPU)")
     args = ap.parse_args()
-    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "pack_params": args.pack_params}
+    options = dict(option.split("=", 1) for option in args.options)
+    env = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "pack_params": args.pack_params,
+           "options": options}
     print(env, flush=True)
     cfg = parse_target_config(SMOKE if args.smoke else TARGETS["e2b"])
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
@@ -89,7 +94,8 @@ def main() -> None:
                         assistant_window=acfg.text.sliding_window if acfg else 0)
     steps = CompiledSteps(target, layout, dtype, "auto", drafter=drafter, k=k, pack_params=args.pack_params)
     t0 = time.perf_counter()
-    program = steps.compile_speculative(1) if args.spec else steps.compile_decode(1)
+    lowered = steps._lower_speculative(1, False) if args.spec else steps._lower_decode(1, False)
+    program = lowered.compile(compiler_options={**compiler_options(), **options})
     compile_s = time.perf_counter() - t0
 
     def fn(params, state, *inputs):  # decode's call; the speculative program also takes the drafter's parameters

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Run 47 (issues 10 and 12), one call under 300 s. Carry `.whl`.
+# Run 46: the speculative program (E2B, B = 1, k = 4) re-records all 1005 nodes of its command buffer on most calls,
+# synchronised or pipelined, with its inputs fresh or placed on the device once ("updated_allocs=2", nothing skipped),
+# although no state buffer moves; decode skips its updates since SKIP_TEMP. Here, under TF_CPP_VMODULE:
+# (1) the speculative and the decode program as they are, each with its optimized HLO and buffer assignment dumped,
+#     to find the allocations that move;
+# (2) the speculative program under xla_gpu_command_buffer_update_mode=SKIP_PROFILED (XLA gives the allocations it
+#     sees move, outputs included, a stable address too).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_common.sh run47
+trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
+end=290
+vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,gpu_executable=3,gpu_executable_buffer_allocator=3"
+summary() {  # updates of each phase of a probe_dispatch log: count, nodes skipped, mean host time
+  python3 - "$1" <<'PY'
+import collections, re, sys
+pending, stats = collections.defaultdict(list), []  # a phase's updates are logged before its result line
+for line in open(sys.argv[1], errors="replace"):
+    m = re.search(r"Updated (\d+) commands in (\d+) .s \(skipped (\d+)", line)
+    if m:
+        pending[(m.group(1), m.group(3))].append(int(m.group(2)))
+    m = re.match(r"^(host_inputs|device_inputs|trivial_program_\w+|buffers that moved)", line)
+    if m:
+        stats.append((m.group(1), line.split(" ", 1)[1].strip()[:150], pending))
+        pending = collections.defaultdict(list)
+stats.append(("after the last phase", "", pending))
+for phase, result, updates in stats:
+    print(f"  {phase}: {result}")
+    for (n, skipped), us in updates.items():
+        print(f"      {len(us):4d} updates of {n} nodes, {skipped:>4} skipped, mean {sum(us) / len(us):7.0f} us")
+PY
+}
+{
+  for prog in spec decode; do
+    flag=; [ $prog = spec ] && flag=--spec
+    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py $flag \
+        --context 1024 --repeats 40 --tag $prog --options xla_dump_to=$res/dump_$prog \
+        > "$res/probe_dispatch_$prog.log" 2>&1
+    echo "== rc=$? $prog"; summary "$res/probe_dispatch_$prog.log"
+    grep "updated_alloc_indices\|VA remapping\|moved over" "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -8
+  done
+  run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py --spec \
+      --context 1024 --repeats 40 --tag spec_profiled --options xla_gpu_command_buffer_update_mode=SKIP_PROFILED \
+      > "$res/probe_dispatch_spec_profiled.log" 2>&1
+  echo "== rc=$? spec SKIP_PROFILED"; summary "$res/probe_dispatch_spec_profiled.log"
+  grep -i "error\|moved over" "$res/probe_dispatch_spec_profiled.log" | head -5
+  for prog in spec decode; do  # the allocations of each program: index, size, kind
+    f=$(ls "$res"/dump_$prog/*after_optimizations-buffer-assignment.txt 2>/dev/null | grep -v values | head -1)
+    echo "== $prog: $(grep -c '^allocation' "$f") allocations in $(basename "$f")"
+    grep '^allocation' "$f" | head -30
+  done
+  echo "== $(date +%T) done"
+} > "$out/run47.log" 2>&1
+cat "$out/run47.log" | grep -v "^W12\|^I12" | tail -n 120
