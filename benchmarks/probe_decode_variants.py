@@ -141,7 +141,10 @@ def main() -> None:
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     context = 48 if args.smoke else args.context
     target = Target(cfg, random_params(abstract_target_params(cfg, dtype)), dtype, None, {})
-    layout = layout_for(cfg, max(args.batch), page_size=16, max_model_len=context + 16)
+    # Each batch size decodes its own sequences in its own pages, so that no program's writes reach into the
+    # context another program reads: the tokens of one batch size are then comparable across variants.
+    layout = layout_for(cfg, sum(args.batch), page_size=16, max_model_len=context + 16)
+    first_sequence = {B: sum(args.batch[:i]) for i, B in enumerate(args.batch)}
     rows, programs = [], []
     state = [None]  # one device state, passed through every variant's program in turn
     for variant in args.variants:
@@ -165,11 +168,11 @@ def main() -> None:
                 rows.append({"variant": variant, "batch": B, "kernels": kernels["kernels"],
                              "by_kind": kernels["by_kind"], "compile_s": time.perf_counter() - t0, "times_ms": []})
                 programs.append((rows[-1], functools.partial(fn, steps.program_params)))
-                print({k: v for k, v in rows[-1].items() if k != "by_kind"}, flush=True)
+                print({k: v for k, v in rows[-1].items() if k not in ("by_kind", "times_ms")}, flush=True)
 
     def step_of(row, call, B):
         rng = np.random.default_rng(B)  # every variant decodes the same inputs
-        tables = {g: rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
+        tables = {g: 1 + first_sequence[B] * w + rng.permutation(B * w).reshape(B, w).astype(np.int32)
                   for g, w in layout.pages_per_seq}
         step_rows = fresh_rows(rng.integers(0, cfg.vocab_size, B), np.full(B, context - 1), 1)
         sampling = SamplingBatch.from_params([], B)
