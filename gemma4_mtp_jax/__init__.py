@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from gemma4_mtp_jax.xla_env import set_gpu_runtime_flags
+
+set_gpu_runtime_flags()  # before JAX starts its GPU client (xla_env.py says why)
+
 _PUBLIC = {
     "Assistant": "gemma4_mtp_jax.runtime",
     "AssistantConfig": "gemma4_mtp_jax.config",

@@ -29,6 +29,7 @@ from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
 from gemma4_mtp_jax.speculative import Drafter, speculative_step
+from gemma4_mtp_jax.xla_env import update_mode_in_flags
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,11 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 
 
 def compiler_options() -> dict[str, str]:
-    """XLA options every step program is compiled with. On the GPU, XLA records a program's kernels into command
-    buffers (CUDA graphs) and re-records each kernel node whose buffers moved since the last run. The temporaries
-    are one allocation, which moves on every call dispatched before the previous one finished: the engine's
-    pipelined steps then re-recorded all 841 nodes of E2B's decode on every other call, 2.8 ms of host time
-    (benchmarks/RESULTS.md, run 33). SKIP_TEMP gives the temporaries a stable address."""
-    if jax.default_backend() != "gpu":
+    """XLA options every step program is compiled with. On the GPU: SKIP_TEMP, stable addresses for a program's
+    temporaries, so that XLA does not re-record the command buffers of every pipelined step (xla_env.py). Where
+    XLA_FLAGS already chooses the update mode for the whole process (as the package sets it at import), that
+    applies; as a compile option alone it only skips part of the updates (benchmarks/RESULTS.md, run 47)."""
+    if jax.default_backend() != "gpu" or update_mode_in_flags():
         return {}
     return {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
 

@@ -1,5 +1,5 @@
 """The package's layers go one way (docs/DESIGN.md, "Layers"): every import, module-level or function-local, points
-at the importer's own layer or one below it (so the kernels, at the bottom, import nothing of the package but
+at the importer's own layer or one below it (so the kernels, one above the bottom, import nothing of the package but
 kernels); the import graph has no cycle; and importing a layer loads nothing above it (package `__init__`s included)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # Bottom-up. A module belongs to the layer of its longest matching prefix; the package root is the public façade.
 LAYERS: list[tuple[str, list[str]]] = [
+    ("process environment", ["xla_env"]),
     ("kernels", ["kernels"]),
     ("model", ["config", "model", "kv_state", "sampling", "runtime", "sharding"]),
     ("step functions", ["forward", "speculative", "device_state"]),

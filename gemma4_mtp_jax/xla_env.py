@@ -1,0 +1,77 @@
+"""XLA settings that only take effect when set before JAX starts its GPU client: they go into XLA_FLAGS.
+
+XLA runs each step program as command buffers (CUDA graphs) and, before a run, re-records every graph node whose
+buffers moved since the last run. The temporaries are one allocation that every node uses, and it moves whenever a
+call is dispatched before the previous one has finished (the engine's async scheduling does exactly that): E2B's
+decode then re-records all ~850 nodes, 2-3 ms of host time per step, and the speculative program its ~1000 nodes.
+`xla_gpu_command_buffer_update_mode=SKIP_TEMP` gives the temporaries a stable virtual address so those updates stop;
+it needs XLA's VMM allocator, which the GPU client only selects when the flag is in XLA_FLAGS at start-up. Passed
+per program instead (a compile option, step.compiler_options), it leaves the allocator alone and most updates stay
+(benchmarks/RESULTS.md, runs 33, 34 and 47).
+
+`set_gpu_runtime_flags()` runs when the package is imported. It only touches XLA_FLAGS where a CUDA plugin of JAX
+>= 0.11 is installed (older XLA rejects the value and would abort), JAX_PLATFORMS does not rule the GPU out, and
+XLA_FLAGS does not already choose an update mode. Importing the package after JAX has started a backend is too
+late (XLA has read its flags): the flag is then left out, with a warning, and the programs fall back on the compile
+option.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+UPDATE_MODE = "--xla_gpu_command_buffer_update_mode"
+_SET_BY_US = f"{UPDATE_MODE}=SKIP_TEMP"
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
+def _jax_version() -> tuple[int, int]:
+    try:
+        major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
+        return int(major), int(minor)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def _cuda_plugin_installed() -> bool:
+    for name in _CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:  # no jax_plugins namespace at all
+            return False
+    return False
+
+
+def _backend_started() -> bool:
+    """Whether JAX has started a backend in this process (XLA has then read XLA_FLAGS for good)."""
+    return bool(getattr(sys.modules.get("jax._src.xla_bridge"), "_backends", None))
+
+
+def _gpu_allowed() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return not platforms or any(p in platforms.lower() for p in ("cuda", "gpu"))
+
+
+def set_gpu_runtime_flags() -> bool:
+    """Add SKIP_TEMP to XLA_FLAGS where it applies (see the module docstring); True if it was added."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if UPDATE_MODE in flags or not _gpu_allowed() or _jax_version() < (0, 11) or not _cuda_plugin_installed():
+        return False
+    if _backend_started():
+        log.warning("JAX started before gemma4_mtp_jax was imported, so XLA_FLAGS can no longer give the step "
+                    "programs stable temporaries (%s): import gemma4_mtp_jax first, or set it yourself", _SET_BY_US)
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {_SET_BY_US}".strip()
+    return True
+
+
+def update_mode_in_flags() -> bool:
+    """Whether XLA_FLAGS chooses a command-buffer update mode (ours or the user's) for every program."""
+    return UPDATE_MODE in os.environ.get("XLA_FLAGS", "")

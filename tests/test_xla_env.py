@@ -1,0 +1,54 @@
+"""xla_env: the command-buffer update mode goes into XLA_FLAGS only where a GPU client of a new enough XLA will read
+it, never over the user's own choice."""
+
+import pytest
+
+from gemma4_mtp_jax import xla_env
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """A CUDA plugin of JAX 0.11 installed, no backend started, nothing in the environment."""
+    monkeypatch.setattr(xla_env, "_jax_version", lambda: (0, 11))
+    monkeypatch.setattr(xla_env, "_cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(xla_env, "_backend_started", lambda: False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    return monkeypatch
+
+
+def test_added_on_a_gpu_machine_and_kept_beside_other_flags(gpu_machine):
+    gpu_machine.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    assert xla_env.set_gpu_runtime_flags()
+    assert xla_env.os.environ["XLA_FLAGS"] == ("--xla_gpu_autotune_level=0 "
+                                               "--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    assert xla_env.update_mode_in_flags()
+    assert not xla_env.set_gpu_runtime_flags()  # a second import adds nothing
+    assert xla_env.os.environ["XLA_FLAGS"].count("update_mode") == 1
+
+
+def test_the_users_own_update_mode_wins(gpu_machine):
+    gpu_machine.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE")
+    assert not xla_env.set_gpu_runtime_flags()
+    assert xla_env.os.environ["XLA_FLAGS"] == "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"
+
+
+@pytest.mark.parametrize("why", ["cpu only", "old jax", "no plugin", "backend started"])
+def test_left_alone_where_it_cannot_apply(gpu_machine, why):
+    if why == "cpu only":
+        gpu_machine.setenv("JAX_PLATFORMS", "cpu")
+    elif why == "old jax":
+        gpu_machine.setattr(xla_env, "_jax_version", lambda: (0, 10))  # its XLA rejects SKIP_TEMP and aborts
+    elif why == "no plugin":
+        gpu_machine.setattr(xla_env, "_cuda_plugin_installed", lambda: False)
+    else:
+        gpu_machine.setattr(xla_env, "_backend_started", lambda: True)
+    assert not xla_env.set_gpu_runtime_flags()
+    assert "XLA_FLAGS" not in xla_env.os.environ
+
+
+def test_a_started_backend_is_seen():
+    import jax
+
+    jax.devices()  # the test session's backend
+    assert xla_env._backend_started()
