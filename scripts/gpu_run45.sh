@@ -11,7 +11,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run45
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=570
 {
   run env OUT=$res timeout $(lim 400) python3 benchmarks/probe_decode_variants.py --model e2b --batch 2 16 \

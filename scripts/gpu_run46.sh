@@ -10,7 +10,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run46
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=490
 {
   run env OUT=$res timeout $(lim 150) python3 benchmarks/probe_decode_variants.py --model e2b --batch 2 16 \

@@ -10,7 +10,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run47
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=290
 vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,gpu_executable=3,gpu_executable_buffer_allocator=3"
 summary() {  # updates of each phase of a probe_dispatch log: count, nodes skipped, mean host time

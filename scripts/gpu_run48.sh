@@ -11,7 +11,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run48
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=585
 vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1"
 {

@@ -10,7 +10,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run49
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 end=580
 {
   run env OUT=$res timeout $(lim 150) python3 benchmarks/bench_spec.py --models e2b --batch 2 16 --context 4096
