@@ -98,7 +98,10 @@ class EngineConfig:
         return powers_of_two_upto(max(self.max_num_seqs, self.min_batch_bucket), self.min_batch_bucket)
 
     def prefill_buckets(self) -> list[int]:
-        return powers_of_two_upto(self.prefill_chunk, min(self.min_prefill_bucket, self.prefill_chunk))
+        # A chunk holds at most max_model_len - 1 tokens (a sequence's tokens but its newest), so buckets above the
+        # power of two that covers them would be compiled at start-up and never run.
+        top = min(self.prefill_chunk, 1 << max(0, (self.max_model_len - 2).bit_length()))
+        return powers_of_two_upto(top, min(self.min_prefill_bucket, top))
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields: compared and hashed by identity

@@ -106,6 +106,20 @@ def _pool_shapes(engine) -> set[str]:
     return {f"{dt}[{','.join(map(str, k.shape))}]" for k, _ in engine.state.pages.values()}
 
 
+@pytest.mark.parametrize("max_model_len, chunk, smallest", [(48, 256, 16), (2048, 256, 16), (24, 8, 4), (2, 256, 16),
+                                                          (100, 100, 16), (300, 1000, 8)])
+def test_prefill_buckets_cover_every_chunk_and_no_more(max_model_len, chunk, smallest):
+    """Every chunk a sequence can need (1 .. min(chunk, max_model_len - 1) tokens) has a bucket, and no bucket is
+    compiled that no chunk could use (a server at max_model_len 48 compiled 128- and 256-token prefills before)."""
+    from gemma4_mtp_jax.engine import EngineConfig
+
+    buckets = EngineConfig(max_model_len=max_model_len, prefill_chunk=chunk,
+                           min_prefill_bucket=smallest).prefill_buckets()
+    largest = min(chunk, max_model_len - 1)
+    assert all(any(b >= n for b in buckets) for n in range(1, largest + 1))
+    assert buckets == sorted(set(buckets)) and len([b for b in buckets if b >= largest]) == 1, buckets
+
+
 def test_kv_updated_in_place(engines):
     """Decode and prefill programs alias the donated pages to their outputs, and copy no cache-sized array."""
     engine = engines("e2b")
