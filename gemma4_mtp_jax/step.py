@@ -29,7 +29,7 @@ from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
 from gemma4_mtp_jax.speculative import Drafter, speculative_step
-from gemma4_mtp_jax.xla_env import update_mode_in_flags
+from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def compiler_options() -> dict[str, str]:
     applies; as a compile option alone it only skips part of the updates (benchmarks/RESULTS.md, run 47)."""
     if jax.default_backend() != "gpu" or update_mode_in_flags():
         return {}
-    return {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
+    return {UPDATE_MODE_OPTION: STABLE_TEMPORARIES}
 
 
 _options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once

@@ -26,8 +26,10 @@ import sys
 
 log = logging.getLogger(__name__)
 
-UPDATE_MODE = "--xla_gpu_command_buffer_update_mode"
-_SET_BY_US = f"{UPDATE_MODE}=SKIP_TEMP"
+# The XLA option and the value the step programs need, as XLA_FLAGS here and as a compile option in step.py.
+UPDATE_MODE_OPTION, STABLE_TEMPORARIES = "xla_gpu_command_buffer_update_mode", "SKIP_TEMP"
+UPDATE_MODE = f"--{UPDATE_MODE_OPTION}"
+_SET_BY_US = f"{UPDATE_MODE}={STABLE_TEMPORARIES}"
 _CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 
 
