@@ -24,13 +24,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (TARGETS, bench_state, copy_bandwidth, environment, fresh_rows,  # noqa: E402
+from benchmarks.common import (TARGETS, copy_bandwidth, environment, fresh_inputs,  # noqa: E402
                                layout_for, pipelined_time, random_params, write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.kv_state import abstract_pages  # noqa: E402
-from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
 SMOKE = dict(model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -124,8 +123,8 @@ def main() -> None:
         max_b = max(args.batch)
         layout = layout_for(cfg, max_b, page_size=args.page_size, max_model_len=context + 16)
         target = Target(cfg, params, dtype, None, {})
-        steps = CompiledSteps(target, layout, dtype, args.attention)
-        state = bench_state(steps, random_pages(cfg, layout, dtype))
+        steps = CompiledSteps(target, layout, dtype, args.attention, max_batch=max_b)
+        state = steps.init_state(random_pages(cfg, layout, dtype))
         rng = np.random.default_rng(0)
         for B in args.batch:
             t0 = time.perf_counter()
@@ -137,13 +136,12 @@ def main() -> None:
                 tables[g] = perm.reshape(B, w).astype(np.int32)
             tokens = rng.integers(0, cfg.vocab_size, B).astype(np.int32)
             positions = np.full(B, context - 1, np.int32)
-            sampling = SamplingBatch.from_params([], B)
-            rows_in = fresh_rows(tokens, positions, steps.num_slots)
-            t, state = time_decode(fn, steps.program_params, state, (rows_in, tables, sampling), args.repeats)
+            inputs = fresh_inputs(tokens, positions, tables, steps.num_slots)
+            t, state = time_decode(fn, steps.program_params, state, (inputs,), args.repeats)
             holder = [state]
 
             def one_step():
-                holder[0], out = fn(steps.program_params, holder[0], rows_in, tables, sampling)
+                holder[0], out = fn(steps.program_params, holder[0], inputs)
                 return out
 
             # Steps dispatched back to back: the device's own time, with each call's host work hidden behind the

@@ -48,19 +48,18 @@ def program_call(engine: Engine):
     running sequences, as `step` builds them, threading the donated state; returns its packed result."""
     if engine._inflight is not None:  # read the engine's last step first: the calls below follow it
         engine._collect(engine._inflight)
-    B, rows, tables, sampling = engine._step_inputs(engine._rows(engine.running, []))
+    B, inputs = engine._step_inputs(engine._rows(engine.running, []))
     if engine.assistant is None:
         fn = engine.steps.compile_decode(B)
 
         def call():
-            engine.state, out = fn(engine.steps.program_params, engine.state, rows, tables, sampling)
+            engine.state, out = fn(engine.steps.program_params, engine.state, inputs)
             return out
         return call
     fn = engine.steps.compile_speculative(B)
 
     def call():
-        engine.state, out = fn(engine.steps.program_params, engine.steps.draft_params, engine.state, rows, tables,
-                               sampling)
+        engine.state, out = fn(engine.steps.program_params, engine.steps.draft_params, engine.state, inputs)
         return out
     return call
 

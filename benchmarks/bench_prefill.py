@@ -20,10 +20,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
-from benchmarks.common import TARGETS, bench_state, environment, layout_for, random_params, write_json  # noqa: E402
+from benchmarks.common import TARGETS, environment, layout_for, random_params, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import FULL, owning_layers, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.device_state import MAX_STOP_IDS  # noqa: E402
+from gemma4_mtp_jax.device_state import MAX_STOP_IDS, PrefillRows  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -38,8 +38,9 @@ def run_prompt(fn, params, state, prompt, chunk, tables, sampling):
         pos = np.full((1, chunk), -1, np.int32)
         toks[0, :len(piece)] = piece
         pos[0, :len(piece)] = np.arange(start, start + len(piece))
-        state, out = fn(params, state, np.zeros(1, np.int32), toks, pos, tables,
-                        np.array([len(piece) - 1], np.int32), sampling, stop_ids, remaining)
+        rows = PrefillRows(slot=np.zeros(1, np.int32), tokens=toks, positions=pos,
+                           last_index=np.array([len(piece) - 1], np.int32), stop_ids=stop_ids, remaining=remaining)
+        state, out = fn(params, state, CompiledSteps.inputs(rows, tables, sampling))
     return state, out
 
 
@@ -80,7 +81,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn = steps.compile_prefill(1, chunk)
             compile_s = time.perf_counter() - t0
-            state = bench_state(steps, random_pages(cfg, layout, dtype))
+            state = steps.init_state(random_pages(cfg, layout, dtype))
             state, out = run_prompt(fn, steps.program_params, state, prompt, chunk, tables, sampling)  # warm-up
             hs[impl] = written_kv(cfg, state, tables, prompt_len, args.page_size)
             samples = []

@@ -28,8 +28,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, bench_state, copy_bandwidth, environment,  # noqa: E402
-                               fresh_rows, layout_for, pipelined_time, random_params, write_json)
+from benchmarks.common import (ASSISTANTS, TARGETS, copy_bandwidth, environment,  # noqa: E402
+                               fresh_inputs, layout_for, pipelined_time, random_params, write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
@@ -42,7 +42,6 @@ from gemma4_mtp_jax.api import (  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
-from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -106,7 +105,7 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(tcfg, args.tensor_parallel_size)
         placement = Placement.over(jax.devices()[:args.tensor_parallel_size])
-    plain = CompiledSteps(target, layout, dtype, "auto", placement=placement)
+    plain = CompiledSteps(target, layout, dtype, "auto", placement=placement, max_batch=max_b)
     params = plain.params  # on the programs' devices (split under tensor parallelism)
     # The speculative programs take the same placed parameters (not a second copy), and the whole weights made on
     # the first device go: under tensor parallelism they and two sets of shards would not fit one GPU (31B, TP=2).
@@ -122,14 +121,13 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
             tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
         tokens = rng.integers(0, tcfg.vocab_size, B).astype(np.int32)
         P = np.full(B, context - k - 2, np.int32)
-        sampling = SamplingBatch.from_params([], B)
         row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context}
 
         t0 = time.perf_counter()
         dec = plain.compile_decode(B)
         row["compile_decode_s"] = time.perf_counter() - t0
-        t, tp, (state,) = timed(lambda s, *r: dec(plain.program_params, s, *r), (bench_state(plain, pages),),
-                                (fresh_rows(tokens, P, plain.num_slots), tables, sampling), args.repeats)
+        t, tp, (state,) = timed(lambda s, *r: dec(plain.program_params, s, *r), (plain.init_state(pages),),
+                                (fresh_inputs(tokens, P, tables, plain.num_slots),), args.repeats)
         pages = state.pages
         row["decode_ms"], row["decode_pipelined_ms"] = t * 1e3, tp * 1e3
 
@@ -152,14 +150,14 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
         spec = steps.compile_speculative(B)
         row["compile_spec_s"] = time.perf_counter() - t0
         t, tp, (state,) = timed(lambda s, *r: spec(steps.program_params, steps.draft_params, s, *r),
-                                (bench_state(steps, pages, hidden),), (fresh_rows(tokens, P, steps.num_slots),
-                                                                       tables, sampling), args.repeats)
+                                (steps.init_state(pages, hidden),),
+                                (fresh_inputs(tokens, P, tables, steps.num_slots),), args.repeats)
         if args.profile:
             box = [state]
 
             def one_spec():
                 box[0], out = spec(steps.program_params, steps.draft_params, box[0],
-                                   fresh_rows(tokens, P, steps.num_slots), tables, sampling)
+                                   fresh_inputs(tokens, P, tables, steps.num_slots))
                 return out
 
             row["spec_profile"] = profile_calls(one_spec)

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.device_state import MAX_STOP_IDS, DeviceState, StepRows, init_slots
+from gemma4_mtp_jax.device_state import MAX_STOP_IDS, StepRows
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
+from gemma4_mtp_jax.sampling import SamplingBatch
+from gemma4_mtp_jax.step import CompiledSteps
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
 _S, _F = "sliding_attention", "full_attention"
@@ -96,22 +98,16 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     return 2 * x.nbytes / t
 
 
-def bench_state(steps, pages: Any, hidden: Any = None) -> DeviceState:
-    """The engine's device state (device_state.py) around a benchmark's pages (and the drafter's hidden buffer for
-    a speculative `steps`), placed as `steps` (a CompiledSteps) expects it."""
-    state = DeviceState(pages, hidden, *init_slots(steps.num_slots))
-    shardings = steps.state_shardings()
-    return jax.device_put(state) if shardings is None else jax.device_put(state, shardings)
-
-
-def fresh_rows(tokens: np.ndarray, lengths: np.ndarray, num_slots: int) -> StepRows:
-    """A decode or speculative step's rows that all bring their token and length from the host, never reading
-    what the previous call left in the slots: repeated calls time the same step (no sequence grows or stops)."""
+def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.ndarray], num_slots: int) -> np.ndarray:
+    """A decode or speculative step's packed host inputs (CompiledSteps.inputs) whose rows all bring their token and
+    length from the host, never reading what the previous call left in the slots: repeated calls time the same step
+    (no sequence grows or stops). Greedy rows, no stop ids; tables: KV group -> [B, width] page ids."""
     B = len(tokens)
-    return StepRows(slot=np.minimum(np.arange(B), num_slots).astype(np.int32), fresh=np.ones(B, bool),
+    rows = StepRows(slot=np.minimum(np.arange(B), num_slots).astype(np.int32), fresh=np.ones(B, bool),
                     token=np.asarray(tokens, np.int32), length=np.asarray(lengths, np.int32),
                     remaining=np.full(B, 1 << 20, np.int32), stop_ids=np.full((B, MAX_STOP_IDS), -1, np.int32),
                     speculate=np.ones(B, bool))
+    return CompiledSteps.inputs(rows, tables, SamplingBatch.from_params([], B))
 
 
 def median_time(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3) -> float:

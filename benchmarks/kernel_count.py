@@ -163,8 +163,9 @@ def programs(target: Target, assistant: Assistant, batch: int, k: int, context: 
                         assistant_window=acfg.text.sliding_window)
     spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch,
                          pack_params=pack_params)
-    plain = CompiledSteps(target, layout, dtype, "auto", pack_params=pack_params)
-    params, state, tables, _ = plain._abstract(batch)
+    plain = CompiledSteps(target, layout, dtype, "auto", pack_params=pack_params, max_batch=batch)
+    params, state = plain._abstract()
+    _, tables, _ = plain._abstract_inputs(batch)
     pages, tokens = state.pages, plain._i32(batch, k + 1)
 
     def verify(params, pages, tokens, positions, tables):

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
-from benchmarks.common import (TARGETS, bench_state, environment, fresh_rows, layout_for, pipelined_time,  # noqa: E402
+from benchmarks.common import (TARGETS, environment, fresh_inputs, layout_for, pipelined_time,  # noqa: E402
                                random_params, write_json)
 from benchmarks.kernel_count import summarize  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
@@ -51,7 +51,6 @@ from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.model import decoder as decoder_module  # noqa: E402
 from gemma4_mtp_jax.model import target as target_module  # noqa: E402
 from gemma4_mtp_jax.model.layers import Linear, Weight, apply_rope, rms_normalize, rope_inv_freq  # noqa: E402
-from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps, compiler_options  # noqa: E402
 
 
@@ -153,9 +152,9 @@ def main() -> None:
             break
         options, swap = VARIANTS[variant]
         with swapped(*swap) if swap else contextlib.nullcontext():
-            steps = CompiledSteps(target, layout, dtype)
+            steps = CompiledSteps(target, layout, dtype, max_batch=max(args.batch))
             if state[0] is None:
-                state[0] = bench_state(steps, random_pages(cfg, layout, dtype))
+                state[0] = steps.init_state(random_pages(cfg, layout, dtype))
             for B in args.batch:
                 t0 = time.perf_counter()
                 try:
@@ -174,11 +173,10 @@ def main() -> None:
         rng = np.random.default_rng(B)  # every variant decodes the same inputs
         tables = {g: 1 + first_sequence[B] * w + rng.permutation(B * w).reshape(B, w).astype(np.int32)
                   for g, w in layout.pages_per_seq}
-        step_rows = fresh_rows(rng.integers(0, cfg.vocab_size, B), np.full(B, context - 1), 1)
-        sampling = SamplingBatch.from_params([], B)
+        inputs = fresh_inputs(rng.integers(0, cfg.vocab_size, B), np.full(B, context - 1), tables, 1)
 
         def one_step():
-            state[0], out = call(state[0], step_rows, tables, sampling)
+            state[0], out = call(state[0], inputs)
             return out
         return one_step
 

@@ -28,12 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
 from benchmarks.bench_spec import SMOKE_ASSISTANT  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, bench_state, environment, fresh_rows, layout_for,  # noqa: E402
+from benchmarks.common import (ASSISTANTS, TARGETS, environment, fresh_inputs, layout_for,  # noqa: E402
                                random_params)
 from benchmarks.common import add_pack_params_arg, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps, compiler_options  # noqa: E402
 
@@ -98,19 +97,18 @@ def main() -> None:
     program = lowered.compile(compiler_options={**compiler_options(), **options})
     compile_s = time.perf_counter() - t0
 
-    def fn(params, state, *inputs):  # decode's call; the speculative program also takes the drafter's parameters
-        return program(params, steps.draft_params, state, *inputs) if args.spec else program(params, state, *inputs)
+    def fn(params, state, inputs):  # decode's call; the speculative program also takes the drafter's parameters
+        return program(params, steps.draft_params, state, inputs) if args.spec else program(params, state, inputs)
 
     hidden = jnp.zeros((steps.num_slots + 1, cfg.hidden_size), dtype) if args.spec else None
-    box = [bench_state(steps, random_pages(cfg, layout, dtype), hidden)]
+    box = [steps.init_state(random_pages(cfg, layout, dtype), hidden)]
     tables = {g: np.arange(1, 1 + w, dtype=np.int32)[None] for g, w in layout.pages_per_seq}
-    host = (fresh_rows(np.array([5], np.int32), np.array([context - 8], np.int32), steps.num_slots), tables,
-            SamplingBatch.from_params([], 1))
+    host = fresh_inputs(np.array([5], np.int32), np.array([context - 8], np.int32), tables, steps.num_slots)
     placed = jax.device_put(host)
     rows = {}
     for name, inputs in (("host_inputs", host), ("device_inputs", placed)):
         def call(inputs=inputs):
-            box[0], out = fn(steps.program_params, box[0], *inputs)
+            box[0], out = fn(steps.program_params, box[0], inputs)
             return out
         rows[name] = measure(call, args.repeats)
         print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
@@ -127,7 +125,7 @@ def main() -> None:
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(box[0])[0]]
     seen: dict[str, set[int]] = {}
     for _ in range(6):
-        box[0], out = fn(steps.program_params, box[0], *placed)
+        box[0], out = fn(steps.program_params, box[0], placed)
         for name, leaf in zip(names + ["packed"], jax.tree_util.tree_leaves(box[0]) + [out]):
             seen.setdefault(name, set()).add(leaf.unsafe_buffer_pointer())
     jax.block_until_ready(out)

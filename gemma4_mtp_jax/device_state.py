@@ -1,7 +1,8 @@
 """What the engine keeps on the device between steps, and the one place that decides where a sequence stops.
 
-`DeviceState` is a single pytree: the KV page pools, the drafter's hidden buffer and, per slot (a running
-sequence's row), its newest token, that token's position and the tokens it may still produce. Every compiled
+`DeviceState` is a single pytree: the KV page pools, the drafter's hidden buffer, per slot (a running sequence's
+row) its newest token, that token's position and the tokens it may still produce, and the buffer each step's
+packed host inputs are staged in (input_pack.py). Every compiled
 program takes it donated and returns it updated in place. Because the slots carry the newest token and position,
 a decode or speculative step needs nothing from the previous step's results on the host: the engine can dispatch
 step n+1 before it reads step n (docs/DESIGN.md, "Overlap").
@@ -32,6 +33,7 @@ class DeviceState:
     token: Array  # [num_slots + 1] int32: each sequence's newest token, not yet written
     length: Array  # [num_slots + 1] int32: that token's position
     remaining: Array  # [num_slots + 1] int32: tokens the sequence may still produce; 0 once it has finished
+    inputs: Array  # [capacity] int32: the running step's host inputs, staged where they keep their address
 
 
 @flax.struct.dataclass
@@ -47,6 +49,19 @@ class StepRows:
     remaining: Array  # [B] int32 (fresh rows)
     stop_ids: Array  # [B, MAX_STOP_IDS] int32, -1 padded
     speculate: Array  # [B] bool: draft for this row (speculative steps; rows without accept nothing)
+
+
+@flax.struct.dataclass
+class PrefillRows:
+    """A prefill chunk's per-row host inputs: each row writes the K/V of `tokens` at `positions` (-1: padding) and
+    samples after its token at `last_index`, through the stop rule (meaningful on a prompt's final chunk)."""
+
+    slot: Array  # [B] int32: where the drafter's first h goes
+    tokens: Array  # [B, T] int32
+    positions: Array  # [B, T] int32 (-1 padded)
+    last_index: Array  # [B] int32
+    stop_ids: Array  # [B, MAX_STOP_IDS] int32, -1 padded
+    remaining: Array  # [B] int32: tokens the sequence may still produce
 
 
 def init_slots(num_slots: int) -> tuple[Array, Array, Array]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from gemma4_mtp_jax.allocator import PageAllocator
 from gemma4_mtp_jax.config import check_pair
-from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, StepRows
+from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, PrefillRows, StepRows
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, make_layout, page_bytes
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams, any_sampled
@@ -283,7 +283,8 @@ class Engine:
         self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
                                    k=self.k, num_slots=cfg.max_num_seqs,
                                    placement=self._placement(cfg.tensor_parallel_size, devices),
-                                   pack_params=cfg.pack_params)
+                                   pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
+                                   max_prefill_tokens=max(cfg.prefill_buckets()))
         self.state: DeviceState = self.steps.init_state()
         # Each running sequence owns a slot: its row of the device state's per-sequence arrays.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
@@ -711,10 +712,11 @@ class Engine:
             positions = np.full((1, T), -1, np.int32)
             tokens[0, :n] = todo[start : start + n]
             positions[0, :n] = np.arange(start, start + n)
-            fn = self.steps.compile_prefill(1, T)
-            self.state, packed = fn(self.steps.program_params, self.state, np.array([req.slot], np.int32), tokens,
-                                    positions, tables, np.array([n - 1], np.int32), sampling, row.stop_ids[None],
-                                    np.array([row.remaining], np.int32))
+            rows = PrefillRows(slot=np.array([req.slot], np.int32), tokens=tokens, positions=positions,
+                               last_index=np.array([n - 1], np.int32), stop_ids=row.stop_ids[None],
+                               remaining=np.array([row.remaining], np.int32))
+            self.state, packed = self.steps.compile_prefill(1, T)(self.steps.program_params, self.state,
+                                                                  self.steps.inputs(rows, tables, sampling))
             req.prefilled += n
             done += n
             self._register(req)
@@ -725,20 +727,20 @@ class Engine:
     def _dispatch(self, rows: list[_Row]) -> jax.Array:
         """One decode step, or with a drafter one draft-and-verify round, for `rows`; returns the packed result
         ([B, k+4] int32, device_state.finish_round) without waiting for it."""
-        B, step_rows, tables, sampling = self._step_inputs(rows)
+        B, inputs = self._step_inputs(rows)
         sampled = any_sampled([row.sampling for row in rows])
         if self.assistant is None:
-            self.state, packed = self.steps.compile_decode(B, sampled)(self.steps.program_params, self.state, step_rows,
-                                                                       tables, sampling)
+            self.state, packed = self.steps.compile_decode(B, sampled)(self.steps.program_params, self.state, inputs)
         else:
             self.state, packed = self.steps.compile_speculative(B, sampled)(
-                self.steps.program_params, self.steps.draft_params, self.state, step_rows, tables, sampling)
+                self.steps.program_params, self.steps.draft_params, self.state, inputs)
         for row in rows:
             row.req.on_device = True
         return packed
 
-    def _step_inputs(self, rows: list[_Row]) -> tuple[int, StepRows, dict[str, np.ndarray], SamplingBatch]:
-        """A decode or speculative step's host inputs: (batch bucket, rows, page tables, sampling rows)."""
+    def _step_inputs(self, rows: list[_Row]) -> tuple[int, np.ndarray]:
+        """A decode or speculative step's host inputs: (batch bucket, its rows, page tables and sampling rows packed
+        as the program takes them)."""
         B = self._bucket(self.config.batch_buckets(), len(rows))
         step_rows = StepRows(
             slot=np.full((B,), self.config.max_num_seqs, np.int32),  # padding rows use the spare last slot
@@ -749,7 +751,7 @@ class Engine:
             step_rows.slot[r], step_rows.fresh[r] = row.req.slot, row.fresh
             step_rows.token[r], step_rows.length[r], step_rows.remaining[r] = row.token, row.length, row.remaining
             step_rows.stop_ids[r], step_rows.speculate[r] = row.stop_ids, row.req.speculative
-        return B, step_rows, self._tables(rows, B), self._sampling(rows, B)
+        return B, self.steps.inputs(step_rows, self._tables(rows, B), self._sampling(rows, B))
 
     def _collect(self, dispatched: _Dispatched) -> list[StepEvent]:
         """Read a dispatched step (the one host read of a step) and take each row's new tokens. A row whose

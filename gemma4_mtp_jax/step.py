@@ -3,8 +3,9 @@ of `forward.py` and `speculative.py`.
 
 Each step is one XLA program per shape bucket, compiled ahead of time. The engine's device state
 (`device_state.DeviceState`: pages, the drafter's hidden buffer, each slot's newest token and length) is donated
-and comes back updated in place. The host passes small arrays only (slots, page tables, sampling and stop rows,
-and the token and length of rows that start decoding) and reads back one packed result per step.
+and comes back updated in place. The host passes its per-row inputs (slots, page tables, sampling and stop rows, the
+token and length of rows that start decoding) packed as one int32 array (`input_pack.py`) and reads back one packed
+result per step.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemma4_mtp_jax.forward import decode_step, prefill_step
-from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, StepRows, finish_round, init_slots, read_rows,
-                                         stop_check)
+from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
+                                         read_rows, stop_check)
+from gemma4_mtp_jax.input_pack import pack_rows, packed_width, unpack_rows
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target
@@ -120,11 +123,20 @@ class CompiledSteps:
     placement: Placement | None = None
     # Programs take the target's leaves stacked as rows of a few arrays (param_pack.py); False: every array as it is.
     pack_params: bool = False
+    # The most rows a decode or speculative program takes and the longest chunk a (one-row) prefill program takes:
+    # they size the device state's staging buffer for the packed host inputs (input_pack.py). None: num_slots
+    # rows; the layout's max_model_len tokens.
+    max_batch: int | None = None
+    max_prefill_tokens: int | None = None
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
     speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
+        rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len
+        self.input_capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows)),
+                                      packed_width(self._abstract_inputs(1, tokens)))
         # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
         self.draft_params = self.drafter.params() if self.drafter is not None else None
         # On the programs' devices once (a loader may leave the weights in host memory: each tensor then goes
@@ -199,20 +211,24 @@ class CompiledSteps:
         if self.placement is None:
             return None
         rep = self._rep
-        return DeviceState(self.page_shardings(), rep if self.drafter is not None else None, rep, rep, rep)
+        return DeviceState(self.page_shardings(), rep if self.drafter is not None else None, rep, rep, rep, rep)
 
-    def init_state(self, pages: Any = None) -> DeviceState:
+    def init_state(self, pages: Any = None, hidden: Any = None) -> DeviceState:
         """The engine's device state, made where it lives: zeroed page pools (or `pages`, e.g. a benchmark's random
-        ones), with a drafter its zeroed hidden buffer [num_slots + 1, H], and every slot finished."""
+        ones), with a drafter its zeroed hidden buffer [num_slots + 1, H] (or `hidden`), every slot finished, and
+        the staging buffer for the steps' inputs."""
         H = self.target.config.hidden_size
 
-        def make(pages):
+        def make(pages, hidden):
             if pages is None:
                 pages = init_pages(self.target.config, self.layout, self.cache_dtype)
-            hidden = jnp.zeros((self.num_slots + 1, H), self.cache_dtype) if self.drafter is not None else None
-            return DeviceState(pages, hidden, *init_slots(self.num_slots))
+            if hidden is None and self.drafter is not None:
+                hidden = jnp.zeros((self.num_slots + 1, H), self.cache_dtype)
+            inputs = jnp.zeros((self.input_capacity,), jnp.int32)
+            return DeviceState(pages, hidden, *init_slots(self.num_slots), inputs)
 
-        return self._jit(make, (0,) if pages is not None else (), self.state_shardings())(pages)
+        donate = tuple(i for i, a in enumerate((pages, hidden)) if a is not None)
+        return self._jit(make, donate, self.state_shardings())(pages, hidden)
 
     # ------------------------------------------------------------------ programs
     def _abstract_state(self) -> DeviceState:
@@ -220,46 +236,70 @@ class CompiledSteps:
         pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
         hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype) if self.drafter is not None else None
         slots = [jax.ShapeDtypeStruct((self.num_slots + 1,), jnp.int32)] * 3
-        return _shapes(DeviceState(pages, hidden, *slots), self.state_shardings())
+        inputs = jax.ShapeDtypeStruct((self.input_capacity,), jnp.int32)
+        return _shapes(DeviceState(pages, hidden, *slots, inputs), self.state_shardings())
 
-    def _abstract(self, batch: int) -> tuple:
-        """(params, state, tables, sampling) of a program over `batch` rows."""
-        i32 = self._i32
+    def _abstract(self) -> tuple:
+        """(program params, state) as every program takes them."""
+        params = self.pack.abstract(_shapes(self.target.params, self.param_shardings()), self._rep)
+        return params, self._abstract_state()
+
+    def _abstract_inputs(self, batch: int, tokens: int | None = None) -> tuple:
+        """A program's per-row host inputs (rows, tables, sampling): a prefill's (PrefillRows of `tokens` per row)
+        or, for tokens None, a decode or speculative step's (StepRows)."""
+        i32, flag = self._i32, self._sds((batch,), jnp.bool_)
+        if tokens is None:
+            rows = StepRows(slot=i32(batch), fresh=flag, token=i32(batch), length=i32(batch), remaining=i32(batch),
+                            stop_ids=i32(batch, MAX_STOP_IDS), speculate=flag)
+        else:
+            rows = PrefillRows(slot=i32(batch), tokens=i32(batch, tokens), positions=i32(batch, tokens),
+                               last_index=i32(batch), stop_ids=i32(batch, MAX_STOP_IDS), remaining=i32(batch))
         tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
         f32 = self._sds((batch,), jnp.float32)
         sampling = SamplingBatch(temperature=f32, top_k=i32(batch), top_p=f32, seed=self._sds((batch,), jnp.uint32))
-        params = self.pack.abstract(_shapes(self.target.params, self.param_shardings()), self._rep)
-        return params, self._abstract_state(), tables, sampling
+        return rows, tables, sampling
 
-    def _abstract_rows(self, batch: int) -> StepRows:
-        i32, flag = self._i32(batch), self._sds((batch,), jnp.bool_)
-        return StepRows(slot=i32, fresh=flag, token=i32, length=i32, remaining=i32,
-                        stop_ids=self._i32(batch, MAX_STOP_IDS), speculate=flag)
+    def _abstract_packed(self, batch: int, tokens: int | None = None) -> jax.ShapeDtypeStruct:
+        return self._i32(batch, packed_width(self._abstract_inputs(batch, tokens)))
 
-    def _prefill_fn(self, params, state: DeviceState, slot, tokens, positions, tables, last_index, sampling, stop_ids,
-                    remaining) -> tuple[DeviceState, jax.Array]:
+    @staticmethod
+    def inputs(rows: StepRows | PrefillRows, tables: dict[str, np.ndarray], sampling: SamplingBatch) -> np.ndarray:
+        """A program's host inputs as it takes them: one int32 array [B, 1 + W] (input_pack.py). rows: a decode or
+        speculative step's StepRows or a prefill's PrefillRows; tables: KV group -> [B, table width]; sampling: the
+        rows' SamplingBatch. All host (numpy) arrays."""
+        return pack_rows((rows, tables, sampling))
+
+    def _unpack(self, state: DeviceState, inputs: jax.Array, tokens: int | None = None) -> tuple:
+        """((rows, tables, sampling), state with the inputs staged): see input_pack.py. A program over more rows
+        than max_batch, or a longer chunk than max_prefill_tokens, fails here, at tracing."""
+        tree, staged = unpack_rows(inputs, self._abstract_inputs(inputs.shape[0], tokens), state.inputs)
+        return tree, state.replace(inputs=staged)
+
+    def _prefill_fn(self, params, state: DeviceState, inputs, *, tokens: int) -> tuple[DeviceState, jax.Array]:
         """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
         a prompt's final chunk) as a packed [B, 4] result; the drafter's h (the hidden there) into its slot."""
+        (rows, tables, sampling), state = self._unpack(state, inputs, tokens)
         params = self.pack.unpack(params)
-        pages, token, h_last = prefill_step(self.target, self.layout, self.attention_impl, params, state.pages, tokens,
-                                            positions, tables, last_index, sampling)
+        pages, token, h_last = prefill_step(self.target, self.layout, self.attention_impl, params, state.pages,
+                                            rows.tokens, rows.positions, tables, rows.last_index, sampling)
         state = state.replace(pages=pages)
         if state.hidden is not None:
-            state = state.replace(hidden=state.hidden.at[slot].set(h_last.astype(state.hidden.dtype)))
-        keep, reason = stop_check(token[:, None], jnp.zeros_like(token), stop_ids, remaining)
+            state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
+        keep, reason = stop_check(token[:, None], jnp.zeros_like(token), rows.stop_ids, rows.remaining)
         zeros = jnp.zeros_like(token)
         return state, jnp.stack([token, zeros, keep, reason], 1)
 
-    def _decode_fn(self, params, state: DeviceState, rows: StepRows, tables, sampling, *,
-                   sampled: bool) -> tuple[DeviceState, jax.Array]:
+    def _decode_fn(self, params, state: DeviceState, inputs, *, sampled: bool) -> tuple[DeviceState, jax.Array]:
+        (rows, tables, sampling), state = self._unpack(state, inputs)
         params = self.pack.unpack(params)
         token, length, remaining = read_rows(state, rows)
         pages, nxt = decode_step(self.target, self.layout, self.attention_impl, params, state.pages, token, length,
                                  tables, sampling, sampled)
         return finish_round(state.replace(pages=pages), rows, length, remaining, nxt[:, None], jnp.zeros_like(nxt))
 
-    def _speculative_fn(self, params, params_d, state: DeviceState, rows: StepRows, tables, sampling, *,
+    def _speculative_fn(self, params, params_d, state: DeviceState, inputs, *,
                         sampled: bool) -> tuple[DeviceState, jax.Array]:
+        (rows, tables, sampling), state = self._unpack(state, inputs)
         params = self.pack.unpack(params)
         token, length, remaining = read_rows(state, rows)
         pages, hidden, emitted, n = speculative_step(self.target, self.drafter, self.layout, self.k,
@@ -269,42 +309,41 @@ class CompiledSteps:
         return finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
-        params, state, tables, sampling = self._abstract(batch)
-        i32 = self._i32
-        args = (params, state, i32(batch), i32(batch, tokens), i32(batch, tokens), tables, i32(batch), sampling,
-                i32(batch, MAX_STOP_IDS), i32(batch))
-        return self._jit(self._prefill_fn, (1,), (self.state_shardings(), self._rep)).lower(*args)
+        params, state = self._abstract()
+        fn = functools.partial(self._prefill_fn, tokens=tokens)
+        return self._jit(fn, (1,), (self.state_shardings(), self._rep)).lower(
+            params, state, self._abstract_packed(batch, tokens))
 
     def _lower_decode(self, batch: int, sampled: bool) -> jax.stages.Lowered:
-        params, state, tables, sampling = self._abstract(batch)
+        params, state = self._abstract()
         fn = functools.partial(self._decode_fn, sampled=sampled)
-        return self._jit(fn, (1,), (self.state_shardings(), self._rep)).lower(
-            params, state, self._abstract_rows(batch), tables, sampling)
+        return self._jit(fn, (1,), (self.state_shardings(), self._rep)).lower(params, state,
+                                                                              self._abstract_packed(batch))
 
     def _lower_speculative(self, batch: int, sampled: bool) -> jax.stages.Lowered:
-        params, state, tables, sampling = self._abstract(batch)
+        params, state = self._abstract()
         rep = None if self.placement is None else self.placement.replicate(self.draft_params)
         fn = functools.partial(self._speculative_fn, sampled=sampled)
         return self._jit(fn, (2,), (self.state_shardings(), self._rep)).lower(
-            params, _shapes(self.draft_params, rep), state, self._abstract_rows(batch), tables, sampling)
+            params, _shapes(self.draft_params, rep), state, self._abstract_packed(batch))
 
     def compile_prefill(self, batch: int, tokens: int) -> Any:
-        """(program_params, state, slot [B], tokens [B, T], positions [B, T], tables, last_index [B], sampling,
-        stop_ids [B, S], remaining [B]) -> (state, packed [B, 4])."""
+        """(program_params, state, inputs) -> (state, packed [B, 4]); inputs: `inputs(PrefillRows, tables,
+        sampling)` of B rows of T tokens."""
         if (batch, tokens) not in self.prefill:
             self.prefill[(batch, tokens)] = _compile(self._lower_prefill(batch, tokens))
         return self.prefill[(batch, tokens)]
 
     def compile_decode(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, 4]). `sampled`: some row
-        samples (False: every row must be greedy)."""
+        """(program_params, state, inputs) -> (state, packed [B, 4]); inputs: `inputs(StepRows, tables, sampling)`.
+        `sampled`: some row samples (False: every row must be greedy)."""
         if (batch, sampled) not in self.decode:
             self.decode[(batch, sampled)] = _compile(self._lower_decode(batch, sampled))
         return self.decode[(batch, sampled)]
 
     def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, draft_params, state, rows: StepRows, tables, sampling) -> (state, packed [B, k+4]).
-        `sampled`: some row samples (False: every row must be greedy)."""
+        """(program_params, draft_params, state, inputs) -> (state, packed [B, k+4]); inputs: `inputs(StepRows,
+        tables, sampling)`. `sampled`: some row samples (False: every row must be greedy)."""
         if (batch, sampled) not in self.speculative:
             self.speculative[(batch, sampled)] = _compile(self._lower_speculative(batch, sampled))
         return self.speculative[(batch, sampled)]

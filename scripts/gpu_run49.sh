@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
-# Run 49 (planned; issues 10 and 12), one call under 590 s. Carry `.whl`. Run it after the GPU suite (BUILD.md's two
-# calls): run 48 ran only 114 tests under the VMM allocator that SKIP_TEMP in XLA_FLAGS brings.
-# With the step programs no longer re-recording their command buffers (run 48):
-# (1) bench_spec E2B B = 2, 16: spec / decode, synchronised and pipelined (issue 10: <= 1.20 and <= 1.35; run 44:
-#     1.24 pipelined at B = 2, when every call still re-recorded most nodes);
-# (2) the trained demo pair served, spec vs plain, C = 1, 8, 32, 64 (issue 12: spec >= 1.3x plain at C = 64; run
-#     29 measured it while the speculative engine was host-bound);
-# (3) bench_host_overhead E2B B = 2 (run 48 measured B = 1 only).
+# Run 49 (issues 12 and 10), one call under 590 s. Carry `.whl`.
+# The step programs now take their host inputs as one packed int32 array, staged into the device state's buffer by
+# one kernel (gemma4_mtp_jax/input_pack.py). Run 48 found the ~15 separate inputs the largest host cost of a call:
+# their transfers, and 96-215 command-buffer nodes re-recorded per call because they move.
+# (1) probe_dispatch, speculative and decode, E2B B = 1, context 1024, with XLA's update log: how many nodes a call
+#     still updates, and how long a call holds the host (run 48: 3.25 ms both, fresh inputs; 1.99 / 2.38 placed once);
+# (2) bench_host_overhead at E2B B = 1, decode and speculative (issue 12: async step <= 5 % over the program
+#     pipelined; run 48: +22 % and +9.6 %);
+# (3) bench_spec E2B B = 2, 16 (issue 10: spec / decode <= 1.20 and <= 1.35; run 44: 1.24 pipelined at B = 2);
+# (4) with the time left, the trained demo pair served, spec vs plain, C = 1, 8, 32, 64 (issue 12: >= 1.3x at 64).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run49
-end=580
+end=575
+vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1"
 {
-  run env OUT=$res timeout $(lim 150) python3 benchmarks/bench_spec.py --models e2b --batch 2 16 --context 4096
+  for prog in spec decode; do
+    flag=; [ $prog = spec ] && flag=--spec
+    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 70) python3 benchmarks/probe_dispatch.py $flag \
+        --context 1024 --repeats 40 --tag $prog > "$res/probe_dispatch_$prog.log" 2>&1
+    echo "== rc=$? $prog"
+    grep "^{'jax'\|^host_inputs\|^device_inputs\|moved over" "$res/probe_dispatch_$prog.log"
+    echo "updates: $(grep -c 'Updated [0-9]* commands' "$res/probe_dispatch_$prog.log")," \
+         "full: $(grep -c 'skipped 0 command' "$res/probe_dispatch_$prog.log")"
+    grep -o 'Updated [0-9]* commands.*' "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -5
+  done
+  for spec in "" --spec; do
+    run env OUT=$res timeout $(lim 90) python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 \
+        --context 1024 --steps 40 $spec
+    mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
+  done
+  run env OUT=$res timeout $(lim 160) python3 benchmarks/bench_spec.py --models e2b --batch 2 16 --context 4096
   run timeout $(lim 200) python3 benchmarks/bench_serve.py --dataset chat --concurrency 1,8,32,64 --max-tokens 128 \
       --out "$res/serve_demo.json" --log-dir "$res/logs"
-  for spec in "" --spec; do
-    run env OUT=$res timeout $(lim 90) python3 benchmarks/bench_host_overhead.py --model e2b --batch 2 \
-        --context 1024 --steps 40 $spec
-    mv "$res/bench_host_overhead.json" "$res/host_overhead_b2${spec:+_spec}.json"
-  done
   echo "== $(date +%T) done"
 } > "$out/run49.log" 2>&1
-grep -v "cuda_timer\|^W12\|^I12\|^{'model'" "$out/run49.log" | tail -n 80
+grep -v "cuda_timer\|^W12\|^I12\|^{'model'" "$out/run49.log" | tail -n 90

@@ -152,9 +152,9 @@ def test_donation_check_can_fail(engines):
     """The in-place check above is not vacuous: the same step compiled without donation has no aliasing."""
     engine = engines("e2b")
     steps = engine.steps
-    params, state, tables, sampling = steps._abstract(2)
+    params, state = steps._abstract()
     plain = jax.jit(functools.partial(steps._decode_fn, sampled=False)).lower(
-        params, state, steps._abstract_rows(2), tables, sampling).compile()
+        params, state, steps._abstract_packed(2)).compile()
     assert plain.memory_analysis().alias_size_in_bytes == 0
 
 
@@ -546,3 +546,20 @@ def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
         assert float(step._compile(lowered)(np.float32(4))) == 8.0
     assert len(step._options_rejected) == 1 and "NO_SUCH_MODE" in step._options_rejected[0]
     assert sum("compiling without" in r.message for r in caplog.records) == 1
+
+
+def test_step_inputs_are_read_once(engines):
+    """Each program takes its per-row host inputs as one int32 array, read by one instruction (the write into the
+    state's staging buffer), so that on the GPU one command-buffer node, not one per reader, follows the buffer
+    that moves each call (input_pack.py)."""
+    from gemma4_mtp_jax.input_pack import packed_width
+    from testenv import hlo_parameter_users
+
+    engine = engines("e2b")
+    steps = engine.steps
+    for name, compiled, (batch, tokens) in [("decode[2]", steps.compile_decode(2), (2, None)),
+                                            ("decode[2,sampled]", steps.compile_decode(2, True), (2, None)),
+                                            ("prefill[1x8]", steps.compile_prefill(1, 8), (1, 8))]:
+        shape = f"s32[{batch},{packed_width(steps._abstract_inputs(batch, tokens))}]"
+        users = hlo_parameter_users(compiled.as_text(), shape)
+        assert len(users) == 1, f"{name}: the packed inputs {shape} are read by {len(users)} instructions: {users}"

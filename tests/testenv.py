@@ -1,7 +1,20 @@
 """Where the suite runs: kernels compile on the GPU and run in interpret mode elsewhere (conftest.py sets the
-platform before this is imported)."""
+platform before this is imported). And what tests read from compiled programs."""
+
+import re
 
 import jax
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
+
+
+def hlo_parameter_users(text: str, shape: str) -> list[str]:
+    """The ENTRY instructions of an optimized HLO module (`compiled.as_text()`) that take its one parameter of
+    `shape` (e.g. "s32[2,48]") as an operand."""
+    entry = text[text.index("\nENTRY "):]
+    entry = entry[: entry.index("\n}")]
+    params = re.findall(rf"(%\S+) = {re.escape(shape)}(?:\{{[^}}]*\}})? parameter\(", entry)
+    assert len(params) == 1, f"one parameter of shape {shape}: {params}"
+    return [line.strip()[:160] for line in entry.splitlines()
+            if re.search(rf"[(,]\s*{re.escape(params[0])}[,)]", line) and " parameter(" not in line]
