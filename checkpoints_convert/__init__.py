@@ -176,7 +176,7 @@ def convert(
     loader = gemma4_mtp_jax.load_target if kind == "target" else gemma4_mtp_jax.load_assistant
     t0 = time.perf_counter()
     kwargs = {} if dtype is None else {"dtype": dtype}
-    model = loader(src, **kwargs)
+    model = loader(src, on_host=True, **kwargs)  # host arrays: conversion never needs an accelerator
     params = _as_nested_dict(model.params)
     if not isinstance(params, dict):
         raise TypeError(f"loader returned params of type {type(model.params).__name__}, expected a nested dict")

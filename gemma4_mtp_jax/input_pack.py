@@ -8,9 +8,13 @@ page tables, the page writes read the positions), 96-215 nodes per call at E2B (
 `pack_rows` lays every leaf of the inputs' pytree out as int32 columns of one array [B, W] (booleans as 0/1,
 float32 and uint32 by their bits). Inside the program `unpack_rows` first writes that array into a staging buffer
 the device state owns (donated, so it keeps its address from call to call), then reads every leaf from the
-staging buffer: one kernel, the write, reads the buffer that moves. (A copy into a temporary does not do it: XLA
-drops an optimization barrier before fusion and fuses the slices back into every reader.) The staging buffer is
-larger than any packed input by at least one element, so the write is a real update, never the array itself.
+staging buffer: one kernel, the write, reads the buffer that moves.
+
+XLA must not see through the write. A copy into a temporary does not survive: XLA drops an optimization barrier
+before fusion and fuses the slices back into every reader. A write at offset 0 does not either: on the GPU, XLA
+turns a static slice of the written region back into a slice of the array written (run 49: 17 readers). So the
+write's offset is a value XLA cannot know: the staging buffer's last element, which is 0 and never written (the
+buffer is larger than any packed input).
 """
 
 from __future__ import annotations
@@ -61,13 +65,15 @@ def pack_rows(tree: Any) -> np.ndarray:
 
 def unpack_rows(packed: jax.Array, like: Any, staging: jax.Array) -> tuple[Any, jax.Array]:
     """Inside a program: the pytree `pack_rows` packed, shaped and typed as `like` (arrays or shapes, [B, ...]),
-    read back from `staging` (flat int32, more elements than `packed`) after `packed` is written into it. Returns
-    (the tree, the updated staging buffer: hand it back to the device state so that the write happens in place)."""
+    read back from `staging` (flat int32, more elements than `packed`, the last one 0) after `packed` is written
+    into it. Returns (the tree, the updated staging buffer: hand it back to the device state so that the write
+    happens in place)."""
     B, W = packed.shape
     if packed.size >= staging.size:
         raise ValueError(f"input_pack: a packed input of {B} x {W} needs a staging buffer of more than "
                          f"{packed.size} elements, the device state's holds {staging.size}")
-    staging = lax.dynamic_update_slice(staging, packed.reshape(-1), (0,))
+    offset = staging[-1]  # always 0, but only the device knows (module docstring)
+    staging = lax.dynamic_update_slice(staging, packed.reshape(-1), (offset,))
     body = staging[: B * W].reshape(B, W)
     leaves, treedef = jax.tree_util.tree_flatten(like)
     out, start = [], 0

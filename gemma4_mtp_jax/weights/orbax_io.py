@@ -82,11 +82,10 @@ def _leaves_summary(params: Any) -> tuple[int, int, dict[str, int]]:
 
 
 def _to_savable(x: Any) -> Any:
-    # jax arrays go to Orbax as they are (it writes device shards without a host copy of the whole
-    # tree); numpy scalars become 0-d arrays.
-    if isinstance(x, np.generic):
-        return np.asarray(x)
-    return x
+    # Orbax gets host arrays only: its own copies of device arrays, made from its writer threads, crash the
+    # process (SIGSEGV) under XLA's VMM allocator, which the package selects on a GPU (xla_env.py;
+    # benchmarks/RESULTS.md, the tenth session), so each leaf is copied to the host here.
+    return np.asarray(x)
 
 
 def _version_info() -> dict[str, str]:
