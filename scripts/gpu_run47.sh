@@ -12,38 +12,19 @@ cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run47
 end=290
 vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,gpu_executable=3,gpu_executable_buffer_allocator=3"
-summary() {  # updates of each phase of a probe_dispatch log: count, nodes skipped, mean host time
-  python3 - "$1" <<'PY'
-import collections, re, sys
-pending, stats = collections.defaultdict(list), []  # a phase's updates are logged before its result line
-for line in open(sys.argv[1], errors="replace"):
-    m = re.search(r"Updated (\d+) commands in (\d+) .s \(skipped (\d+)", line)
-    if m:
-        pending[(m.group(1), m.group(3))].append(int(m.group(2)))
-    m = re.match(r"^(host_inputs|device_inputs|trivial_program_\w+|buffers that moved)", line)
-    if m:
-        stats.append((m.group(1), line.split(" ", 1)[1].strip()[:150], pending))
-        pending = collections.defaultdict(list)
-stats.append(("after the last phase", "", pending))
-for phase, result, updates in stats:
-    print(f"  {phase}: {result}")
-    for (n, skipped), us in updates.items():
-        print(f"      {len(us):4d} updates of {n} nodes, {skipped:>4} skipped, mean {sum(us) / len(us):7.0f} us")
-PY
-}
 {
   for prog in spec decode; do
     flag=; [ $prog = spec ] && flag=--spec
     run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py $flag \
         --context 1024 --repeats 40 --tag $prog --options xla_dump_to=$res/dump_$prog \
         > "$res/probe_dispatch_$prog.log" 2>&1
-    echo "== rc=$? $prog"; summary "$res/probe_dispatch_$prog.log"
+    echo "== rc=$? $prog"; update_summary "$res/probe_dispatch_$prog.log"
     grep "updated_alloc_indices\|VA remapping\|moved over" "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -8
   done
   run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py --spec \
       --context 1024 --repeats 40 --tag spec_profiled --options xla_gpu_command_buffer_update_mode=SKIP_PROFILED \
       > "$res/probe_dispatch_spec_profiled.log" 2>&1
-  echo "== rc=$? spec SKIP_PROFILED"; summary "$res/probe_dispatch_spec_profiled.log"
+  echo "== rc=$? spec SKIP_PROFILED"; update_summary "$res/probe_dispatch_spec_profiled.log"
   grep -i "error\|moved over" "$res/probe_dispatch_spec_profiled.log" | head -5
   for prog in spec decode; do  # the allocations of each program: index, size, kind
     f=$(ls "$res"/dump_$prog/*after_optimizations-buffer-assignment.txt 2>/dev/null | grep -v values | head -1)
