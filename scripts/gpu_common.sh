@@ -29,3 +29,22 @@ for phase, result, updates in stats:
         print(f"      {len(us):4d} updates of {n} nodes, {skipped:>4} skipped, mean {sum(us) / len(us):7.0f} us")
 PY
 }
+# probe PROG [ARGS...]: benchmarks/probe_dispatch.py on E2B's speculative (PROG spec) or decode program at B = 1,
+# context 1024, 40 repeats, under XLA's command-buffer update log ($VMODULE adds modules), ARGS passed on; the log
+# goes to $res/probe_dispatch_PROG.log, and its updates per phase are printed.
+probe() {
+  local prog=$1 flag=; shift; [ "$prog" = spec ] && flag=--spec
+  run env OUT=$res TF_CPP_VMODULE=${VMODULE:-command_buffer_thunk=3,command_executor=1} TF_CPP_MIN_LOG_LEVEL=0 \
+      timeout $(lim 70) python3 benchmarks/probe_dispatch.py $flag --context 1024 --repeats 40 --tag $prog "$@" \
+      > "$res/probe_dispatch_$prog.log" 2>&1
+  echo "== rc=$? $prog"; update_summary "$res/probe_dispatch_$prog.log"
+}
+# host_overhead B: benchmarks/bench_host_overhead.py at E2B, batch B, context 1024, plain then speculative; the JSON
+# to $res/host_overhead[_spec].json.
+host_overhead() {
+  for spec in "" --spec; do
+    run env OUT=$res timeout $(lim 90) python3 benchmarks/bench_host_overhead.py --model e2b --batch $1 \
+        --context 1024 --steps 40 $spec
+    mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
+  done
+}

@@ -14,11 +14,7 @@ end=290
 vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,gpu_executable=3,gpu_executable_buffer_allocator=3"
 {
   for prog in spec decode; do
-    flag=; [ $prog = spec ] && flag=--spec
-    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py $flag \
-        --context 1024 --repeats 40 --tag $prog --options xla_dump_to=$res/dump_$prog \
-        > "$res/probe_dispatch_$prog.log" 2>&1
-    echo "== rc=$? $prog"; update_summary "$res/probe_dispatch_$prog.log"
+    VMODULE=${vmodule#TF_CPP_VMODULE=} probe $prog --options xla_dump_to=$res/dump_$prog
     grep "updated_alloc_indices\|VA remapping\|moved over" "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -8
   done
   run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py --spec \

@@ -12,22 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run48
 end=585
-vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1"
 {
-  for prog in spec decode; do
-    flag=; [ $prog = spec ] && flag=--spec
-    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 70) python3 benchmarks/probe_dispatch.py $flag \
-        --context 1024 --repeats 40 --tag $prog > "$res/probe_dispatch_$prog.log" 2>&1
-    echo "== rc=$? $prog"
-    grep "^{'jax'\|^host_inputs\|^device_inputs\|moved over" "$res/probe_dispatch_$prog.log"
-    echo "updates: $(grep -c 'Updated [0-9]* commands' "$res/probe_dispatch_$prog.log")," \
-         "full: $(grep -c 'skipped 0 command' "$res/probe_dispatch_$prog.log")"
-  done
-  for spec in "" --spec; do
-    run env OUT=$res timeout $(lim 90) python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 \
-        --context 1024 --steps 40 $spec
-    mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
-  done
+  for prog in spec decode; do probe $prog; done
+  host_overhead 1
   echo "== $(date +%T) tests, $((end - SECONDS)) s left"
 } > "$out/run48.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^{'model'" "$out/run48.log" | tail -n 40

@@ -13,23 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run49
 end=575
-vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1"
 {
-  for prog in spec decode; do
-    flag=; [ $prog = spec ] && flag=--spec
-    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 70) python3 benchmarks/probe_dispatch.py $flag \
-        --context 1024 --repeats 40 --tag $prog > "$res/probe_dispatch_$prog.log" 2>&1
-    echo "== rc=$? $prog"
-    grep "^{'jax'\|^host_inputs\|^device_inputs\|moved over" "$res/probe_dispatch_$prog.log"
-    echo "updates: $(grep -c 'Updated [0-9]* commands' "$res/probe_dispatch_$prog.log")," \
-         "full: $(grep -c 'skipped 0 command' "$res/probe_dispatch_$prog.log")"
-    grep -o 'Updated [0-9]* commands.*' "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -5
-  done
-  for spec in "" --spec; do
-    run env OUT=$res timeout $(lim 90) python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 \
-        --context 1024 --steps 40 $spec
-    mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
-  done
+  for prog in spec decode; do probe $prog; done
+  host_overhead 1
   run env OUT=$res timeout $(lim 160) python3 benchmarks/bench_spec.py --models e2b --batch 2 16 --context 4096
   run timeout $(lim 200) python3 benchmarks/bench_serve.py --dataset chat --concurrency 1,8,32,64 --max-tokens 128 \
       --out "$res/serve_demo.json" --log-dir "$res/logs"

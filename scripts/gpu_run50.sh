@@ -12,22 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run50
 end=585
-vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1"
 {
-  for prog in spec decode; do
-    flag=; [ $prog = spec ] && flag=--spec
-    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 60) python3 benchmarks/probe_dispatch.py $flag \
-        --context 1024 --repeats 40 --tag $prog > "$res/probe_dispatch_$prog.log" 2>&1
-    echo "== rc=$? $prog"
-    grep "^host_inputs\|^device_inputs\|moved over" "$res/probe_dispatch_$prog.log"
-    grep -o 'Updated [0-9]* commands.*skipped [0-9]* command' "$res/probe_dispatch_$prog.log" | sed 's/ in [0-9]* μs//' \
-        | sort | uniq -c | sort -rn | head -6
-  done
-  for spec in "" --spec; do
-    run env OUT=$res timeout $(lim 75) python3 benchmarks/bench_host_overhead.py --model e2b --batch 1 \
-        --context 1024 --steps 40 $spec
-    mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
-  done
+  for prog in spec decode; do probe $prog; done
+  host_overhead 1
   echo "== $(date +%T) tests, $((end - SECONDS)) s left"
 } > "$out/run50.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^{'model'\|^{'jax'" "$out/run50.log" | tail -n 40

@@ -12,15 +12,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run51
 end=585
-vmodule="TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,gpu_executable=3"
 {
   for prog in spec decode; do
-    flag=; [ $prog = spec ] && flag=--spec
-    run env OUT=$res $vmodule TF_CPP_MIN_LOG_LEVEL=0 timeout $(lim 80) python3 benchmarks/probe_dispatch.py $flag \
-        --context 1024 --repeats 40 --tag $prog --options xla_dump_to=$res/dump_$prog \
-        > "$res/probe_dispatch_$prog.log" 2>&1
-    echo "== rc=$? $prog"; update_summary "$res/probe_dispatch_$prog.log"
-    grep -o "updated_alloc[a-z_]*[^,]*" "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -5
+    VMODULE=command_buffer_thunk=3,command_executor=1,gpu_executable=3 probe $prog --options xla_dump_to=$res/dump_$prog
+    grep -o "updated_alloc[a-z_]*[^;]*" "$res/probe_dispatch_$prog.log" | sort | uniq -c | sort -rn | head -5
     f=$(ls "$res"/dump_$prog/*after_optimizations-buffer-assignment.txt 2>/dev/null | grep -v values | head -1)
     # the live-out allocations (the result among them) and every value they hold
     awk '/^allocation/ {show = /maybe-live-out|output/} show' "$f" | head -60
