@@ -6,7 +6,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run35
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
 {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   run timeout 560 python3 benchmarks/bench_serve.py --random-weights 31b --dataset random --input-len 512 \

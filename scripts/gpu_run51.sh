@@ -2,7 +2,8 @@
 # Run 51 (planned; issue 12), one call under 590 s. Carry `.whl`.
 # Run 50: with the inputs packed and staged, a call still re-records ~160 of the speculative program's 1009 nodes
 # (decode: ~215 of 851), although only the packed result's buffer moves. Suspected: XLA assigns small temporaries
-# to the result's allocation before the result is written.
+# to the result's allocation before the result is written (the CPU compiler does: 36 of them in the smoke decode
+# program's 32-byte result allocation, benchmarks/RESULTS.md, the tenth session).
 # (1) probe_dispatch, speculative and decode, E2B B = 1, context 1024, with the buffer assignment dumped and the
 #     updated allocation indices logged: which allocation moves, and which values share it;
 # (2) the README's serve command on the GPU with JAX's default preallocation (every GPU run so far set
