@@ -2,10 +2,10 @@
 
 `DeviceState` is a single pytree: the KV page pools, the drafter's hidden buffer, per slot (a running sequence's
 row) its newest token, that token's position and the tokens it may still produce, and the buffer each step's
-packed host inputs are staged in (input_pack.py). Every compiled
-program takes it donated and returns it updated in place. Because the slots carry the newest token and position,
-a decode or speculative step needs nothing from the previous step's results on the host: the engine can dispatch
-step n+1 before it reads step n (docs/DESIGN.md, "Overlap").
+packed host inputs are staged in (input_pack.py). Every compiled program takes it donated and returns it updated
+in place. Because the slots carry the newest token and position, a decode or speculative step needs nothing from
+the previous step's results on the host: the engine can dispatch step n+1 before it reads step n (docs/DESIGN.md,
+"Overlap").
 
 A step's result per row is one packed int32 array (docs/DESIGN.md convention 7): the emitted tokens, the drafts
 accepted, how many tokens the sequence keeps and why it finished (`FINISH_*`), decided here by `stop_check`.

@@ -13,9 +13,8 @@ staging buffer: one kernel, the write, reads the buffer that moves.
 XLA must not see through the write. A copy into a temporary does not survive: XLA drops an optimization barrier
 before fusion and fuses the slices back into every reader. A write at offset 0 does not either: on the GPU, XLA
 turns a static slice of the written region back into a slice of the array written (17 readers in a tiny
-speculative program, benchmarks/RESULTS.md, the tenth session). So the
-write's offset is a value XLA cannot know: the staging buffer's last element, which is 0 and never written (the
-buffer is larger than any packed input).
+speculative program, benchmarks/RESULTS.md, the tenth session). So the write's offset is a value XLA cannot know:
+the staging buffer's last element, which is 0 and never written (the buffer is larger than any packed input).
 """
 
 from __future__ import annotations

@@ -264,14 +264,15 @@ class CompiledSteps:
 
     @staticmethod
     def inputs(rows: StepRows | PrefillRows, tables: dict[str, np.ndarray], sampling: SamplingBatch) -> np.ndarray:
-        """A program's host inputs as it takes them: one int32 array [B, 1 + W] (input_pack.py). rows: a decode or
+        """A program's host inputs as it takes them: one int32 array [B, W] (input_pack.py). rows: a decode or
         speculative step's StepRows or a prefill's PrefillRows; tables: KV group -> [B, table width]; sampling: the
         rows' SamplingBatch. All host (numpy) arrays."""
         return pack_rows((rows, tables, sampling))
 
     def _unpack(self, state: DeviceState, inputs: jax.Array, tokens: int | None = None) -> tuple:
-        """((rows, tables, sampling), state with the inputs staged): see input_pack.py. A program over more rows
-        than max_batch, or a longer chunk than max_prefill_tokens, fails here, at tracing."""
+        """((rows, tables, sampling), state with the inputs staged): see input_pack.py. A program whose packed
+        inputs do not fit the staging buffer (more rows than max_batch, a longer chunk than max_prefill_tokens)
+        fails here, at tracing."""
         tree, staged = unpack_rows(inputs, self._abstract_inputs(inputs.shape[0], tokens), state.inputs)
         return tree, state.replace(inputs=staged)
 
