@@ -55,6 +55,23 @@ def powers_of_two_upto(n: int, start: int = 1) -> list[int]:
     return out + [n]
 
 
+def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
+    """Bytes of KV pool the devices can take, in all (pages are split over tensor-parallel devices): what each
+    device's allocator has left (`memory_stats`: its limit less what is in use), less the share of `params` not
+    on the device yet (a loader may leave weights in host memory until the programs place them), less a reserve
+    for the programs' temporaries and for XLA's GEMM autotuning at compile time, which allocates the operands of
+    each matmul it tunes: twice the largest weight, plus 1 GiB. None where a device reports no memory limit (CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return None
+    leaves = jax.tree_util.tree_leaves(params)
+    host = sum(x.nbytes for x in leaves if not isinstance(x, jax.Array)
+               or {d.platform for d in x.devices()} != {devices[0].platform})
+    reserve = 2 * max((x.nbytes for x in leaves), default=0) + (1 << 30)
+    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    return max(0, len(devices) * (free - host // len(devices) - reserve))
+
+
 @dataclasses.dataclass
 class EngineConfig:
     max_num_seqs: int = 8
@@ -62,7 +79,8 @@ class EngineConfig:
     max_model_len: int = 2048
     page_size: int = 16
     # Pages per KV group's pool; None: from kv_cache_bytes, or else enough for max_num_seqs sequences of
-    # max_model_len (then no sequence is ever preempted).
+    # max_model_len (then no sequence is ever preempted) where the device memory left allows (pool_memory_left),
+    # else what it allows.
     num_pages: dict[str, int] | None = None
     # Device memory for the KV pools: every running sequence's sliding ring, the rest for full-layer pages.
     kv_cache_bytes: int | None = None
@@ -218,7 +236,8 @@ _FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
 class _Dispatched(NamedTuple):
     """A decode or speculative step dispatched and not read yet: its requests by row, the same as a set (asked once
-    per decoding sequence per step), and its packed result on the device."""
+    per decoding sequence per step), and the program's output on the device (`CompiledSteps.result` reads its packed
+    result)."""
 
     requests: list[Request]
     members: frozenset[Request]
@@ -276,6 +295,8 @@ class Engine:
             num_pages = {g: cfg.max_num_seqs * probe.table_width(g) + spare[g] + 1 for g in groups}
             if cfg.kv_cache_bytes is not None:
                 num_pages = self._pages_for_memory(probe, num_pages, cfg.kv_cache_bytes)
+            else:
+                num_pages = self._fit_device_memory(probe, num_pages, devices)
         self.layout: KVLayout = make_layout(tc, num_pages=num_pages, **geometry)
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
         if assistant is not None and drafter is None:
@@ -315,7 +336,27 @@ class Engine:
             raise ShardingError(f"tensor_parallel_size={tp} but {len(devices)} devices were given")
         return Placement.over(devices)
 
-    def _pages_for_memory(self, probe: KVLayout, roomy: dict[str, int], budget: int) -> dict[str, int]:
+    def _fit_device_memory(self, probe: KVLayout, roomy: dict[str, int],
+                           devices: Sequence[jax.Device] | None) -> dict[str, int]:
+        """The default pools (`roomy`: every sequence at max_model_len), or, where they would not fit in the
+        device memory left after the weights and a reserve (`pool_memory_left`), pools sized to that memory:
+        sequences then grow into pages on demand and the newest are preempted when the pool runs dry."""
+        tp = self.config.tensor_parallel_size
+        left = pool_memory_left(list(devices) if devices is not None else jax.devices()[:tp],
+                                (self.target.params, self.assistant.params if self.assistant else None))
+        want = sum(n * self.page_bytes[g] for g, n in roomy.items())
+        if left is None or want <= left:
+            if left is not None:
+                log.info("KV pools: %.2f GB for %d sequences of %d tokens (%.2f GB of device memory left for them)",
+                         want / 1e9, self.config.max_num_seqs, self.config.max_model_len, left / 1e9)
+            return roomy
+        log.warning("the default KV pools (%.2f GB: %d sequences of %d tokens) do not fit in the %.2f GB of device "
+                    "memory left for them; sizing them to it (sequences beyond it are preempted)", want / 1e9,
+                    self.config.max_num_seqs, self.config.max_model_len, left / 1e9)
+        return self._pages_for_memory(probe, roomy, left, "the device memory left for the KV cache")
+
+    def _pages_for_memory(self, probe: KVLayout, roomy: dict[str, int], budget: int,
+                          what: str = "kv_cache_bytes") -> dict[str, int]:
         """Pool sizes within `budget` bytes: the sliding pools as `roomy` has them (a ring per sequence, taken whole
         at admission, and the prefix cache's spare ring), and the rest split evenly, in pages, between the groups
         whose pages grow with the sequence."""
@@ -327,9 +368,10 @@ class Engine:
         if left < 0 or short:
             need = (sum(n * self.page_bytes[g] for g, n in rings.items())
                     + sum((probe.table_width(g) + 1) * self.page_bytes[g] for g in growing))
-            raise ValueError(f"kv_cache_bytes={budget} cannot hold the sliding rings of max_num_seqs="
+            raise ValueError(f"{what}={budget} cannot hold the sliding rings of max_num_seqs="
                              f"{self.config.max_num_seqs} sequences plus one sequence of max_model_len="
-                             f"{self.config.max_model_len}: that needs at least {need} bytes")
+                             f"{self.config.max_model_len}: that needs at least {need} bytes (fewer sequences, a "
+                             f"shorter max_model_len or, on a GPU, a larger --gpu-memory-utilization)")
         return {**rings, **{g: int(n) for g in growing}}
 
     def kv_cache_bytes(self) -> int:
@@ -722,11 +764,11 @@ class Engine:
             self._register(req)
         if req.prefilled < len(todo):
             return done, None
-        return done, np.asarray(packed)[0]
+        return done, self.steps.result(packed, prefill=True)[0]
 
     def _dispatch(self, rows: list[_Row]) -> jax.Array:
-        """One decode step, or with a drafter one draft-and-verify round, for `rows`; returns the packed result
-        ([B, k+4] int32, device_state.finish_round) without waiting for it."""
+        """One decode step, or with a drafter one draft-and-verify round, for `rows`; returns the program's output,
+        whose first columns are the packed result ([B, k+4] int32, device_state.finish_round), without waiting."""
         B, inputs = self._step_inputs(rows)
         sampled = any_sampled([row.sampling for row in rows])
         if self.assistant is None:
@@ -758,7 +800,7 @@ class Engine:
         request ended meanwhile (it finished in the step before, or was cancelled) ran as padding: skipped."""
         if self._inflight is dispatched:
             self._inflight = None
-        reqs, result = dispatched.requests, np.asarray(dispatched.packed)
+        reqs, result = dispatched.requests, self.steps.result(dispatched.packed)
         now = time.perf_counter()
         events = []
         for req, row_result in zip(reqs, result):

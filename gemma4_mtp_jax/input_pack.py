@@ -15,6 +15,13 @@ before fusion and fuses the slices back into every reader. A write at offset 0 d
 turns a static slice of the written region back into a slice of the array written (17 readers in a tiny
 speculative program, benchmarks/RESULTS.md, the tenth session). So the write's offset is a value XLA cannot know:
 the staging buffer's last element, which is 0 and never written (the buffer is larger than any packed input).
+
+The result goes back the same way it came: `return_in` writes a program's packed result over the first columns of
+its packed inputs, which the program takes donated. A result in an allocation of its own moves from call to call,
+and XLA's buffer assignment places short-lived temporaries in a live-out allocation before its value is written
+(36 of them in a small decode program's 32-byte result, benchmarks/RESULTS.md, the tenth session): every kernel
+that touches one is re-recorded in the command buffer on each call. A donated parameter's allocation holds only
+that parameter and its update, so only the kernels that read the inputs and write the result touch it.
 """
 
 from __future__ import annotations
@@ -90,3 +97,12 @@ def unpack_rows(packed: jax.Array, like: Any, staging: jax.Array) -> tuple[Any, 
     if start != W:
         raise ValueError(f"input_pack: {W} packed columns for inputs of {start}")
     return jax.tree_util.tree_unflatten(treedef, out), staging
+
+
+def return_in(packed: jax.Array, result: jax.Array) -> jax.Array:
+    """Inside a program: `result` [B, R] (int32) written over the first R columns of the packed inputs [B, W] it
+    was given (donated: the write happens in place). The host reads the first R columns back (module docstring)."""
+    (B, W), (Br, R) = packed.shape, result.shape
+    if Br != B or R > W:
+        raise ValueError(f"input_pack: a result of {Br} x {R} does not fit packed inputs of {B} x {W}")
+    return lax.dynamic_update_slice(packed, result.astype(jnp.int32), (0, 0))

@@ -4,8 +4,8 @@ of `forward.py` and `speculative.py`.
 Each step is one XLA program per shape bucket, compiled ahead of time. The engine's device state
 (`device_state.DeviceState`: pages, the drafter's hidden buffer, each slot's newest token and length) is donated
 and comes back updated in place. The host passes its per-row inputs (slots, page tables, sampling and stop rows, the
-token and length of rows that start decoding) packed as one int32 array (`input_pack.py`) and reads back one packed
-result per step.
+token and length of rows that start decoding) packed as one int32 array (`input_pack.py`), donated too: the program
+writes its packed result over that array's first columns, and the host reads them back (`CompiledSteps.result`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
-from gemma4_mtp_jax.input_pack import pack_rows, packed_width, unpack_rows
+from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target
@@ -288,7 +288,7 @@ class CompiledSteps:
             state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
         keep, reason = stop_check(token[:, None], jnp.zeros_like(token), rows.stop_ids, rows.remaining)
         zeros = jnp.zeros_like(token)
-        return state, jnp.stack([token, zeros, keep, reason], 1)
+        return state, return_in(inputs, jnp.stack([token, zeros, keep, reason], 1))
 
     def _decode_fn(self, params, state: DeviceState, inputs, *, sampled: bool) -> tuple[DeviceState, jax.Array]:
         (rows, tables, sampling), state = self._unpack(state, inputs)
@@ -296,7 +296,9 @@ class CompiledSteps:
         token, length, remaining = read_rows(state, rows)
         pages, nxt = decode_step(self.target, self.layout, self.attention_impl, params, state.pages, token, length,
                                  tables, sampling, sampled)
-        return finish_round(state.replace(pages=pages), rows, length, remaining, nxt[:, None], jnp.zeros_like(nxt))
+        state, result = finish_round(state.replace(pages=pages), rows, length, remaining, nxt[:, None],
+                                     jnp.zeros_like(nxt))
+        return state, return_in(inputs, result)
 
     def _speculative_fn(self, params, params_d, state: DeviceState, inputs, *,
                         sampled: bool) -> tuple[DeviceState, jax.Array]:
@@ -307,44 +309,52 @@ class CompiledSteps:
                                                      self.attention_impl, sampled, params, params_d, state.pages,
                                                      state.hidden, rows.slot, token, length, tables, sampling,
                                                      rows.speculate)
-        return finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
+        state, result = finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
+        return state, return_in(inputs, result)
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
         params, state = self._abstract()
         fn = functools.partial(self._prefill_fn, tokens=tokens)
-        return self._jit(fn, (1,), (self.state_shardings(), self._rep)).lower(
+        return self._jit(fn, (1, 2), (self.state_shardings(), self._rep)).lower(
             params, state, self._abstract_packed(batch, tokens))
 
     def _lower_decode(self, batch: int, sampled: bool) -> jax.stages.Lowered:
         params, state = self._abstract()
         fn = functools.partial(self._decode_fn, sampled=sampled)
-        return self._jit(fn, (1,), (self.state_shardings(), self._rep)).lower(params, state,
-                                                                              self._abstract_packed(batch))
+        return self._jit(fn, (1, 2), (self.state_shardings(), self._rep)).lower(params, state,
+                                                                                self._abstract_packed(batch))
 
     def _lower_speculative(self, batch: int, sampled: bool) -> jax.stages.Lowered:
         params, state = self._abstract()
         rep = None if self.placement is None else self.placement.replicate(self.draft_params)
         fn = functools.partial(self._speculative_fn, sampled=sampled)
-        return self._jit(fn, (2,), (self.state_shardings(), self._rep)).lower(
+        return self._jit(fn, (2, 3), (self.state_shardings(), self._rep)).lower(
             params, _shapes(self.draft_params, rep), state, self._abstract_packed(batch))
 
+    def result(self, out: jax.Array, prefill: bool = False) -> np.ndarray:
+        """A program's packed result on the host (waits for the program): the first columns of the array it
+        returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step (finish_round)."""
+        return np.asarray(out)[:, : 4 if prefill else 4 + (self.k if self.drafter is not None else 0)]
+
     def compile_prefill(self, batch: int, tokens: int) -> Any:
-        """(program_params, state, inputs) -> (state, packed [B, 4]); inputs: `inputs(PrefillRows, tables,
-        sampling)` of B rows of T tokens."""
+        """(program_params, state, inputs) -> (state, out); inputs: `inputs(PrefillRows, tables, sampling)` of B
+        rows of T tokens; state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
         if (batch, tokens) not in self.prefill:
             self.prefill[(batch, tokens)] = _compile(self._lower_prefill(batch, tokens))
         return self.prefill[(batch, tokens)]
 
     def compile_decode(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, state, inputs) -> (state, packed [B, 4]); inputs: `inputs(StepRows, tables, sampling)`.
-        `sampled`: some row samples (False: every row must be greedy)."""
+        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepRows, tables, sampling)`; state and
+        inputs donated; `result(out)` is the packed [B, 4] result. `sampled`: some row samples (False: every row
+        must be greedy)."""
         if (batch, sampled) not in self.decode:
             self.decode[(batch, sampled)] = _compile(self._lower_decode(batch, sampled))
         return self.decode[(batch, sampled)]
 
     def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, draft_params, state, inputs) -> (state, packed [B, k+4]); inputs: `inputs(StepRows,
-        tables, sampling)`. `sampled`: some row samples (False: every row must be greedy)."""
+        """(program_params, draft_params, state, inputs) -> (state, out); inputs: `inputs(StepRows, tables,
+        sampling)`; state and inputs donated; `result(out)` is the packed [B, k+4] result. `sampled`: some row
+        samples (False: every row must be greedy)."""
         if (batch, sampled) not in self.speculative:
             self.speculative[(batch, sampled)] = _compile(self._lower_speculative(batch, sampled))
         return self.speculative[(batch, sampled)]

@@ -9,6 +9,10 @@ it needs XLA's VMM allocator, which the GPU client only selects when the flag is
 per program instead (a compile option, step.compiler_options), it leaves the allocator alone and most updates stay
 (benchmarks/RESULTS.md, runs 33, 34 and 47).
 
+The same holds for how much of a GPU's memory JAX's allocator may use (`XLA_PYTHON_CLIENT_MEM_FRACTION`, JAX's
+default 0.75, which the VMM allocator takes as its budget of physical memory): a server sets it through
+`set_memory_fraction` before it touches a device.
+
 `set_gpu_runtime_flags()` runs when the package is imported. It only touches XLA_FLAGS where a CUDA plugin of JAX
 >= 0.11 is installed (older XLA rejects the value and would abort), JAX_PLATFORMS does not rule the GPU out, and
 XLA_FLAGS does not already choose an update mode. Importing the package after JAX has started a backend is too
@@ -71,6 +75,21 @@ def set_gpu_runtime_flags() -> bool:
                     "programs stable temporaries (%s): import gemma4_mtp_jax first, or set it yourself", _SET_BY_US)
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {_SET_BY_US}".strip()
+    return True
+
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def set_memory_fraction(fraction: float) -> bool:
+    """Let JAX's GPU allocator use `fraction` of each GPU's memory (MEM_FRACTION_ENV). Only before JAX starts its
+    backend: after, it is left as it is, with a warning, and False is returned."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"a GPU memory fraction must be in (0, 1], got {fraction}")
+    if _backend_started():
+        log.warning("JAX has started already: %s=%s is not applied", MEM_FRACTION_ENV, fraction)
+        return False
+    os.environ[MEM_FRACTION_ENV] = str(fraction)
     return True
 
 

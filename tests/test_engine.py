@@ -149,13 +149,17 @@ def test_step_programs_hold_no_conditional(engines):
 
 
 def test_donation_check_can_fail(engines):
-    """The in-place check above is not vacuous: the same step compiled without donation has no aliasing."""
+    """The in-place checks are not vacuous: the same step compiled without donation has no aliasing, and every
+    output (the state's leaves and the result) in an allocation of its own."""
     engine = engines("e2b")
     steps = engine.steps
     params, state = steps._abstract()
     plain = jax.jit(functools.partial(steps._decode_fn, sampled=False)).lower(
         params, state, steps._abstract_packed(2)).compile()
     assert plain.memory_analysis().alias_size_in_bytes == 0
+    from testenv import hlo_outputs_of_their_own
+
+    assert len(hlo_outputs_of_their_own(plain.as_text())) == len(jax.tree_util.tree_leaves((state, 0)))
 
 
 def test_sliding_memory_bounded_by_window(jax_models, tiny_ckpts):
@@ -357,6 +361,57 @@ def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
                                                                          "sliding_attention": 40}))
 
 
+def test_default_pools_fit_the_device_memory(jax_models, tiny_ckpts, monkeypatch):
+    """Without kv_cache_bytes the pools hold max_num_seqs sequences of max_model_len where the device memory left
+    allows (`pool_memory_left`), else they are sized to that memory as kv_cache_bytes would size them; memory
+    below the sliding rings is refused with the bytes needed. On a device without a memory limit (CPU) nothing
+    changes."""
+    from gemma4_mtp_jax import engine as engine_mod
+    from gemma4_mtp_jax.engine import Engine
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    roomy = Engine(target, _engine_config(compile_at_start=False))
+    per_page = roomy.page_bytes
+    ring = roomy.layout.table_width("sliding_attention")
+    left = (5 * ring + 1) * per_page["sliding_attention"] + 40 * per_page["full_attention"] + 123
+    monkeypatch.setattr(engine_mod, "pool_memory_left", lambda devices, params: left)
+    fitted = Engine(target, _engine_config(compile_at_start=False))
+    assert fitted.pages_total() == Engine(target, _engine_config(kv_cache_bytes=left,
+                                                                  compile_at_start=False)).pages_total()
+    monkeypatch.setattr(engine_mod, "pool_memory_left", lambda devices, params: roomy.kv_cache_bytes())
+    assert Engine(target, _engine_config(compile_at_start=False)).pages_total() == roomy.pages_total()
+    monkeypatch.setattr(engine_mod, "pool_memory_left", lambda devices, params: 5 * per_page["full_attention"])
+    with pytest.raises(ValueError, match="the device memory left for the KV cache=.* needs at least"):
+        Engine(target, _engine_config(compile_at_start=False))
+
+
+def test_pool_memory_left_counts_weights_and_reserve():
+    """Each device's allocator limit less what it holds, less the weights still in host memory (split over the
+    devices) and the reserve (twice the largest weight + 1 GiB); None without a memory limit."""
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.engine import pool_memory_left
+
+    class Device:
+        platform = "gpu"
+
+        def __init__(self, limit, used):
+            self.stats = {"bytes_limit": limit, "bytes_in_use": used}
+
+        def memory_stats(self):
+            return self.stats
+
+    GiB = 1 << 30
+    host = {"w": np.zeros((1024, 1024), np.float32), "v": np.zeros(256, np.float32)}  # 4 MiB + 1 KiB
+    on_cpu = jnp.zeros(512, jnp.float32)  # not on the devices' platform: still to be placed
+    reserve = 2 * (4 << 20) + GiB
+    assert pool_memory_left([Device(10 * GiB, 2 * GiB)], host) == 8 * GiB - (4 << 20) - 1024 - reserve
+    two = [Device(10 * GiB, 3 * GiB), Device(10 * GiB, 2 * GiB)]
+    assert pool_memory_left(two, (host, on_cpu)) == 2 * (7 * GiB - ((4 << 20) + 1024 + 2048) // 2 - reserve)
+    assert pool_memory_left([Device(GiB, GiB)], host) == 0
+    assert pool_memory_left(jax.devices("cpu")[:1], host) is None
+
+
 def test_stop_on_eos(engines, tiny_ckpts):
     """Generation stops at (and includes) a stop id; the rest of max_new_tokens is not generated."""
     from gemma4_mtp_jax.generate import generate
@@ -548,18 +603,25 @@ def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
     assert sum("compiling without" in r.message for r in caplog.records) == 1
 
 
-def test_step_inputs_are_read_once(engines):
-    """Each program takes its per-row host inputs as one int32 array, read by one instruction (the write into the
-    state's staging buffer), so that on the GPU one command-buffer node, not one per reader, follows the buffer
-    that moves each call (input_pack.py)."""
+def test_step_inputs_and_result_move_in_one_array(engines):
+    """Each program takes its per-row host inputs as one int32 array, donated, and returns its packed result over
+    that array's first columns: on the GPU, two command-buffer nodes (the write into the state's staging buffer
+    and the result's write), not one per reader or per temporary, follow the one buffer that moves each call
+    (input_pack.py). Every output aliases a donated parameter, so no output has an allocation XLA could share
+    with temporaries."""
     from gemma4_mtp_jax.input_pack import packed_width
-    from testenv import hlo_parameter_users
+    from testenv import hlo_outputs_of_their_own, hlo_parameter_users
 
     engine = engines("e2b")
     steps = engine.steps
     for name, compiled, (batch, tokens) in [("decode[2]", steps.compile_decode(2), (2, None)),
                                             ("decode[2,sampled]", steps.compile_decode(2, True), (2, None)),
                                             ("prefill[1x8]", steps.compile_prefill(1, 8), (1, 8))]:
+        text = compiled.as_text()
         shape = f"s32[{batch},{packed_width(steps._abstract_inputs(batch, tokens))}]"
-        users = hlo_parameter_users(compiled.as_text(), shape)
-        assert len(users) == 1, f"{name}: the packed inputs {shape} are read by {len(users)} instructions: {users}"
+        users = hlo_parameter_users(text, shape)
+        staged = [u for u in users if re.search(rf"= s32\[{steps.input_capacity}\]", u)]
+        returned = [u for u in users if re.search(rf"= {re.escape(shape)}", u)]
+        assert len(users) == 2 and len(staged) == 1 and len(returned) == 1, \
+            f"{name}: the packed inputs {shape} are read by {len(users)} instructions: {users}"
+        assert not hlo_outputs_of_their_own(text), f"{name}: outputs {hlo_outputs_of_their_own(text)} alias nothing"

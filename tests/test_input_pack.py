@@ -1,5 +1,5 @@
 """The step programs' packed host inputs (input_pack.py): every dtype comes back bit for bit, through the staging
-buffer, and bad inputs fail with the leaf named."""
+buffer; the result comes back over the inputs' first columns; bad inputs fail with the leaf named."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4_mtp_jax.input_pack import pack_rows, packed_width, unpack_rows
+from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
 
 
 def _tree(B: int, rng: np.random.Generator) -> dict:
@@ -53,3 +53,25 @@ def test_bad_inputs_name_the_leaf():
     packed = pack_rows(tree)
     with pytest.raises(ValueError, match="staging buffer of more than"):
         unpack_rows(jnp.asarray(packed), tree, jnp.zeros((packed.size,), jnp.int32))
+
+
+def test_result_returned_in_the_donated_inputs():
+    """The inputs are read (staged) before the result overwrites their first columns, in place."""
+    rng = np.random.default_rng(2)
+    tree = _tree(3, rng)
+    packed = pack_rows(tree)
+    staging = jnp.zeros((packed.size + 1,), jnp.int32)
+
+    @jax.jit
+    def step(packed, staging):
+        out, staged = unpack_rows(packed, tree, staging)
+        return staged, return_in(packed, out["table"]["full"][:, :2] * 2)
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(packed, staging).compile()
+    assert "{1}: (0, {}" in compiled.as_text().splitlines()[0], "the result does not alias the donated inputs"
+    _, got = compiled(jnp.asarray(packed), staging)
+    want = packed.copy()
+    want[:, :2] = tree["table"]["full"][:, :2] * 2
+    assert np.array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match=r"result of 3 x 12 does not fit packed inputs of 3 x 11"):
+        return_in(jnp.asarray(packed), jnp.zeros((3, 12), jnp.int32))

@@ -820,13 +820,15 @@ def test_speculative_step_updates_state_in_place(engines):
     copies = [line for line in compiled.as_text().splitlines()
               if (m := re.match(r"\s*(?:ROOT\s+)?%\S+ = (\S+?)\{[^}]*\} copy\(", line)) and m.group(1) in shapes]
     assert not copies, copies[:3]
-    # The packed host inputs are read by one instruction, their write into the staging buffer (test_engine.py).
+    # The packed host inputs are read by two instructions, their write into the staging buffer and the result's
+    # write over them, and every output aliases a donated parameter (test_engine.py).
     from gemma4_mtp_jax.input_pack import packed_width
-    from testenv import hlo_parameter_users
+    from testenv import hlo_outputs_of_their_own, hlo_parameter_users
 
     shape = f"s32[4,{packed_width(engine.steps._abstract_inputs(4))}]"
     users = hlo_parameter_users(compiled.as_text(), shape)
-    assert len(users) == 1, users
+    assert len(users) == 2, users
+    assert not hlo_outputs_of_their_own(compiled.as_text())
 
 
 def test_device_stop_check():

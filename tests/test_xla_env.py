@@ -52,3 +52,33 @@ def test_a_started_backend_is_seen():
 
     jax.devices()  # the test session's backend
     assert xla_env._backend_started()
+
+
+def test_memory_fraction_set_before_the_backend_only(gpu_machine, caplog):
+    gpu_machine.delenv(xla_env.MEM_FRACTION_ENV, raising=False)
+    assert xla_env.set_memory_fraction(0.9) and xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == "0.9"
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+            xla_env.set_memory_fraction(bad)
+    gpu_machine.setattr(xla_env, "_backend_started", lambda: True)
+    assert not xla_env.set_memory_fraction(0.5)
+    assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == "0.9" and "not applied" in caplog.text
+
+
+def test_the_servers_memory_fraction(gpu_machine):
+    """--gpu-memory-utilization, else the user's environment, else the server's default (vLLM's 0.9)."""
+    from gemma4_mtp_jax.server import cli
+
+    gpu_machine.delenv(xla_env.MEM_FRACTION_ENV, raising=False)
+    cli._set_memory_fraction(None)
+    assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == str(cli.DEFAULT_GPU_MEMORY_UTILIZATION)
+    gpu_machine.setenv(xla_env.MEM_FRACTION_ENV, "0.6")
+    cli._set_memory_fraction(None)
+    assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == "0.6"
+    cli._set_memory_fraction(0.8)
+    assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == "0.8"
+    ap = cli.build_parser()
+    for bad in (["x"], ["1.5"], ["0"]):
+        with pytest.raises(SystemExit):
+            cli._check_args(ap, ap.parse_args(["--gpu-memory-utilization", *bad]))
+    cli._check_args(ap, ap.parse_args(["--gpu-memory-utilization", "0.95"]))

@@ -16,6 +16,7 @@ log = logging.getLogger("gemma4_mtp_jax.serve")
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 API_KEY_ENV = "GEMMA4_MTP_JAX_API_KEY"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default; JAX alone would allow 0.75
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -83,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "window ring (one more with the prefix cache, which keeps a finished prefix's window), the "
                         "rest for full-layer pages taken as sequences grow (the newest are preempted and recomputed "
                         "later when it runs out). Default: enough for --max-num-seqs sequences of --max-model-len")
+    e.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="share of each GPU's memory this server may use: weights, KV cache, the programs' "
+                        "temporaries (default: $XLA_PYTHON_CLIENT_MEM_FRACTION if set, else "
+                        f"{DEFAULT_GPU_MEMORY_UTILIZATION}; JAX's own default is 0.75). Without --kv-cache-memory "
+                        "the KV cache takes what is left after the weights and a reserve, up to --max-num-seqs "
+                        "sequences of --max-model-len")
     e.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per program call "
                                                                    "(largest prefill bucket)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -159,6 +166,17 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if not 0 <= a.port < 65536:
         ap.error("--port must be in [0, 65535]")
+    if a.gpu_memory_utilization is not None and not 0 < a.gpu_memory_utilization <= 1:
+        ap.error("--gpu-memory-utilization must be in (0, 1]")
+
+
+def _set_memory_fraction(arg: float | None) -> None:
+    """--gpu-memory-utilization, before JAX starts: the flag, else the environment's, else the default."""
+    from gemma4_mtp_jax.xla_env import MEM_FRACTION_ENV, set_memory_fraction
+
+    if arg is None and os.environ.get(MEM_FRACTION_ENV):
+        return
+    set_memory_fraction(DEFAULT_GPU_MEMORY_UTILIZATION if arg is None else arg)
 
 
 def _setup_compilation_cache(arg: str | None) -> None:
@@ -211,6 +229,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         args = ap.parse_args(argv)
     _check_args(ap, args)
     t_start = time.perf_counter()
+    _set_memory_fraction(args.gpu_memory_utilization)
     log.info("JAX %s on %s", jax.__version__, ", ".join(sorted({str(d.platform) for d in jax.devices()})))
     _setup_compilation_cache(args.compilation_cache_dir)
 
