@@ -179,6 +179,12 @@ class Workload:
     def request(self, i: int) -> tuple[str, dict]:
         return self.path, self.bodies[i % len(self.bodies)]
 
+    def after(self, n: int) -> Workload:
+        """The workload from its request n on: each wave of a server's run starts where the last one stopped, so
+        no timed request repeats a warm-up's prompt (and finds it in the prefix cache) while distinct ones last."""
+        k = n % len(self.bodies)
+        return dataclasses.replace(self, bodies=self.bodies[k:] + self.bodies[:k])
+
 
 def _streaming(body: dict, ignore_eos: bool) -> dict:
     return {**body, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
@@ -554,8 +560,10 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         t0 = time.perf_counter()
         # A full wave at each concurrency (every batch size and prefill shape the level will use); rate levels
         # warm up with a wave as wide as the server's batch.
+        sent = 0
         for c in sorted({lv.concurrency or max_num_seqs(args, levels) for lv in levels}):
-            warm, _, _ = run_level(args, workload, Level(concurrency=c), c, long_prompts)
+            warm, _, _ = run_level(args, workload.after(sent), Level(concurrency=c), c, long_prompts)
+            sent += c
             failed = [r.error for r in warm if r.error]
             if failed:
                 raise RequestFailed(f"warm-up at concurrency {c}: {len(failed)} request(s) failed: {failed[0]}")
@@ -564,7 +572,8 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         for lv in levels:
             n = args.requests_per_level or max(8, 2 * (lv.concurrency or max_num_seqs(args, levels)))
             before, offset = scrape_metrics(args.port), os.path.getsize(log_path)
-            results, wall, interference = run_level(args, workload, lv, n, long_prompts)
+            results, wall, interference = run_level(args, workload.after(sent), lv, n, long_prompts)
+            sent += n
             after = scrape_metrics(args.port)
             rec = {"mode": mode, "level": lv.label, "concurrency": lv.concurrency, "request_rate": lv.rate,
                    **summarize(results, wall), "server": spec_counters(before, after),

@@ -60,8 +60,9 @@ def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
     device's allocator has left (`memory_stats`: its limit less what is in use), less the share of `params` not
     on the device yet (a loader may leave weights in host memory until the programs place them), less a reserve
     for the programs' temporaries and for XLA's GEMM autotuning at compile time, which allocates the operands of
-    each matmul it tunes: twice the largest weight, plus 1 GiB. None where a device reports no memory limit (CPU)."""
-    stats = [d.memory_stats() for d in devices]
+    each matmul it tunes: twice the largest weight, plus 1 GiB. None where a device reports no memory limit (CPU).
+    Across processes (multi-host) each reads its own devices: the pools are split alike over all of them."""
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return None
     leaves = jax.tree_util.tree_leaves(params)
@@ -346,9 +347,9 @@ class Engine:
                                 (self.target.params, self.assistant.params if self.assistant else None))
         want = sum(n * self.page_bytes[g] for g, n in roomy.items())
         if left is None or want <= left:
-            if left is not None:
-                log.info("KV pools: %.2f GB for %d sequences of %d tokens (%.2f GB of device memory left for them)",
-                         want / 1e9, self.config.max_num_seqs, self.config.max_model_len, left / 1e9)
+            log.info("KV pools: %.2f GB for %d sequences of %d tokens (device memory left for them: %s)",
+                     want / 1e9, self.config.max_num_seqs, self.config.max_model_len,
+                     "not reported by the allocator" if left is None else f"{left / 1e9:.2f} GB")
             return roomy
         log.warning("the default KV pools (%.2f GB: %d sequences of %d tokens) do not fit in the %.2f GB of device "
                     "memory left for them; sizing them to it (sequences beyond it are preempted)", want / 1e9,

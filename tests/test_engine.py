@@ -393,7 +393,7 @@ def test_pool_memory_left_counts_weights_and_reserve():
     from gemma4_mtp_jax.engine import pool_memory_left
 
     class Device:
-        platform = "gpu"
+        platform, process_index = "gpu", jax.process_index()
 
         def __init__(self, limit, used):
             self.stats = {"bytes_limit": limit, "bytes_in_use": used}
@@ -403,7 +403,7 @@ def test_pool_memory_left_counts_weights_and_reserve():
 
     GiB = 1 << 30
     host = {"w": np.zeros((1024, 1024), np.float32), "v": np.zeros(256, np.float32)}  # 4 MiB + 1 KiB
-    on_cpu = jnp.zeros(512, jnp.float32)  # not on the devices' platform: still to be placed
+    on_cpu = jax.device_put(jnp.zeros(512, jnp.float32), jax.devices("cpu")[0])  # still to be placed
     reserve = 2 * (4 << 20) + GiB
     assert pool_memory_left([Device(10 * GiB, 2 * GiB)], host) == 8 * GiB - (4 << 20) - 1024 - reserve
     two = [Device(10 * GiB, 3 * GiB), Device(10 * GiB, 2 * GiB)]
