@@ -66,9 +66,11 @@ def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return None
     leaves = jax.tree_util.tree_leaves(params)
-    host = sum(x.nbytes for x in leaves if not isinstance(x, jax.Array)
-               or {d.platform for d in x.devices()} != {devices[0].platform})
-    reserve = 2 * max((x.nbytes for x in leaves), default=0) + (1 << 30)
+    nbytes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves]
+    # Shapes alone (jax.ShapeDtypeStruct: programs compiled, never run) are never placed.
+    host = sum(n for x, n in zip(leaves, nbytes) if isinstance(x, np.ndarray) or
+               (isinstance(x, jax.Array) and {d.platform for d in x.devices()} != {devices[0].platform}))
+    reserve = 2 * max(nbytes, default=0) + (1 << 30)
     free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
     return max(0, len(devices) * (free - host // len(devices) - reserve))
 

@@ -409,6 +409,8 @@ def test_pool_memory_left_counts_weights_and_reserve():
     two = [Device(10 * GiB, 3 * GiB), Device(10 * GiB, 2 * GiB)]
     assert pool_memory_left(two, (host, on_cpu)) == 2 * (7 * GiB - ((4 << 20) + 1024 + 2048) // 2 - reserve)
     assert pool_memory_left([Device(GiB, GiB)], host) == 0
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)  # never placed
+    assert pool_memory_left([Device(10 * GiB, 2 * GiB)], shapes) == 8 * GiB - reserve
     assert pool_memory_left(jax.devices("cpu")[:1], host) is None
 
 
