@@ -16,6 +16,7 @@ it raises, `step` raises.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -41,6 +42,10 @@ from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
 from gemma4_mtp_jax.step import CompiledSteps
 
 log = logging.getLogger(__name__)
+
+
+class DeviceMemoryError(RuntimeError):
+    """The engine's weights, KV pools and programs do not fit in its devices' memory (raised at start-up)."""
 
 
 class RequestError(ValueError):
@@ -304,12 +309,14 @@ class Engine:
         self.allocators = {g: PageAllocator(self.layout.pages(g)) for g in groups}
         if assistant is not None and drafter is None:
             drafter = AssistantDrafter(assistant)
-        self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
-                                   k=self.k, num_slots=cfg.max_num_seqs,
-                                   placement=self._placement(cfg.tensor_parallel_size, devices),
-                                   pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
-                                   max_prefill_tokens=max(cfg.prefill_buckets()))
-        self.state: DeviceState = self.steps.init_state()
+        placement = self._placement(cfg.tensor_parallel_size, devices)
+        with self._out_of_memory_explained("placing the weights"):
+            self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
+                                       k=self.k, num_slots=cfg.max_num_seqs, placement=placement,
+                                       pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
+                                       max_prefill_tokens=max(cfg.prefill_buckets()))
+        with self._out_of_memory_explained("allocating the KV pools"):
+            self.state: DeviceState = self.steps.init_state()
         # Each running sequence owns a slot: its row of the device state's per-sequence arrays.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         # The step dispatched but not read yet (async scheduling): its requests by row and its packed result.
@@ -324,7 +331,27 @@ class Engine:
         self.prefix_cache_hits = 0
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
-            self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
+            with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
+                self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
+
+    @contextlib.contextmanager
+    def _out_of_memory_explained(self, doing: str):
+        """A device out of memory while the engine starts, said in the engine's terms: what takes the memory and
+        which settings give some back."""
+        try:
+            yield
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            cfg = self.config
+            weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(
+                (self.target.params, self.assistant.params if self.assistant else None)))
+            raise DeviceMemoryError(
+                f"out of device memory {doing}: the weights take {weights / 1e9:.2f} GB and the KV pools "
+                f"{self.kv_cache_bytes() / 1e9:.2f} GB (max_num_seqs={cfg.max_num_seqs} sequences of "
+                f"max_model_len={cfg.max_model_len} tokens, {cfg.tensor_parallel_size} device(s)); lower "
+                f"--max-num-seqs or --max-model-len, set --kv-cache-memory, or raise --gpu-memory-utilization "
+                f"({str(e).splitlines()[0][:300]})") from e
 
     def _placement(self, tp: int, devices: Sequence[jax.Device] | None) -> Placement | None:
         """Where the engine runs: None (the default device, no sharding) for one device and no explicit devices."""

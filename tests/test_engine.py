@@ -385,6 +385,33 @@ def test_default_pools_fit_the_device_memory(jax_models, tiny_ckpts, monkeypatch
         Engine(target, _engine_config(compile_at_start=False))
 
 
+def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, monkeypatch):
+    """A device out of memory while the engine places its weights, allocates its pools or compiles (XLA's
+    autotuner allocates too) is said in the engine's terms: what takes the memory and which settings help."""
+    import jax
+
+    from gemma4_mtp_jax.engine import DeviceMemoryError, Engine
+    from gemma4_mtp_jax.step import CompiledSteps
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Not enough PA budget: pa_allocated=1B")
+
+    monkeypatch.setattr(CompiledSteps, "compile_all", exhausted)
+    with pytest.raises(DeviceMemoryError, match=r"compiling the step programs.*the weights take .* GB and the KV "
+                                                r"pools .* GB \(max_num_seqs=4 sequences of max_model_len=64.*"
+                                                r"--kv-cache-memory.*Not enough PA budget"):
+        Engine(target, _engine_config())
+    monkeypatch.setattr(CompiledSteps, "init_state", exhausted)
+    with pytest.raises(DeviceMemoryError, match="allocating the KV pools"):
+        Engine(target, _engine_config(compile_at_start=False))
+    monkeypatch.setattr(CompiledSteps, "init_state", lambda self: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError("INTERNAL: something else")))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):  # other runtime errors pass through
+        Engine(target, _engine_config(compile_at_start=False))
+
+
 def test_pool_memory_left_counts_weights_and_reserve():
     """Each device's allocator limit less what it holds, less the weights still in host memory (split over the
     devices) and the reserve (twice the largest weight + 1 GiB); None without a memory limit."""

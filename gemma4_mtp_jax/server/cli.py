@@ -422,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend 'tpu'"
     from gemma4_mtp_jax.config import ConfigError
+    from gemma4_mtp_jax.engine import DeviceMemoryError
     from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
 
     try:  # claim the address first (a busy port fails now, not after minutes of compiling); listen when ready
@@ -431,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         server, args = create_server(args=args)
-    except (ConfigError, CheckpointError, OSError, ValueError) as e:
+    except (ConfigError, CheckpointError, DeviceMemoryError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2
     sock.listen(2048)
