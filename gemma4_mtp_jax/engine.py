@@ -60,6 +60,11 @@ def powers_of_two_upto(n: int, start: int = 1) -> list[int]:
     return out + [n]
 
 
+def _nbytes(leaf: Any) -> int:
+    """Bytes of an array or of a shape alone (jax.ShapeDtypeStruct)."""
+    return int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
 def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
     """Bytes of KV pool the devices can take, in all (pages are split over tensor-parallel devices): what each
     device's allocator has left (`memory_stats`: its limit less what is in use), less the share of `params` not
@@ -71,7 +76,7 @@ def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return None
     leaves = jax.tree_util.tree_leaves(params)
-    nbytes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves]
+    nbytes = [_nbytes(x) for x in leaves]
     # Shapes alone (jax.ShapeDtypeStruct: programs compiled, never run) are never placed.
     host = sum(n for x, n in zip(leaves, nbytes) if isinstance(x, np.ndarray) or
                (isinstance(x, jax.Array) and {d.platform for d in x.devices()} != {devices[0].platform}))
@@ -344,8 +349,8 @@ class Engine:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             cfg = self.config
-            weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(
-                (self.target.params, self.assistant.params if self.assistant else None)))
+            weights = sum(map(_nbytes, jax.tree_util.tree_leaves(
+                (self.target.params, self.assistant.params if self.assistant else None))))
             raise DeviceMemoryError(
                 f"out of device memory {doing}: the weights take {weights / 1e9:.2f} GB and the KV pools "
                 f"{self.kv_cache_bytes() / 1e9:.2f} GB (max_num_seqs={cfg.max_num_seqs} sequences of "
