@@ -385,6 +385,39 @@ def test_default_pools_fit_the_device_memory(jax_models, tiny_ckpts, monkeypatch
         Engine(target, _engine_config(compile_at_start=False))
 
 
+def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, monkeypatch):
+    """compile_all lowers one program at a time, step programs first, and hands each to a compile thread at
+    once: a compilation runs while later programs are lowered. Every program is stored and reported once."""
+    import threading
+
+    from gemma4_mtp_jax import step as step_mod
+
+    steps = engines("e2b").steps
+    events, lowered, stored = [], threading.Event(), {}
+
+    def fake_programs(batch_buckets, prefill_buckets):
+        names = [f"prefill[1x{t}]" for t in prefill_buckets] + [f"decode[{b}]" for b in batch_buckets]
+
+        def lower(name):
+            events.append(("lower", name))
+            if name == names[-1]:  # the last lowered: the first one's compilation has been running meanwhile
+                assert lowered.wait(30), "no compilation started before the last lowering"
+            return name
+        return [(n, lambda n=n: lower(n), lambda c, n=n: stored.__setitem__(n, c)) for n in names]
+
+    def fake_compile(low):
+        lowered.set()
+        return f"compiled {low}"
+
+    monkeypatch.setattr(steps, "programs", fake_programs)
+    monkeypatch.setattr(step_mod, "_compile", fake_compile)
+    reported = []
+    times = steps.compile_all([2, 4], [8, 16], progress=lambda name, s: reported.append(name), threads=2)
+    order = [name for kind, name in events]
+    assert order == ["decode[2]", "decode[4]", "prefill[1x8]", "prefill[1x16]"]
+    assert sorted(reported) == sorted(order) == sorted(times) and stored == {n: f"compiled {n}" for n in order}
+
+
 def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, monkeypatch):
     """A device out of memory while the engine places its weights, allocates its pools or compiles (XLA's
     autotuner allocates too) is said in the engine's terms: what takes the memory and which settings help."""
