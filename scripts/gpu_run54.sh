@@ -4,7 +4,9 @@
 #     and under BFC: engine.pool_memory_left reads `bytes_limit`, and the 31B servers of run 35 logged no pool
 #     figure, so VMM seems to report none;
 # (2) the tests the eleventh session's second suite call did not reach or failed (fixed since, passing on the CPU);
-# (3) the plain 31B rows run 35 could not reach: the server at 31B's shapes without speculation, C = 1 to 64.
+# (3) the plain 31B rows run 35 could not reach: the server at 31B's shapes without speculation, C = 1 to 64; its
+#     ready time measures compile_all compiling each program as soon as it is lowered (run 35: 128 s, with ~1 min
+#     of lowering before the first compilation started).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run54
