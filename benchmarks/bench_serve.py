@@ -512,7 +512,8 @@ def long_prompt_workload(args: argparse.Namespace) -> Workload | None:
     if args.long_prompt_len < 0 or args.long_prompt_interval <= 0:
         raise ValueError("--long-prompt-len must be >= 0 and --long-prompt-interval > 0")
     lo_hi = _int_list("--token-range", args.token_range)
-    return random_workload(16, args.long_prompt_len, 1, 0.0, (lo_hi[0], lo_hi[1]), True, args.seed + 1)
+    # Distinct prompts for a run's waves (each starts where the last stopped): none repeats into the prefix cache.
+    return random_workload(64, args.long_prompt_len, 1, 0.0, (lo_hi[0], lo_hi[1]), True, args.seed + 1)
 
 
 def max_num_seqs(args: argparse.Namespace, levels: list[Level]) -> int:
@@ -560,10 +561,14 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         t0 = time.perf_counter()
         # A full wave at each concurrency (every batch size and prefill shape the level will use); rate levels
         # warm up with a wave as wide as the server's batch.
-        sent = 0
+        sent, long_sent = 0, 0  # requests (and long prompts) so far: each wave starts after them (Workload.after)
+
+        def long_after():
+            return None if long_prompts is None else long_prompts.after(long_sent)
+
         for c in sorted({lv.concurrency or max_num_seqs(args, levels) for lv in levels}):
-            warm, _, _ = run_level(args, workload.after(sent), Level(concurrency=c), c, long_prompts)
-            sent += c
+            warm, _, warm_long = run_level(args, workload.after(sent), Level(concurrency=c), c, long_after())
+            sent, long_sent = sent + c, long_sent + len(warm_long)
             failed = [r.error for r in warm if r.error]
             if failed:
                 raise RequestFailed(f"warm-up at concurrency {c}: {len(failed)} request(s) failed: {failed[0]}")
@@ -572,8 +577,8 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         for lv in levels:
             n = args.requests_per_level or max(8, 2 * (lv.concurrency or max_num_seqs(args, levels)))
             before, offset = scrape_metrics(args.port), os.path.getsize(log_path)
-            results, wall, interference = run_level(args, workload.after(sent), lv, n, long_prompts)
-            sent += n
+            results, wall, interference = run_level(args, workload.after(sent), lv, n, long_after())
+            sent, long_sent = sent + n, long_sent + len(interference)
             after = scrape_metrics(args.port)
             rec = {"mode": mode, "level": lv.label, "concurrency": lv.concurrency, "request_rate": lv.rate,
                    **summarize(results, wall), "server": spec_counters(before, after),
