@@ -34,6 +34,7 @@ import numpy as np
 from gemma4_mtp_jax.allocator import PageAllocator
 from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, PrefillRows, StepRows
+from gemma4_mtp_jax.executable_cache import ExecutableCache
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, make_layout, page_bytes
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams, any_sampled
@@ -97,6 +98,9 @@ class EngineConfig:
     num_pages: dict[str, int] | None = None
     # Device memory for the KV pools: every running sequence's sliding ring, the rest for full-layer pages.
     kv_cache_bytes: int | None = None
+    # A directory of compiled programs loaded at start-up without tracing or compiling them, and written with the
+    # programs compiled (executable_cache.py); None: off.
+    executable_cache_dir: str | None = None
     prefill_chunk: int = 256
     # Prompt tokens prefilled per step while other sequences decode (None: prefill_chunk): a long prompt delays
     # the running streams by at most this many tokens' prefill per step. With nothing decoding, prompts prefill
@@ -337,7 +341,9 @@ class Engine:
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
-                self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress)
+                cache = ExecutableCache(cfg.executable_cache_dir) if cfg.executable_cache_dir else None
+                self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress,
+                                                            cache=cache)
 
     @contextlib.contextmanager
     def _out_of_memory_explained(self, doing: str):

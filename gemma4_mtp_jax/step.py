@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4_mtp_jax.executable_cache import ExecutableCache, program_key
 from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
@@ -31,7 +32,7 @@ from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target
 from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
-from gemma4_mtp_jax.speculative import Drafter, speculative_step
+from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter, speculative_step
 from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class CompiledSteps:
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
     speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
+    # The programs compile_all loaded from an executable cache instead of compiling them, by name.
+    restored: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
@@ -312,24 +315,52 @@ class CompiledSteps:
         state, result = finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
         return state, return_in(inputs, result)
 
-    def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
+    # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both, and the
+    # executable cache keys on the arguments without lowering.
+    def _prefill_program(self, batch: int, tokens: int) -> tuple[Any, tuple]:
         params, state = self._abstract()
         fn = functools.partial(self._prefill_fn, tokens=tokens)
-        return self._jit(fn, (1, 2), (self.state_shardings(), self._rep)).lower(
-            params, state, self._abstract_packed(batch, tokens))
+        return (self._jit(fn, (1, 2), (self.state_shardings(), self._rep)),
+                (params, state, self._abstract_packed(batch, tokens)))
 
-    def _lower_decode(self, batch: int, sampled: bool) -> jax.stages.Lowered:
+    def _decode_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
         params, state = self._abstract()
         fn = functools.partial(self._decode_fn, sampled=sampled)
-        return self._jit(fn, (1, 2), (self.state_shardings(), self._rep)).lower(params, state,
-                                                                                self._abstract_packed(batch))
+        return self._jit(fn, (1, 2), (self.state_shardings(), self._rep)), (params, state, self._abstract_packed(batch))
 
-    def _lower_speculative(self, batch: int, sampled: bool) -> jax.stages.Lowered:
+    def _speculative_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
         params, state = self._abstract()
         rep = None if self.placement is None else self.placement.replicate(self.draft_params)
         fn = functools.partial(self._speculative_fn, sampled=sampled)
-        return self._jit(fn, (2, 3), (self.state_shardings(), self._rep)).lower(
-            params, _shapes(self.draft_params, rep), state, self._abstract_packed(batch))
+        return (self._jit(fn, (2, 3), (self.state_shardings(), self._rep)),
+                (params, _shapes(self.draft_params, rep), state, self._abstract_packed(batch)))
+
+    def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
+        jitted, args = self._prefill_program(batch, tokens)
+        return jitted.lower(*args)
+
+    def _lower_decode(self, batch: int, sampled: bool) -> jax.stages.Lowered:
+        jitted, args = self._decode_program(batch, sampled)
+        return jitted.lower(*args)
+
+    def _lower_speculative(self, batch: int, sampled: bool) -> jax.stages.Lowered:
+        jitted, args = self._speculative_program(batch, sampled)
+        return jitted.lower(*args)
+
+    def _static_description(self) -> tuple | None:
+        """What shapes every program besides its arguments and the package's code (the executable cache's key):
+        the layout, the dtypes, the attention implementation, k, the slots, the devices, the model configs. None
+        for a drafter other than the assistant, which nothing here can describe (its programs are not cached)."""
+        if self.drafter is None:
+            drafter = None
+        elif isinstance(self.drafter, AssistantDrafter):
+            drafter = (self.drafter.assistant.config, str(jnp.dtype(self.drafter.assistant.dtype)))
+        else:
+            return None
+        return (self.layout, str(jnp.dtype(self.cache_dtype)), self.attention_impl, self.k, self.num_slots,
+                self.placement, self.pack_params, self.input_capacity, self.target.config,
+                str(jnp.dtype(self.target.dtype)), drafter, jax.config.jax_enable_x64,
+                jax.config.jax_default_matmul_precision)
 
     def result(self, out: jax.Array, prefill: bool = False) -> np.ndarray:
         """A program's packed result on the host (waits for the program): the first columns of the array it
@@ -360,53 +391,73 @@ class CompiledSteps:
         return self.speculative[(batch, sampled)]
 
     def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
-        """Every program the engine runs with these buckets: (name, lower, store)."""
+        """Every program the engine runs with these buckets: (name, build, store), where build() gives the jitted
+        function and the abstract arguments to lower it for, and store(compiled) keeps the compiled program."""
         def put(table, key):
             return lambda compiled: table.__setitem__(key, compiled)
 
-        progs = [(f"prefill[1x{t}]", lambda t=t: self._lower_prefill(1, t), put(self.prefill, (1, t)))
+        progs = [(f"prefill[1x{t}]", lambda t=t: self._prefill_program(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
         for sampled in (False, True):
             tag = ",sampled" if sampled else ""
             if self.drafter is None:
-                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self._lower_decode(b, s),
+                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self._decode_program(b, s),
                            put(self.decode, (b, sampled))) for b in batch_buckets]
             else:
-                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self._lower_speculative(b, s),
+                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self._speculative_program(b, s),
                            put(self.speculative, (b, sampled))) for b in batch_buckets]
         return progs
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
-                    threads: int | None = None) -> dict[str, float]:
+                    threads: int | None = None, cache: ExecutableCache | None = None) -> dict[str, float]:
         """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
         program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
         thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
-        programs after them. The step programs go first: they take longest to compile. Returns seconds per
-        program: its lowering plus its compilation (wall time in its thread)."""
+        programs after them. The step programs go first: they take longest to compile. With a `cache`
+        (executable_cache.py), a program found there is loaded instead (no tracing, lowering or compiling; its
+        name goes into `restored`) and every program compiled is stored. Returns seconds per program: its lowering
+        plus its compilation (wall time in its thread), or its load."""
         progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
+        out_like = (self._abstract_state(), 0)  # what every program returns: (state, its output array)
+        static, options = self._static_description(), compiler_options()
+        if static is None and cache is not None:
+            log.info("executable cache: not used with a drafter of type %s", type(self.drafter).__name__)
+            cache = None
 
         def compile_one(low):
             t0 = time.perf_counter()
             return _compile(low), time.perf_counter() - t0
 
-        pending: dict[concurrent.futures.Future, tuple[str, Callable, float]] = {}
+        def keep(name: str, store: Callable, compiled: Any, seconds: float, loaded: bool = False) -> None:
+            store(compiled)
+            times[name] = seconds
+            if progress:
+                progress(f"{name} (loaded from the executable cache)" if loaded else name, seconds)
+
+        pending: dict[concurrent.futures.Future, tuple] = {}
 
         def take(done) -> None:  # store finished compilations (and report them) from this thread
             for fut in done:
-                name, store, t_lower = pending.pop(fut)
+                name, store, t_lower, key, args = pending.pop(fut)
                 compiled, t_compile = fut.result()
-                store(compiled)
-                times[name] = t_lower + t_compile
-                if progress:
-                    progress(name, times[name])
+                keep(name, store, compiled, t_lower + t_compile)
+                if cache is not None:
+                    cache.store(key, compiled, args, out_like)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            for name, lower, store in progs:
+            for name, build, store in progs:
                 t0 = time.perf_counter()
-                low = lower()
-                pending[pool.submit(compile_one, low)] = (name, store, time.perf_counter() - t0)
+                jitted, args = build()
+                key = None if cache is None else program_key(name, args, static, options)
+                compiled = None if cache is None else cache.load(key, args, out_like)
+                if compiled is not None:
+                    self.restored.append(name)
+                    keep(name, store, compiled, time.perf_counter() - t0, loaded=True)
+                    continue
+                low = jitted.lower(*args)
+                pending[pool.submit(compile_one, low)] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))
         return times

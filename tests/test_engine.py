@@ -398,12 +398,16 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
     def fake_programs(batch_buckets, prefill_buckets):
         names = [f"prefill[1x{t}]" for t in prefill_buckets] + [f"decode[{b}]" for b in batch_buckets]
 
-        def lower(name):
-            events.append(("lower", name))
-            if name == names[-1]:  # the last lowered: the first one's compilation has been running meanwhile
-                assert lowered.wait(30), "no compilation started before the last lowering"
-            return name
-        return [(n, lambda n=n: lower(n), lambda c, n=n: stored.__setitem__(n, c)) for n in names]
+        class Jitted:
+            def __init__(self, name):
+                self.name = name
+
+            def lower(self, *args):
+                events.append(("lower", self.name))
+                if self.name == names[len(prefill_buckets) - 1]:  # lowered last: a compilation runs meanwhile
+                    assert lowered.wait(30), "no compilation started before the last lowering"
+                return self.name
+        return [(n, lambda n=n: (Jitted(n), ()), lambda c, n=n: stored.__setitem__(n, c)) for n in names]
 
     def fake_compile(low):
         lowered.set()

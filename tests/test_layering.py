@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels", ["kernels"]),
     ("model", ["config", "model", "kv_state", "sampling", "runtime", "sharding"]),
     ("step functions", ["forward", "speculative", "device_state"]),
-    ("compiled programs", ["step", "param_pack", "input_pack"]),
+    ("compiled programs", ["step", "param_pack", "input_pack", "executable_cache"]),
     ("engine", ["engine", "allocator"]),
     ("loaders", ["weights", "api", "demo"]),
     ("applications", ["", "server", "serve", "generate", "distributed", "train", "train_assistant", "train_demo"]),

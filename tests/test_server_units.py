@@ -170,6 +170,8 @@ def test_kv_cache_memory_sizes():
     assert build_parser().parse_args([]).enable_prefix_caching is True
     assert build_parser().parse_args([]).pack_params is False
     assert build_parser().parse_args(["--pack-params"]).pack_params is True
+    assert build_parser().parse_args([]).executable_cache_dir is None
+    assert build_parser().parse_args(["--executable-cache-dir", "/x"]).executable_cache_dir == "/x"
 
 
 def test_parse_defaults_and_extensions():

@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache, so restarts skip compiling (default: "
                         "~/.cache/gemma4_mtp_jax/jax_cache, or $JAX_COMPILATION_CACHE_DIR; 'none' disables it)")
+    e.add_argument("--executable-cache-dir", default=None, metavar="DIR",
+                   help="keep the compiled programs in DIR and load them at the next start without tracing, "
+                        "lowering or compiling them (a restart of a large model then skips ~1 min of lowering "
+                        "that the compilation cache cannot); keyed by the package's code, the JAX version, the "
+                        "devices and the engine's configuration. Only point it at a directory you own: entries "
+                        "are pickles. Default: off")
     s = ap.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 to accept connections from other machines")
@@ -276,7 +282,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
-                      tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params)
+                      tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params,
+                      executable_cache_dir=args.executable_cache_dir)
     if assistant is not None:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:

@@ -1,0 +1,117 @@
+"""Compiled step programs kept on disk and loaded back without tracing, lowering or compiling them.
+
+JAX's persistent compilation cache (`step.enable_compilation_cache`) skips XLA's compilation on a restart, but it
+is keyed by the lowered program, so every program is still traced and lowered first: 3-4 s a program at 31B, about
+a minute for a 31B engine's 17 (benchmarks/RESULTS.md, the eleventh session). This cache is keyed by what decides
+a program instead, so a hit costs a file read:
+- the program (its name: kind and bucket) and the shapes, dtypes and shardings of everything it takes;
+- the engine's static configuration (KV layout, k, slots, dtypes, attention implementation, devices);
+- the code that builds it: a digest of every source file of the package;
+- the compiler: the JAX and jaxlib versions, the backend and its devices, XLA_FLAGS and the compile options.
+Anything else that could change a program changes one of these. A program whose serialized trees do not match the
+ones a load would rebuild is not stored; an entry that fails to load is compiled again (with a warning).
+
+Only load directories you wrote: an entry is a pickle, and loading one runs code (`jax.experimental.
+serialize_executable`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over the package's source files (relative path and contents, in path order)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _environment() -> tuple:
+    import jaxlib
+
+    return (jax.__version__, jaxlib.__version__, jax.default_backend(),
+            tuple((d.platform, d.device_kind) for d in jax.devices()), os.environ.get("XLA_FLAGS", ""))
+
+
+def _describe(tree: Any) -> str:
+    """The structure of a tree of arrays or shapes, and each leaf's shape, dtype and sharding."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return repr((str(treedef), [(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None)))
+                                for x in leaves]))
+
+
+def program_key(name: str, args: Any, static: Any, options: dict[str, str]) -> str:
+    """The key of program `name` taking `args` (arrays or shapes), built under `static` (a repr-able description
+    of the configuration that shaped it) with compile `options`."""
+    h = hashlib.sha256()
+    for part in (source_digest(), repr(_environment()), name, _describe(args), repr(static),
+                 repr(sorted(options.items()))):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+class ExecutableCache:
+    """Serialized compiled programs in `directory`, one file per key."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.jaxexec"
+
+    def load(self, key: str, args: Any, out_like: Any) -> Any | None:
+        """The compiled program stored under `key` (None on a miss), for arguments shaped as `args` and results
+        as `out_like`; an entry that fails to load is removed and reported."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            return deserialize_and_load(path.read_bytes(), jax.tree_util.tree_structure((args, {})),
+                                        jax.tree_util.tree_structure(out_like))
+        except Exception as e:  # noqa: BLE001 - a bad entry costs a compilation, never the start-up
+            log.warning("executable cache: %s does not load (%s: %s); compiling instead", path.name,
+                        type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            path.unlink(missing_ok=True)
+            return None
+
+    def store(self, key: str, compiled: Any, args: Any, out_like: Any) -> bool:
+        """Write `compiled` under `key` if it serializes and its trees are the ones `load` rebuilds from `args`
+        and `out_like`; True if written. Written to a temporary file and renamed: a reader never sees half."""
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload, in_tree, out_tree = serialize(compiled)
+        except Exception as e:  # noqa: BLE001 - an executable that cannot be serialized is simply not cached
+            log.warning("executable cache: cannot serialize a program (%s: %s)", type(e).__name__, e)
+            return False
+        if (in_tree, out_tree) != (jax.tree_util.tree_structure((args, {})), jax.tree_util.tree_structure(out_like)):
+            log.warning("executable cache: a program's argument or result trees differ from the ones a load would "
+                        "rebuild; not cached")
+            return False
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, self._path(key))
+        except OSError as e:
+            log.warning("executable cache: cannot write %s (%s)", self._path(key), e)
+            Path(tmp).unlink(missing_ok=True)
+            return False
+        return True

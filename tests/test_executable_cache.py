@@ -1,0 +1,93 @@
+"""The executable cache (executable_cache.py): an engine started again with the same configuration loads every
+program from disk without lowering one and generates the same tokens; anything that shapes a program (the
+configuration, the package's code) misses; a bad entry is compiled again."""
+
+from __future__ import annotations
+
+import pytest
+
+PROMPTS = [[5, 9, 13, 200, 7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
+
+
+def _config(cache_dir, **kw):
+    from gemma4_mtp_jax.engine import EngineConfig
+
+    base = dict(max_num_seqs=2, max_model_len=48, page_size=4, prefill_chunk=8, min_prefill_bucket=8,
+                executable_cache_dir=str(cache_dir), num_speculative_tokens=2)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _tokens(engine) -> list[list[int]]:
+    from gemma4_mtp_jax.generate import generate
+
+    return [r.tokens for r in generate(engine.target, PROMPTS, 10, engine=engine)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpts, jax_models):
+    p = tiny_ckpts["e2b"]
+    return jax_models.target(p["target"]), jax_models.assistant(p["assistant"])
+
+
+def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypatch):
+    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.step import CompiledSteps
+
+    target, assistant = pair
+    first = Engine(target, _config(tmp_path), assistant=assistant)
+    names = sorted(first.compile_times)
+    assert first.steps.restored == [] and len(list(tmp_path.glob("*.jaxexec"))) == len(names)
+    want = _tokens(first)
+
+    real_jit = CompiledSteps._jit
+
+    class MustNotLower:  # every jitted function of the steps, callable but not to be lowered
+        def __init__(self, jitted):
+            self.jitted = jitted
+
+        def __call__(self, *args):
+            return self.jitted(*args)
+
+        def lower(self, *args):
+            raise AssertionError("a program was lowered although the cache holds it")
+
+    monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: MustNotLower(real_jit(self, *a)))
+    again = Engine(target, _config(tmp_path), assistant=assistant)
+    assert sorted(again.steps.restored) == sorted(again.compile_times) == names
+    assert _tokens(again) == want
+
+
+def test_what_shapes_a_program_misses(pair, tmp_path, monkeypatch):
+    from gemma4_mtp_jax import executable_cache
+    from gemma4_mtp_jax.engine import Engine
+
+    target, assistant = pair
+    Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
+    entries = len(list(tmp_path.glob("*.jaxexec")))
+    longer = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1, max_model_len=40),
+                    assistant=assistant)
+    assert longer.steps.restored == []  # another page-table width: every program differs
+    plain = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1, num_speculative_tokens=None),
+                   assistant=None)
+    assert plain.steps.restored == []
+    monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited code")
+    edited = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
+    assert edited.steps.restored == []
+    assert len(list(tmp_path.glob("*.jaxexec"))) == entries + len(longer.compile_times) + len(
+        plain.compile_times) + len(edited.compile_times)
+
+
+def test_a_bad_entry_is_compiled_again(pair, tmp_path, caplog):
+    from gemma4_mtp_jax.engine import Engine
+
+    target, assistant = pair
+    first = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
+    want = _tokens(first)
+    for entry in tmp_path.glob("*.jaxexec"):
+        entry.write_bytes(b"not an executable")
+    again = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
+    assert again.steps.restored == [] and "does not load" in caplog.text
+    assert _tokens(again) == want
+    third = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
+    assert sorted(third.steps.restored) == sorted(third.compile_times)  # rewritten by the second start
