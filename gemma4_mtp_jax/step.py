@@ -63,6 +63,10 @@ def compiler_options() -> dict[str, str]:
     return {UPDATE_MODE_OPTION: STABLE_TEMPORARIES}
 
 
+# JAX settings that change what a traced program computes (the executable cache's key holds their values).
+_TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+                 "jax_threefry_partitionable")
+
 _options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once
 
 
@@ -359,8 +363,8 @@ class CompiledSteps:
             return None
         return (self.layout, str(jnp.dtype(self.cache_dtype)), self.attention_impl, self.k, self.num_slots,
                 self.placement, self.pack_params, self.input_capacity, self.target.config,
-                str(jnp.dtype(self.target.dtype)), drafter, jax.config.jax_enable_x64,
-                jax.config.jax_default_matmul_precision)
+                str(jnp.dtype(self.target.dtype)), drafter,
+                tuple(getattr(jax.config, name, None) for name in _TRACE_CONFIG))
 
     def result(self, out: jax.Array, prefill: bool = False) -> np.ndarray:
         """A program's packed result on the host (waits for the program): the first columns of the array it
