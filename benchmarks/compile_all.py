@@ -7,6 +7,7 @@ persistent compilation cache stays off: every figure is a cold compile.
 
     python benchmarks/compile_all.py                      # demo e2b e4b 26b 31b, on the GPU
     python benchmarks/compile_all.py --families demo      # any subset; runs on the CPU too
+    python benchmarks/compile_all.py --families e2b --engines speculative --executable-cache-dir DIR  # twice
 
 Exit status 1 if any program fails to compile. JSON to $OUT/compile_all.json when $OUT is set.
 """
@@ -51,12 +52,13 @@ def load_family(name: str) -> tuple[Target, Assistant, int]:
     return target, assistant, REAL_MAX_POSITIONS
 
 
-def compile_family(name: str, log, engines: list[str]) -> dict:
+def compile_family(name: str, log, engines: list[str], args: argparse.Namespace) -> dict:
     defaults = build_parser().parse_args([])
     target, assistant, mpe = load_family(name)
-    config = dict(max_num_seqs=defaults.max_num_seqs, max_model_len=min(mpe, DEFAULT_MAX_MODEL_LEN_CAP),
+    config = dict(max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
+                  max_model_len=args.max_model_len or min(mpe, DEFAULT_MAX_MODEL_LEN_CAP),
                   page_size=defaults.page_size, prefill_chunk=defaults.prefill_chunk,
-                  attention_impl=defaults.attention_impl)
+                  attention_impl=defaults.attention_impl, executable_cache_dir=args.executable_cache_dir)
     out = {"family": name, "engine_config": config, "engines": {}}
     for mode, pair in (("speculative", assistant), ("plain", None)):
         if mode not in engines:
@@ -75,9 +77,11 @@ def compile_family(name: str, log, engines: list[str]) -> dict:
             continue
         wall = time.perf_counter() - t0
         out["engines"][mode] = {"ok": True, "programs": len(engine.compile_times), "wall_s": round(wall, 2),
+                                "loaded_from_executable_cache": len(engine.steps.restored),
                                 "per_program_s": {k: round(v, 2) for k, v in engine.compile_times.items()},
                                 "k": engine.k}
-        log(f"[{name}/{mode}] {len(engine.compile_times)} programs in {wall:.1f}s wall")
+        log(f"[{name}/{mode}] {len(engine.compile_times)} programs ({len(engine.steps.restored)} loaded from the "
+            f"executable cache) in {wall:.1f}s wall")
         del engine
     return out
 
@@ -86,6 +90,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=FAMILIES, choices=FAMILIES)
     ap.add_argument("--engines", nargs="+", default=["speculative", "plain"], choices=["speculative", "plain"])
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the server's")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the server's cap")
+    ap.add_argument("--executable-cache-dir", default=None,
+                    help="load programs from / store them in this executable cache (run twice: fill, then load)")
     args = ap.parse_args()
 
     def log(msg: str) -> None:
@@ -93,7 +101,7 @@ def main() -> int:
 
     env = environment()
     log(f"JAX {env['jax']} on {env['devices']}")
-    results = [compile_family(f, log, args.engines) for f in args.families]
+    results = [compile_family(f, log, args.engines, args) for f in args.families]
     write_json("compile_all.json", {"environment": env, "families": results})
     print(f"\n{'family':8} {'engine':12} {'programs':>8} {'wall s':>8} {'slowest program':>28}")
     ok = True

@@ -425,8 +425,8 @@ class CompiledSteps:
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
         out_like = (self._abstract_state(), 0)  # what every program returns: (state, its output array)
-        static, options = self._static_description(), compiler_options()
-        if static is None and cache is not None:
+        static = None if cache is None else self._static_description()
+        if cache is not None and static is None:
             log.info("executable cache: not used with a drafter of type %s", type(self.drafter).__name__)
             cache = None
 
@@ -454,7 +454,7 @@ class CompiledSteps:
             for name, build, store in progs:
                 t0 = time.perf_counter()
                 jitted, args = build()
-                key = None if cache is None else program_key(name, args, static, options)
+                key = None if cache is None else program_key(name, args, static, compiler_options())
                 compiled = None if cache is None else cache.load(key, args, out_like)
                 if compiled is not None:
                     self.restored.append(name)
