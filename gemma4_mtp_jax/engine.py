@@ -41,6 +41,7 @@ from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams, any_sampled
 from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
 from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
 from gemma4_mtp_jax.step import CompiledSteps
+from gemma4_mtp_jax.xla_env import allocator_memory
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +69,25 @@ def _nbytes(leaf: Any) -> int:
 
 def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
     """Bytes of KV pool the devices can take, in all (pages are split over tensor-parallel devices): what each
-    device's allocator has left (`memory_stats`: its limit less what is in use), less the share of `params` not
-    on the device yet (a loader may leave weights in host memory until the programs place them), less a reserve
-    for the programs' temporaries and for XLA's GEMM autotuning at compile time, which allocates the operands of
-    each matmul it tunes: twice the largest weight, plus 1 GiB. None where a device reports no memory limit (CPU).
-    Across processes (multi-host) each reads its own devices: the pools are split alike over all of them."""
-    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
-    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+    device's allocator has left (`xla_env.allocator_memory`: its limit less what is in use), less the share of
+    `params` not on the device yet (a loader may leave weights in host memory until the programs place them), less
+    a reserve for the programs' temporaries and for XLA's GEMM autotuning at compile time, which allocates the
+    operands of each matmul it tunes: twice the largest weight, plus 1 GiB. Where an allocator does not say what
+    it holds (XLA's VMM allocator), the weights already on the devices count as its use. None where a device has
+    no known memory limit (CPU). Across processes (multi-host) each reads its own devices: the pools are split
+    alike over all of them."""
+    memory = [allocator_memory(d) for d in devices if d.process_index == jax.process_index()]
+    if not memory or any(m is None for m in memory):
         return None
     leaves = jax.tree_util.tree_leaves(params)
     nbytes = [_nbytes(x) for x in leaves]
     # Shapes alone (jax.ShapeDtypeStruct: programs compiled, never run) are never placed.
-    host = sum(n for x, n in zip(leaves, nbytes) if isinstance(x, np.ndarray) or
-               (isinstance(x, jax.Array) and {d.platform for d in x.devices()} != {devices[0].platform}))
+    placed = [isinstance(x, jax.Array) and {d.platform for d in x.devices()} == {devices[0].platform}
+              for x in leaves]
+    host = sum(n for x, n, p in zip(leaves, nbytes, placed) if isinstance(x, (np.ndarray, jax.Array)) and not p)
+    on_devices = sum(n for n, p in zip(nbytes, placed) if p)
     reserve = 2 * max(nbytes, default=0) + (1 << 30)
-    free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    free = min(limit - (on_devices // len(devices) if used is None else used) for limit, used in memory)
     return max(0, len(devices) * (free - host // len(devices) - reserve))
 
 

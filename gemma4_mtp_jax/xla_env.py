@@ -13,6 +13,10 @@ The same holds for how much of a GPU's memory JAX's allocator may use (`XLA_PYTH
 default 0.75, which the VMM allocator takes as its budget of physical memory): a server sets it through
 `set_memory_fraction` before it touches a device.
 
+What the allocator may use is then read back with `allocator_memory`: the BFC allocator reports its limit in
+`memory_stats()`, but the VMM allocator reports nothing (run 56), so there it is the GPU's total memory (from the
+CUDA driver) times the fraction JAX started with, which is how the VMM allocator sets its budget.
+
 `set_gpu_runtime_flags()` runs when the package is imported. It only touches XLA_FLAGS where a CUDA plugin of JAX
 >= 0.11 is installed (older XLA rejects the value and would abort), JAX_PLATFORMS does not rule the GPU out, and
 XLA_FLAGS does not already choose an update mode. Importing the package after JAX has started a backend is too
@@ -22,6 +26,8 @@ option.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.metadata
 import importlib.util
 import logging
@@ -96,3 +102,40 @@ def set_memory_fraction(fraction: float) -> bool:
 def update_mode_in_flags() -> bool:
     """Whether XLA_FLAGS chooses a command-buffer update mode (ours or the user's) for every program."""
     return UPDATE_MODE in os.environ.get("XLA_FLAGS", "")
+
+
+JAX_DEFAULT_MEM_FRACTION = 0.75  # what JAX's GPU allocators take without MEM_FRACTION_ENV
+
+
+@functools.cache
+def _cuda_total_memory(ordinal: int) -> int | None:
+    """Bytes of memory of CUDA device `ordinal`, from the driver (no context needed); None without a driver."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, total = ctypes.c_int(), ctypes.c_size_t()
+    if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), ordinal) != 0
+            or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device) != 0):
+        return None
+    return int(total.value)
+
+
+def allocator_memory(device) -> tuple[int, int | None] | None:
+    """(limit, in use) of the bytes JAX's allocator may take on `device`: `memory_stats()` where the allocator
+    reports them (BFC); on an NVIDIA GPU whose allocator reports nothing (XLA's VMM allocator, which
+    set_gpu_runtime_flags selects), the device's total memory times the fraction JAX started with, in use
+    unknown (None). None where no limit is known (CPU)."""
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    if device.platform not in ("gpu", "cuda"):
+        return None
+    total = _cuda_total_memory(int(getattr(device, "local_hardware_id", None) or 0))
+    if total is None:
+        return None
+    try:
+        fraction = float(os.environ.get(MEM_FRACTION_ENV, JAX_DEFAULT_MEM_FRACTION))
+    except ValueError:
+        fraction = JAX_DEFAULT_MEM_FRACTION
+    return int(total * fraction), None

@@ -478,6 +478,40 @@ def test_pool_memory_left_counts_weights_and_reserve():
     assert pool_memory_left(jax.devices("cpu")[:1], host) is None
 
 
+def test_pool_memory_left_where_the_allocator_reports_nothing(monkeypatch):
+    """XLA's VMM allocator reports no memory_stats: the limit is the GPU's memory times JAX's fraction, and the
+    weights already on the device count as what it holds (nothing else is known)."""
+    from gemma4_mtp_jax import engine as engine_mod
+    from gemma4_mtp_jax import xla_env
+    from gemma4_mtp_jax.engine import pool_memory_left
+
+    GiB = 1 << 30
+
+    class Device:
+        platform, process_index, local_hardware_id = "gpu", jax.process_index(), 0
+
+        def memory_stats(self):
+            return None
+
+    monkeypatch.setattr(xla_env, "_cuda_total_memory", lambda ordinal: 100 * GiB)
+    monkeypatch.setenv(xla_env.MEM_FRACTION_ENV, "0.5")
+    assert xla_env.allocator_memory(Device()) == (50 * GiB, None)
+    monkeypatch.delenv(xla_env.MEM_FRACTION_ENV)
+    assert xla_env.allocator_memory(Device()) == (int(100 * GiB * xla_env.JAX_DEFAULT_MEM_FRACTION), None)
+    monkeypatch.setattr(xla_env, "_cuda_total_memory", lambda ordinal: None)  # no CUDA driver
+    assert xla_env.allocator_memory(Device()) is None and pool_memory_left([Device()], {}) is None
+
+    # The pool: the weights on the device (on this machine's default device, which the fake device pretends to
+    # be) count as the allocator's use; those in host memory as still to come.
+    on_device = jax.numpy.zeros((1024, 1024), jax.numpy.float32)  # 4 MiB
+    monkeypatch.setattr(Device, "platform", on_device.devices().pop().platform)
+    monkeypatch.setattr(engine_mod, "allocator_memory", lambda device: (50 * GiB, None))
+    host = np.zeros(256, np.float32)
+    reserve = 2 * (4 << 20) + GiB
+    assert pool_memory_left([Device()], {"w": on_device, "v": host}) == 50 * GiB - (4 << 20) - 1024 - reserve
+    assert pool_memory_left([Device(), Device()], on_device) == 2 * (50 * GiB - (2 << 20) - reserve)
+
+
 def test_stop_on_eos(engines, tiny_ckpts):
     """Generation stops at (and includes) a stop id; the rest of max_new_tokens is not generated."""
     from gemma4_mtp_jax.generate import generate

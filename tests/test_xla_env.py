@@ -82,3 +82,20 @@ def test_the_servers_memory_fraction(gpu_machine):
         with pytest.raises(SystemExit):
             cli._check_args(ap, ap.parse_args(["--gpu-memory-utilization", *bad]))
     cli._check_args(ap, ap.parse_args(["--gpu-memory-utilization", "0.95"]))
+
+
+def test_allocator_memory_of_this_machine():
+    """Every GPU of the machine has a known allocator limit, within its memory, whichever allocator JAX runs (the
+    VMM one reports no memory_stats); the CPU has none."""
+    import jax
+
+    from gemma4_mtp_jax.xla_env import allocator_memory
+
+    for device in jax.devices():
+        memory = allocator_memory(device)
+        if device.platform == "cpu":
+            assert memory is None
+            continue
+        limit, used = memory
+        total = xla_env._cuda_total_memory(device.local_hardware_id)
+        assert total and 0 < limit <= total and (used is None or 0 <= used <= limit)
