@@ -1,6 +1,8 @@
 """The README's main command, checked end to end: start `python -m gemma4_mtp_jax.serve` with its default flags,
 time it until /health answers, ask /v1/chat/completions (plain and streaming), send SIGTERM and expect exit 0.
-Twice: with an empty persistent compilation cache (cold) and again with the cache the first start filled (warm).
+Twice: with an empty persistent compilation cache and executable cache (cold) and again with the caches the first
+start filled (warm). Flags after `--` win over these (e.g. `-- --executable-cache-dir none`: the compilation cache
+alone).
 
     python benchmarks/serve_check.py [--runs cold warm] [-- extra serve flags]
 
@@ -102,7 +104,8 @@ def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = os.path.join(out_dir or tempfile.gettempdir(), f"serve_{label}.log")
-    flags = ["--compilation-cache-dir", cache_dir, *extra]
+    flags = ["--compilation-cache-dir", os.path.join(cache_dir, "jax"),
+             "--executable-cache-dir", os.path.join(cache_dir, "executables"), *extra]
     rec: dict = {"run": label, "cmd": " ".join(["-m", "gemma4_mtp_jax.serve", "--port", str(port), *flags])}
     try:
         proc, ready_s = start_server(flags, port, log_path, ready_timeout)

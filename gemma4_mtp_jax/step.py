@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.executable_cache import ExecutableCache, program_key
+from gemma4_mtp_jax.executable_cache import ExecutableCache, program_key, user_cache_dir
 from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
@@ -46,7 +46,7 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
         return None
     if path is None and jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "gemma4_mtp_jax", "jax_cache")
+    path = path or user_cache_dir("jax_cache")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -418,9 +418,10 @@ class CompiledSteps:
         program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
         thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
         programs after them. The step programs go first: they take longest to compile. With a `cache`
-        (executable_cache.py), a program found there is loaded instead (no tracing, lowering or compiling; its
-        name goes into `restored`) and every program compiled is stored. Returns seconds per program: its lowering
-        plus its compilation (wall time in its thread), or its load."""
+        (executable_cache.py), every program is first looked up there, all at once in the threads; a program found
+        is loaded instead (no tracing, lowering or compiling; its name goes into `restored`), and every program
+        compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time in its
+        thread), or its load."""
         progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
@@ -430,9 +431,9 @@ class CompiledSteps:
             log.info("executable cache: not used with a drafter of type %s", type(self.drafter).__name__)
             cache = None
 
-        def compile_one(low):
+        def timed(fn, *args):
             t0 = time.perf_counter()
-            return _compile(low), time.perf_counter() - t0
+            return fn(*args), time.perf_counter() - t0
 
         def keep(name: str, store: Callable, compiled: Any, seconds: float, loaded: bool = False) -> None:
             store(compiled)
@@ -451,17 +452,20 @@ class CompiledSteps:
                     cache.store(key, compiled, args, out_like)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            for name, build, store in progs:
-                t0 = time.perf_counter()
-                jitted, args = build()
-                key = None if cache is None else program_key(name, args, static, compiler_options())
-                compiled = None if cache is None else cache.load(key, args, out_like)
+            built = [(name, store, *build()) for name, build, store in progs]  # (name, store, jitted, args)
+            keys = [None if cache is None else program_key(name, args, static, compiler_options())
+                    for name, _, _, args in built]
+            loads = [None if cache is None else pool.submit(timed, cache.load, key, args, out_like)
+                     for key, (_, _, _, args) in zip(keys, built)]
+            for (name, store, jitted, args), key, load in zip(built, keys, loads):
+                compiled, t_load = load.result() if load is not None else (None, 0.0)
                 if compiled is not None:
                     self.restored.append(name)
-                    keep(name, store, compiled, time.perf_counter() - t0, loaded=True)
+                    keep(name, store, compiled, t_load, loaded=True)
                     continue
+                t0 = time.perf_counter()
                 low = jitted.lower(*args)
-                pending[pool.submit(compile_one, low)] = (name, store, time.perf_counter() - t0, key, args)
+                pending[pool.submit(timed, _compile, low)] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))
         return times

@@ -91,3 +91,32 @@ def test_a_bad_entry_is_compiled_again(pair, tmp_path, caplog):
     assert _tokens(again) == want
     third = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
     assert sorted(third.steps.restored) == sorted(third.compile_times)  # rewritten by the second start
+
+
+def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):
+    """Stores beyond max_bytes remove the entries used longest ago (a load is a use), never the one just
+    written; a miss loads nothing."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.executable_cache import ExecutableCache
+
+    x = jnp.zeros(4, jnp.float32)
+    compiled = jax.jit(lambda a: a + 1).lower(x).compile()
+    args, out_like = (x,), x
+    cache = ExecutableCache(tmp_path, max_bytes=1 << 40)
+    for i, key in enumerate("abc"):
+        assert cache.store(key, compiled, args, out_like)
+        os.utime(tmp_path / f"{key}.jaxexec", (1000 + i, 1000 + i))  # a, then b, then c: c the newest
+    size = (tmp_path / "a.jaxexec").stat().st_size
+    assert cache.load("a", args, out_like) is not None  # a is now the most recently used
+    assert cache.load("missing", args, out_like) is None
+    cache.max_bytes = 2 * size
+    assert cache.store("d", compiled, args, out_like)
+    assert sorted(p.stem for p in tmp_path.glob("*.jaxexec")) == ["a", "d"]  # b and c were used longest ago
+    cache.max_bytes = size // 2  # too small even for one: the entry just written stays
+    assert cache.store("e", compiled, args, out_like)
+    assert sorted(p.stem for p in tmp_path.glob("*.jaxexec")) == ["e"]
+    assert jnp.array_equal(cache.load("e", args, out_like)(x), x + 1)

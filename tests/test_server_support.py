@@ -28,7 +28,8 @@ def session_paths(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 def server_argv(tdir: Path, adir: Path, cache: Path, *extra: str) -> list[str]:
     return ["--ckpt", str(tdir), "--assistant", str(adir), "--served-model-name", MODEL,
-            "--compilation-cache-dir", str(cache), "--no-access-log", *ENGINE_ARGS, *extra]
+            "--compilation-cache-dir", str(cache), "--executable-cache-dir", "none", "--no-access-log", *ENGINE_ARGS,
+            *extra]
 
 
 class InProcessServer:

@@ -174,6 +174,16 @@ def test_kv_cache_memory_sizes():
     assert build_parser().parse_args(["--executable-cache-dir", "/x"]).executable_cache_dir == "/x"
 
 
+def test_the_executable_cache_is_on_unless_turned_off(monkeypatch, tmp_path):
+    """The server keeps its compiled programs under the user's cache directory unless given another or 'none'."""
+    from gemma4_mtp_jax.server.cli import _executable_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _executable_cache_dir(None) == str(tmp_path / ".cache" / "gemma4_mtp_jax" / "executables")
+    assert _executable_cache_dir("/x") == "/x"
+    assert _executable_cache_dir("none") is None and _executable_cache_dir("None") is None
+
+
 def test_parse_defaults_and_extensions():
     p = parse_completion({"prompt": ["hi"], "n": 1, "logprobs": None, "top_k": -1, "seed": -1, "stop": "x",
                           "user": "u", "stream": True, "stream_options": {"include_usage": True}})

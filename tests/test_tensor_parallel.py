@@ -135,7 +135,7 @@ for dev in jax.devices()[:2]:
     assert pool_devices == param_devices == {dev.id}, (pool_devices, param_devices, dev)
 server, _ = create_server(["--ckpt", target_dir, "--assistant", "none", "--data-parallel-size", "2",
                            "--max-num-seqs", "2", "--max-model-len", "48", "--prefill-chunk", "8", "--page-size", "4",
-                           "--compilation-cache-dir", "none"])
+                           "--compilation-cache-dir", "none", "--executable-cache-dir", "none"])
 front = server.engine
 devs = [{d.id for k, _ in r.engine.state.pages.values() for d in k.devices()} for r in front.replicas]
 print("RESULT " + json.dumps({"outputs": outs, "replica_devices": [sorted(d) for d in devs],

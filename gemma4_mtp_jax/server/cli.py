@@ -120,10 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "~/.cache/gemma4_mtp_jax/jax_cache, or $JAX_COMPILATION_CACHE_DIR; 'none' disables it)")
     e.add_argument("--executable-cache-dir", default=None, metavar="DIR",
                    help="keep the compiled programs in DIR and load them at the next start without tracing, "
-                        "lowering or compiling them (a restart of a large model then skips ~1 min of lowering "
-                        "that the compilation cache cannot); keyed by the package's code, the JAX version, the "
-                        "devices and the engine's configuration. Only point it at a directory you own: entries "
-                        "are pickles. Default: off")
+                        "lowering or compiling them (the compilation cache still traces and lowers every program: "
+                        "~1 min at 31B); keyed by the package's code, the JAX version, the devices and the engine's "
+                        "configuration, at most 4 GiB (the least recently used entries go). Entries are pickles: "
+                        "only use a directory you own. Default: ~/.cache/gemma4_mtp_jax/executables; 'none' "
+                        "disables it")
     s = ap.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind; use 0.0.0.0 to accept connections from other machines")
@@ -191,6 +192,15 @@ def _setup_compilation_cache(arg: str | None) -> None:
     path = enable_compilation_cache(arg)
     if path:
         log.info("JAX compilation cache: %s", path)
+
+
+def _executable_cache_dir(arg: str | None) -> str | None:
+    """--executable-cache-dir: the directory, None for 'none', the package's default without the flag."""
+    from gemma4_mtp_jax.executable_cache import user_cache_dir
+
+    if arg is None:
+        return user_cache_dir("executables")
+    return None if arg.lower() == "none" else arg
 
 
 def _max_position_embeddings(path: Path) -> int | None:
@@ -283,7 +293,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
                       tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params,
-                      executable_cache_dir=args.executable_cache_dir)
+                      executable_cache_dir=_executable_cache_dir(args.executable_cache_dir))
     if assistant is not None:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:
@@ -309,6 +319,9 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
             engines.append(Engine(target, config, progress=progress, assistant=assistant,
                                   devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None))
     engine = engines[0]
+    if config.executable_cache_dir:
+        log.info("executable cache %s: %d of %d programs loaded from it", config.executable_cache_dir,
+                 sum(len(e.steps.restored) for e in engines), sum(len(e.compile_times) for e in engines))
     if engine.k:
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
 
