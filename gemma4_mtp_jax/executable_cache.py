@@ -14,8 +14,8 @@ change of the code or the configuration adds entries, so the directory is kept u
 4 GiB) by removing the entries used least recently (a load counts as a use).
 
 The server keeps one by default, in `user_cache_dir("executables")` (~/.cache/gemma4_mtp_jax/executables): on the
-H200 the demo pair's server was ready 10.4 s after a restart with it, against 46.7 s cold (benchmarks/RESULTS.md,
-run 56).
+H200 the demo pair's server is ready 4.4 s after a restart with it, 19.7 s with the compilation cache alone
+(benchmarks/RESULTS.md, run 57).
 
 Only load directories you wrote: an entry is a pickle, and loading one runs code (`jax.experimental.
 serialize_executable`).
