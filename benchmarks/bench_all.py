@@ -10,6 +10,11 @@ recorded and the others go on.
 
     python benchmarks/bench_all.py --models e2b e4b 26b 31b --batch 1 2 16 64 --k 2 4 8
     python benchmarks/bench_all.py --smoke       # tiny shapes, CPU
+
+The whole matrix takes longer than one 600 s device call. `--merge OLD.json` keeps the (model, k) runs of an earlier
+bench_all.json that succeeded with every batch asked for, runs only the others, and writes the union (plots
+included): call it again with the last JSON carried until nothing is left to run. Every row's ratios still come
+from one process.
 """
 
 from __future__ import annotations
@@ -51,6 +56,13 @@ def run_spec(model: str | None, batch: list[int], k: int, args) -> dict:
         else:
             record["error"] = tail
     return record
+
+
+def _kept_runs(path: str, batch: list[int]) -> list[dict]:
+    """The runs of an earlier bench_all.json that succeeded with a row for every batch size in `batch`."""
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    return [rec for rec in runs if rec["rc"] == 0 and set(batch) <= {r["batch"] for r in rec["rows"]}]
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
@@ -116,13 +128,20 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per bench_spec.py process")
     ap.add_argument("--out", default=None, help="directory of bench_all.json and the plots (default: $OUT or .)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
+    ap.add_argument("--merge", default=None, metavar="OLD_JSON",
+                    help="an earlier bench_all.json: its successful (model, k) runs are kept, not run again")
     args = ap.parse_args()
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
-    runs = []
+    batch = [2] if args.smoke else args.batch
+    runs = _kept_runs(args.merge, batch) if args.merge else []
+    done = {(rec["model"], rec["k"]) for rec in runs}
     for model in ([None] if args.smoke else args.models):
         for k in args.k:
-            rec = run_spec(model, [2] if args.smoke else args.batch, k, args)
+            if (model or "smoke", k) in done:
+                print(f"[{model or 'smoke'} k={k}] kept from {args.merge}", flush=True)
+                continue
+            rec = run_spec(model, batch, k, args)
             print(f"[{rec['model']} k={k}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows",
                   flush=True)
             runs.append(rec)
