@@ -23,6 +23,7 @@ serialize_executable`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -100,13 +101,15 @@ class ExecutableCache:
         try:
             compiled = deserialize_and_load(path.read_bytes(), jax.tree_util.tree_structure((args, {})),
                                             jax.tree_util.tree_structure(out_like))
-            os.utime(path)  # used now: the last entry `_evict` would remove
-            return compiled
         except Exception as e:  # noqa: BLE001 - a bad entry costs a compilation, never the start-up
             log.warning("executable cache: %s does not load (%s: %s); compiling instead", path.name,
                         type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a directory we may only read keeps its entry
+                path.unlink(missing_ok=True)
             return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used now: the last entry `_evict` would remove
+        return compiled
 
     def store(self, key: str, compiled: Any, args: Any, out_like: Any) -> bool:
         """Write `compiled` under `key` if it serializes and its trees are the ones `load` rebuilds from `args`
@@ -148,5 +151,6 @@ class ExecutableCache:
             if total <= self.max_bytes:
                 break
             if path != keep:
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
                 total -= size

@@ -120,3 +120,27 @@ def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):
     assert cache.store("e", compiled, args, out_like)
     assert sorted(p.stem for p in tmp_path.glob("*.jaxexec")) == ["e"]
     assert jnp.array_equal(cache.load("e", args, out_like)(x), x + 1)
+
+
+def test_a_read_only_cache_loads_and_never_fails(tmp_path, monkeypatch):
+    """An entry that cannot be touched (a read-only directory) still loads, and one that cannot be removed after
+    a failed load costs a compilation, not the start-up."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.executable_cache import ExecutableCache
+
+    x = jnp.zeros(4, jnp.float32)
+    cache = ExecutableCache(tmp_path)
+    assert cache.store("k", jax.jit(lambda a: a * 2).lower(x).compile(), (x,), x)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(os, "utime", refuse)
+    monkeypatch.setattr(type(tmp_path), "unlink", refuse)
+    assert jnp.array_equal(cache.load("k", (x,), x)(x), x * 2)
+    (tmp_path / "bad.jaxexec").write_bytes(b"not an executable")
+    assert cache.load("bad", (x,), x) is None and (tmp_path / "bad.jaxexec").exists()
