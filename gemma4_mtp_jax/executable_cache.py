@@ -83,6 +83,7 @@ class ExecutableCache:
     """Serialized compiled programs in `directory`, one file per key, at most `max_bytes` of them in all."""
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES):
+        """Raises OSError when `directory` cannot be created."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -125,14 +126,17 @@ class ExecutableCache:
             log.warning("executable cache: a program's argument or result trees differ from the ones a load would "
                         "rebuild; not cached")
             return False
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(payload)
             os.replace(tmp, self._path(key))
         except OSError as e:
             log.warning("executable cache: cannot write %s (%s)", self._path(key), e)
-            Path(tmp).unlink(missing_ok=True)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    Path(tmp).unlink(missing_ok=True)
             return False
         self._evict(keep=self._path(key))
         return True

@@ -144,3 +144,17 @@ def test_a_read_only_cache_loads_and_never_fails(tmp_path, monkeypatch):
     assert jnp.array_equal(cache.load("k", (x,), x)(x), x * 2)
     (tmp_path / "bad.jaxexec").write_bytes(b"not an executable")
     assert cache.load("bad", (x,), x) is None and (tmp_path / "bad.jaxexec").exists()
+    monkeypatch.setattr("tempfile.mkstemp", refuse)
+    assert not cache.store("k2", jax.jit(lambda a: a * 3).lower(x).compile(), (x,), x)
+
+
+def test_an_engine_whose_cache_cannot_be_created_compiles(pair, tmp_path, caplog):
+    """A cache directory that cannot be created (a read-only home) costs its use, with a warning, not the start."""
+    from gemma4_mtp_jax.engine import Engine
+
+    target, _ = pair
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    engine = Engine(target, _config(blocker / "cache", num_speculative_tokens=None))
+    assert engine.compile_times and engine.steps.restored == []
+    assert any("cannot be used" in r.message for r in caplog.records)
