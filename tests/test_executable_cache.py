@@ -148,13 +148,14 @@ def test_a_read_only_cache_loads_and_never_fails(tmp_path, monkeypatch):
     assert not cache.store("k2", jax.jit(lambda a: a * 3).lower(x).compile(), (x,), x)
 
 
-def test_an_engine_whose_cache_cannot_be_created_compiles(pair, tmp_path, caplog):
-    """A cache directory that cannot be created (a read-only home) costs its use, with a warning, not the start."""
+def test_an_engine_whose_cache_cannot_be_created_compiles(tmp_path, caplog):
+    """A cache directory that cannot be created (a read-only home) costs its use, with a warning, not the start:
+    the engine then compiles every program."""
     from gemma4_mtp_jax.engine import Engine
 
-    target, _ = pair
     blocker = tmp_path / "file"
     blocker.write_text("")
-    engine = Engine(target, _config(blocker / "cache", num_speculative_tokens=None))
-    assert engine.compile_times and engine.steps.restored == []
+    assert Engine._executable_cache(str(blocker / "cache")) is None
     assert any("cannot be used" in r.message for r in caplog.records)
+    assert Engine._executable_cache(None) is None
+    assert Engine._executable_cache(str(tmp_path / "ok")).directory == tmp_path / "ok"
