@@ -1,0 +1,62 @@
+"""Where one step program's XLA compilation goes: the demo pair's engine (as the server builds it), one program
+lowered, then compiled alone with the engine's compile options, timed.
+
+Run it with XLA's scoped timers on to see the compiler's passes and phases (they log at verbosity 1):
+
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=1 python benchmarks/probe_compile.py 2> compile.log
+    grep -E " time: [0-9.]+ s" compile.log | sort -t: -k3 -g | tail -40
+
+    python benchmarks/probe_compile.py --program 'decode[2]' --engine plain   # any program of `--list`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gemma4_mtp_jax.api import load_assistant, load_target  # noqa: E402
+from gemma4_mtp_jax.demo import demo_pair  # noqa: E402
+from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
+from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, _max_position_embeddings, build_parser  # noqa: E402
+from gemma4_mtp_jax.step import _compile  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--program", default=None, help="a program's name (default: the largest step program)")
+    ap.add_argument("--engine", choices=["speculative", "plain"], default="speculative")
+    ap.add_argument("--list", action="store_true", help="list the engine's programs and exit")
+    args = ap.parse_args()
+
+    d = build_parser().parse_args([])
+    tdir, adir = demo_pair()
+    target = load_target(tdir)
+    config = EngineConfig(max_num_seqs=d.max_num_seqs, page_size=d.page_size, prefill_chunk=d.prefill_chunk,
+                          max_model_len=min(_max_position_embeddings(tdir), DEFAULT_MAX_MODEL_LEN_CAP),
+                          compile_at_start=False)
+    engine = Engine(target, config, assistant=load_assistant(adir) if args.engine == "speculative" else None)
+    progs = engine.steps.programs(config.batch_buckets(), config.prefill_buckets())
+    names = [name for name, _, _ in progs]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    name = args.program or [n for n in names if not n.startswith("prefill")][-1]
+    build = dict((n, b) for n, b, _ in progs)[name]
+    t0 = time.perf_counter()
+    jitted, abstract = build()
+    lowered = jitted.lower(*abstract)
+    t1 = time.perf_counter()
+    compiled = _compile(lowered)
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    print(f"{name}: traced and lowered in {t1 - t0:.2f} s, compiled in {t2 - t1:.2f} s; optimized HLO "
+          f"{text.count('fusion(')} fusions, {text.count('custom-call(')} custom calls", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
