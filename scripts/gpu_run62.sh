@@ -19,8 +19,10 @@ for lv in 4 0; do
       python3 benchmarks/probe_compile.py > "$res/probe_compile_L$lv.out" 2> "$res/probe_compile_L$lv.log"
   cat "$res/probe_compile_L$lv.out"
   echo "-- the longest timers (L$lv):"
-  grep -aE " time: [0-9.]+ s" "$res/probe_compile_L$lv.log" | sed -E 's/^.*\] //' | \
-    awk -F'time: ' '{split($2, a, " "); if (a[1] + 0 >= 0.2) print a[1] "\t" $0}' | sort -g | cut -f2- | tail -n 45
+  grep -aE " time: [0-9.]+ (s|min)" "$res/probe_compile_L$lv.log" | sed -E 's/^.*\] //' | \
+    awk -F'time: ' '{split($2, a, " "); t = a[1] * (a[2] ~ /^min/ ? 60 : 1); if (t >= 0.2) print t "\t" $0}' | \
+    sort -g | cut -f2- | tail -n 45
+  grep -acE " time: " "$res/probe_compile_L$lv.log"
   rm -f "$res/probe_compile_L$lv.log.gz"; gzip -f "$res/probe_compile_L$lv.log"
 done
 echo "== $(date +%T) done, $((end - SECONDS)) s left"
