@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 62 (issues 10, 12), one call under 400 s. Carry `.whl`.
+# Run 62 (issues 10, 12), one call under 280 s. Carry `.whl`.
 # 1. The suite's tests that did not pass on the GPU at this tree: the pool-memory test fixed after run 53 of this
 #    session (it asked for a CPU backend the GPU suite does not start), the executable-cache tests written after
 #    run 57, and the trainer's resume test (still running when run 57 was cut).
@@ -8,8 +8,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run62
-end=${END:-385}
-OUT=$res GEMMA4_TEST_WORKERS=8 timeout $(lim 200) bash scripts/gpu_suite.sh \
+end=${END:-260}
+OUT=$res GEMMA4_TEST_WORKERS=8 timeout $(lim 150) bash scripts/gpu_suite.sh \
   "tests/test_engine.py::test_pool_memory_left_counts_weights_and_reserve" tests/test_executable_cache.py \
   "tests/test_train_assistant.py::test_resume_gives_the_uninterrupted_run" "tests/test_xla_env.py"
 echo "== suite rc=$? at $(date +%T)"
