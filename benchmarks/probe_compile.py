@@ -4,7 +4,7 @@ lowered, then compiled alone with the engine's compile options, timed.
 Run it with XLA's scoped timers on to see the compiler's passes and phases (they log at verbosity 1):
 
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=1 python benchmarks/probe_compile.py 2> compile.log
-    grep -E " time: [0-9.]+ s" compile.log | sort -t: -k3 -g | tail -40
+    grep -aE " time: [0-9.]+ (s|min)" compile.log      # scripts/gpu_run62.sh's first version sorted them
 
     python benchmarks/probe_compile.py --program 'decode[2]' --engine plain   # any program of `--list`
 """
@@ -22,7 +22,7 @@ from gemma4_mtp_jax.api import load_assistant, load_target  # noqa: E402
 from gemma4_mtp_jax.demo import demo_pair  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, _max_position_embeddings, build_parser  # noqa: E402
-from gemma4_mtp_jax.step import _compile  # noqa: E402
+from gemma4_mtp_jax.step import compiler_options  # noqa: E402
 
 
 def main() -> int:
@@ -50,7 +50,7 @@ def main() -> int:
     jitted, abstract = build()
     lowered = jitted.lower(*abstract)
     t1 = time.perf_counter()
-    compiled = _compile(lowered)
+    compiled = lowered.compile(compiler_options=compiler_options() or None)
     t2 = time.perf_counter()
     text = compiled.as_text()
     print(f"{name}: traced and lowered in {t1 - t0:.2f} s, compiled in {t2 - t1:.2f} s; optimized HLO "
