@@ -4,7 +4,7 @@ lowered, then compiled alone with the engine's compile options, timed.
 Run it with XLA's scoped timers on to see the compiler's passes and phases (they log at verbosity 1):
 
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=1 python benchmarks/probe_compile.py 2> compile.log
-    grep -aE " time: [0-9.]+ (s|min)" compile.log      # scripts/gpu_run62.sh's first version sorted them
+    grep -aE " time: [0-9.]+ (s|min)" compile.log      # each phase and pass, with its seconds
 
     python benchmarks/probe_compile.py --program 'decode[2]' --engine plain   # any program of `--list`
 """
