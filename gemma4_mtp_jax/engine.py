@@ -346,20 +346,9 @@ class Engine:
         self.compile_times: dict[str, float] = {}
         if cfg.compile_at_start:
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
-                cache = self._executable_cache(cfg.executable_cache_dir)
+                cache = ExecutableCache.open(cfg.executable_cache_dir)
                 self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress,
                                                             cache=cache)
-
-    @staticmethod
-    def _executable_cache(directory: str | None) -> ExecutableCache | None:
-        """The executable cache in `directory` (None: none); one that cannot be created costs only its use."""
-        if not directory:
-            return None
-        try:
-            return ExecutableCache(directory)
-        except OSError as e:
-            log.warning("executable cache %s cannot be used (%s); compiling every program", directory, e)
-            return None
 
     @contextlib.contextmanager
     def _out_of_memory_explained(self, doing: str):

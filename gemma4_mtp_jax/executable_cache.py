@@ -79,6 +79,13 @@ def program_key(name: str, args: Any, static: Any, options: dict[str, str]) -> s
     return h.hexdigest()
 
 
+def _remove(path: Path) -> None:
+    """Remove a file if we may: in a directory we may only read, it stays (a bad or evicted entry then costs a
+    compilation or some disk, never the start-up)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
 class ExecutableCache:
     """Serialized compiled programs in `directory`, one file per key, at most `max_bytes` of them in all."""
 
@@ -87,6 +94,18 @@ class ExecutableCache:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike | None) -> "ExecutableCache | None":
+        """The cache in `directory` (None: none). One that cannot be created (a read-only home) costs only its use,
+        with a warning: every program is then compiled."""
+        if not directory:
+            return None
+        try:
+            return cls(directory)
+        except OSError as e:
+            log.warning("executable cache %s cannot be used (%s); compiling every program", directory, e)
+            return None
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.jaxexec"
@@ -105,8 +124,7 @@ class ExecutableCache:
         except Exception as e:  # noqa: BLE001 - a bad entry costs a compilation, never the start-up
             log.warning("executable cache: %s does not load (%s: %s); compiling instead", path.name,
                         type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            with contextlib.suppress(OSError):  # a directory we may only read keeps its entry
-                path.unlink(missing_ok=True)
+            _remove(path)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # used now: the last entry `_evict` would remove
@@ -135,8 +153,7 @@ class ExecutableCache:
         except OSError as e:
             log.warning("executable cache: cannot write %s (%s)", self._path(key), e)
             if tmp is not None:
-                with contextlib.suppress(OSError):
-                    Path(tmp).unlink(missing_ok=True)
+                _remove(Path(tmp))
             return False
         self._evict(keep=self._path(key))
         return True
@@ -155,6 +172,5 @@ class ExecutableCache:
             if total <= self.max_bytes:
                 break
             if path != keep:
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+                _remove(path)
                 total -= size

@@ -151,11 +151,11 @@ def test_a_read_only_cache_loads_and_never_fails(tmp_path, monkeypatch):
 def test_an_engine_whose_cache_cannot_be_created_compiles(tmp_path, caplog):
     """A cache directory that cannot be created (a read-only home) costs its use, with a warning, not the start:
     the engine then compiles every program."""
-    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.executable_cache import ExecutableCache
 
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert Engine._executable_cache(str(blocker / "cache")) is None
+    assert ExecutableCache.open(str(blocker / "cache")) is None
     assert any("cannot be used" in r.message for r in caplog.records)
-    assert Engine._executable_cache(None) is None
-    assert Engine._executable_cache(str(tmp_path / "ok")).directory == tmp_path / "ok"
+    assert ExecutableCache.open(None) is None
+    assert ExecutableCache.open(str(tmp_path / "ok")).directory == tmp_path / "ok"
