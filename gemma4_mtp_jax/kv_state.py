@@ -155,6 +155,16 @@ class PagedKV:
         page, offset = page_slots(self.tables[group], self.positions, self.page_size, self._ring(group))
         return self.replace(pages={**self.pages, layer: write_kv(self.pages[layer], k, v, page, offset)})
 
+    def only(self, layers: dict[int, int]) -> "PagedKV":
+        """The view of the K/V of layers `layers[r]` under the names r (the rest left out): a layer traced once
+        for all layers of its kind runs as its representative r on each one's pages."""
+        return self.replace(pages={r: self.pages[i] for r, i in layers.items()},
+                            layer_group={r: self.layer_group[i] for r, i in layers.items()})
+
+    def absorb(self, view: "PagedKV", layers: dict[int, int]) -> "PagedKV":
+        """This view with the pages `view` (from `only(layers)`) wrote put back under their own layers."""
+        return self.replace(pages={**self.pages, **{i: view.pages[r] for r, i in layers.items()}})
+
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,43 @@ def layer_major(ple: Array) -> Array:
     still copied out by a kernel of its own (35 at E2B, benchmarks/RESULTS.md run 44);
     benchmarks/probe_decode_variants.py compares other ways to hand the slices over."""
     return jax.lax.optimization_barrier(jnp.moveaxis(ple, -2, 0))
+
+
+def representative(cfg: TextConfig, i: int) -> int:
+    """The first layer of layer i's kind: same attention type and shapes, same K/V role (storing its own or
+    reading another layer's), same MLP. Layers of one kind differ only in their weights, pages and per-layer input,
+    so one traced program serves them all."""
+    def kind(j: int) -> tuple:
+        lc = cfg.layers[j]
+        return (lc.layer_type, lc.head_dim, lc.num_kv_heads, lc.kv_mode, lc.kv_source == j, lc.intermediate_size,
+                lc.k_eq_v)
+
+    return next(j for j in range(i + 1) if kind(j) == kind(i))
+
+
+_LAYER_PROGRAMS: dict[tuple, tuple[TextConfig, Callable]] = {}
+
+
+def _layer_program(cfg: TextConfig, rep: int, param_dtype) -> Callable:
+    """(params, x, positions, kv, per_layer_input) -> (x, kv): decoder layer `rep` as a jitted function, so that
+    JAX traces it once per argument shapes and lowers it once per program; XLA inlines the calls."""
+    key = (id(cfg), rep, jnp.dtype(param_dtype).name)
+    hit = _LAYER_PROGRAMS.get(key)
+    if hit is None or hit[0] is not cfg:  # the id of a config since freed may be reused
+        module = DecoderLayer(cfg, rep, param_dtype, parent=None)  # a top-level module of its own
+        fn = jax.jit(lambda params, x, positions, kv, ple: module.apply({"params": params}, x, positions, kv, ple))
+        hit = _LAYER_PROGRAMS[key] = (cfg, fn)
+    return hit[1]
+
+
+def _run_layer(cfg: TextConfig, i: int, param_dtype, params, x: Array, positions: Array, kv, ple: Array | None):
+    """Decoder layer i on a view that can be narrowed (`only`/`absorb`), run as its kind's representative."""
+    rep = representative(cfg, i)
+    layers = {cfg.layers[rep].kv_source: cfg.layers[i].kv_source}  # the K/V it attends to
+    if cfg.layers[i].kv_mode != "reuse":
+        layers[rep] = i  # the K/V it stores (its own)
+    x, view = _layer_program(cfg, rep, param_dtype)(params, x, positions, kv.only(layers), ple)
+    return x, kv.absorb(view, layers)
 
 
 class Gemma4Target(nn.Module):
@@ -55,8 +94,16 @@ class Gemma4Target(nn.Module):
         ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
         if ple is not None:
             ple = layer_major(ple)
+        # Over the paged state every layer runs through a program traced once per kind of layer (`_run_layer`):
+        # tracing 60 layers one by one took 2-6 s per step program at 31B, the critical path of start-up.
+        traced_once = hasattr(kv, "only") and not self.is_initializing()
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, kv, None if ple is None else ple[i])
+            ple_i = None if ple is None else ple[i]
+            if traced_once:
+                x, kv = _run_layer(cfg, i, self.param_dtype, self.variables["params"][f"layers_{i}"], x, positions,
+                                   kv, ple_i)
+            else:
+                x, kv = layer(x, positions, kv, ple_i)
         hidden = self.norm(x)
         return (self.lm_logits(hidden) if logits else None), hidden, kv
 
