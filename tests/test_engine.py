@@ -120,6 +120,37 @@ def test_prefill_buckets_cover_every_chunk_and_no_more(max_model_len, chunk, sma
     assert buckets == sorted(set(buckets)) and len([b for b in buckets if b >= largest]) == 1, buckets
 
 
+@pytest.mark.parametrize("family", ["e2b", "b31b"])
+def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monkeypatch):
+    """Over the paged state each kind of decoder layer (model/target.py `representative`) is traced once per
+    program, every layer calling its kind's one traced function, and the engine then writes, bitwise in float32,
+    the pages and tokens of tracing layer by layer (in bfloat16 only XLA's excess precision may differ)."""
+    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.generate import generate
+    from gemma4_mtp_jax.kv_state import PagedKV
+    from gemma4_mtp_jax.model.target import representative
+
+    target = jax_models.target(tiny_ckpts[family]["target_plain"])
+    cfg = target.config
+    steps = Engine(target, _engine_config(compile_at_start=False)).steps
+    jitted, args = steps._decode_program(2, False)
+    calls = [e for e in jitted.trace(*args).jaxpr.eqns if e.params.get("name") == "decoder_layer"]
+    kinds = {representative(cfg, i) for i in range(cfg.num_layers)}
+    assert len(calls) == cfg.num_layers and len({id(e.params["jaxpr"]) for e in calls}) == len(kinds) < len(calls)
+
+    def run():
+        engine = Engine(target, _engine_config())
+        tokens = [r.tokens for r in generate(target, _prompts(3, [5, 11]), 8, engine=engine)]
+        return tokens, jax.tree_util.tree_map(np.asarray, engine.state.pages)
+
+    once = run()
+    monkeypatch.delattr(PagedKV, "only")  # the layers traced one by one
+    by_layer = run()
+    assert once[0] == by_layer[0]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(once[1]),
+                                                   jax.tree_util.tree_leaves(by_layer[1])))
+
+
 def test_kv_updated_in_place(engines):
     """Decode and prefill programs alias the donated pages to their outputs, and copy no cache-sized array."""
     engine = engines("e2b")

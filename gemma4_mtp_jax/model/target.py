@@ -46,8 +46,11 @@ def _layer_program(cfg: TextConfig, rep: int, param_dtype) -> Callable:
     hit = _LAYER_PROGRAMS.get(key)
     if hit is None or hit[0] is not cfg:  # the id of a config since freed may be reused
         module = DecoderLayer(cfg, rep, param_dtype, parent=None)  # a top-level module of its own
-        fn = jax.jit(lambda params, x, positions, kv, ple: module.apply({"params": params}, x, positions, kv, ple))
-        hit = _LAYER_PROGRAMS[key] = (cfg, fn)
+
+        def decoder_layer(params, x, positions, kv, ple):
+            return module.apply({"params": params}, x, positions, kv, ple)
+
+        hit = _LAYER_PROGRAMS[key] = (cfg, jax.jit(decoder_layer))
     return hit[1]
 
 
