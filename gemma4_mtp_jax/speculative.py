@@ -24,6 +24,7 @@ from gemma4_mtp_jax.kernels.centroid_head import centroid_head
 from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.model.traced import traced_once
 from gemma4_mtp_jax.runtime import Assistant, Target
 from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
 
@@ -55,7 +56,7 @@ def _key_for(seed: Array, position: Array, stream: int) -> Array:
 
 
 def _draft_tokens(assistant: Assistant, params_a, head: DraftHead, hn: Array, sampling: SamplingBatch,
-                  sampled_rows: Array, key_position: Array, step: int, attention_impl: str,
+                  sampled_rows: Array, key_position: Array, step: Array | int, attention_impl: str,
                   sampled: bool) -> tuple[Array, Array, Array | None]:
     """One draft per row from the normed draft hidden hn [B, Ha]: (token [B], q [B, N], candidate ids [B, N]).
 
@@ -129,13 +130,24 @@ def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, para
                       ring_pages=layout.ring_pages(SLIDING) if SLIDING in dict(layout.pages_per_seq) else None,
                       attention_impl=attention_impl)
     sampled_rows = sampling.temperature > 0
+
+    def build():
+        def draft_step(params_t, params_a, head, kv, sampling, sampled_rows, lengths, tok, h, s):
+            emb = target.module.apply({"params": params_t}, tok, method=Gemma4Target.embed)
+            hn, h = assistant.module.apply({"params": params_a}, emb, h, kv)
+            tok, q, q_ids = _draft_tokens(assistant, params_a, head, hn, sampling, sampled_rows, lengths, s,
+                                          attention_impl, sampled)
+            return tok, h, q, q_ids, hn
+
+        return draft_step
+
+    # The k steps share one trace: the step index (the draws' random stream) is an argument, not a constant.
+    step = traced_once((target, assistant), ("draft_step", attention_impl, sampled), build)
     tok, h = tokens, hidden
     drafts, qs, ids, hns = [], [], [], []
     for s in range(k):
-        emb = target.module.apply({"params": params_t}, tok, method=Gemma4Target.embed)
-        hn, h = assistant.module.apply({"params": params_a}, emb, h, kv)
-        tok, q, q_ids = _draft_tokens(assistant, params_a, head, hn, sampling, sampled_rows, lengths, s,
-                                      attention_impl, sampled)
+        tok, h, q, q_ids, hn = step(params_t, params_a, head, kv, sampling, sampled_rows, lengths, tok, h,
+                                    jnp.int32(s))
         drafts.append(tok)
         qs.append(q)
         ids.append(q_ids)

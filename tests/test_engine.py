@@ -123,7 +123,8 @@ def test_prefill_buckets_cover_every_chunk_and_no_more(max_model_len, chunk, sma
 @pytest.mark.parametrize("family", ["e2b", "b31b"])
 def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monkeypatch):
     """Over the paged state each kind of decoder layer (model/target.py `representative`) is traced once per
-    program, every layer calling its kind's one traced function, and the engine then writes, bitwise in float32,
+    program, every layer calling its kind's one traced function, and so is the assistant's draft step (k calls);
+    the engine then writes, bitwise in float32,
     the pages and tokens of tracing layer by layer (in bfloat16 only XLA's excess precision may differ)."""
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.generate import generate
@@ -137,6 +138,11 @@ def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monke
     calls = [e for e in jitted.trace(*args).jaxpr.eqns if e.params.get("name") == "decoder_layer"]
     kinds = {representative(cfg, i) for i in range(cfg.num_layers)}
     assert len(calls) == cfg.num_layers and len({id(e.params["jaxpr"]) for e in calls}) == len(kinds) < len(calls)
+    assistant = jax_models.assistant(tiny_ckpts[family]["assistant"])
+    spec = Engine(target, _engine_config(compile_at_start=False), assistant=assistant).steps
+    jitted, args = spec._speculative_program(2, True)
+    steps = [e for e in jitted.trace(*args).jaxpr.eqns if e.params.get("name") == "draft_step"]
+    assert len(steps) == spec.k > 1 and len({id(e.params["jaxpr"]) for e in steps}) == 1
 
     def run():
         engine = Engine(target, _engine_config())

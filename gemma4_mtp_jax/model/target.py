@@ -12,6 +12,7 @@ from gemma4_mtp_jax.config import TextConfig
 from gemma4_mtp_jax.model.attention import DenseKV, KVView
 from gemma4_mtp_jax.model.decoder import DecoderLayer
 from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
+from gemma4_mtp_jax.model.traced import traced_once
 
 Array = jax.Array
 
@@ -36,22 +37,17 @@ def representative(cfg: TextConfig, i: int) -> int:
     return next(j for j in range(i + 1) if kind(j) == kind(i))
 
 
-_LAYER_PROGRAMS: dict[tuple, tuple[TextConfig, Callable]] = {}
-
-
 def _layer_program(cfg: TextConfig, rep: int, param_dtype) -> Callable:
-    """(params, x, positions, kv, per_layer_input) -> (x, kv): decoder layer `rep` as a jitted function, so that
-    JAX traces it once per argument shapes and lowers it once per program; XLA inlines the calls."""
-    key = (id(cfg), rep, jnp.dtype(param_dtype).name)
-    hit = _LAYER_PROGRAMS.get(key)
-    if hit is None or hit[0] is not cfg:  # the id of a config since freed may be reused
+    """(params, x, positions, kv, per_layer_input) -> (x, kv): decoder layer `rep`, traced once per program."""
+    def build():
         module = DecoderLayer(cfg, rep, param_dtype, parent=None)  # a top-level module of its own
 
         def decoder_layer(params, x, positions, kv, ple):
             return module.apply({"params": params}, x, positions, kv, ple)
 
-        hit = _LAYER_PROGRAMS[key] = (cfg, jax.jit(decoder_layer))
-    return hit[1]
+        return decoder_layer
+
+    return traced_once((cfg,), ("decoder_layer", rep, jnp.dtype(param_dtype).name), build)
 
 
 def _run_layer(cfg: TextConfig, i: int, param_dtype, params, x: Array, positions: Array, kv, ple: Array | None):
