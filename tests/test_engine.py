@@ -145,7 +145,7 @@ def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monke
     assert len(steps) == spec.k > 1 and len({id(e.params["jaxpr"]) for e in steps}) == 1
 
     def run():
-        engine = Engine(target, _engine_config())
+        engine = Engine(target, _engine_config(compile_at_start=False))  # only what generate runs
         tokens = [r.tokens for r in generate(target, _prompts(3, [5, 11]), 8, engine=engine)]
         return tokens, jax.tree_util.tree_map(np.asarray, engine.state.pages)
 
