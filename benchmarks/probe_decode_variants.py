@@ -7,11 +7,8 @@ count of the optimized HLO of the very executable it times) and the pipelined st
 - `model`: the code as it is.
 - GEMM set-up, as per-program XLA options: `no_split_k` (split K forced to 1, so o_proj, down_proj
   and per_layer_input_gate lose their separate reduction kernel) and `cublas` (no Triton GEMMs at all).
-- The attention prologue (what happens between the QKV matmul and the attention kernel: 4 norm / RoPE fusions and
-  2 scatters per layer that owns K/V): `joint_norm` norms q, k and v heads as one [nH + 2 nKV, D] array (one
-  reduction instead of three, the scale vectors stacked; v's is ones) and ropes q and k as one array;
-  `joint_norm_rev` also writes rotate_half as a reversal of the two halves instead of a concatenation of slices,
-  which XLA may fuse into the norm. Both compute what the model computes, element for element.
+- (The attention prologue's XLA variants, q, k and v normed as one array and rotate-half as a reversal, saved no
+  kernel in runs 45-46; `kernels/attention_inputs.py` now does the whole prologue in one kernel.)
 - The per-layer inputs (E2B / E4B): `ple_sliced` (the optimization barrier around a tuple of the L slices) and
   `ple_free` (no barrier); the model materializes one layer-major array (`model.target.layer_major`), whose L
   slices run 35 `wrapped_slice` kernels at E2B.
@@ -35,7 +32,6 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,52 +43,9 @@ from benchmarks.common import (TARGETS, environment, fresh_inputs, layout_for, p
                                random_params, write_json)
 from benchmarks.kernel_count import summarize  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
-from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.model import decoder as decoder_module  # noqa: E402
+from gemma4_mtp_jax.config import parse_target_config  # noqa: E402
 from gemma4_mtp_jax.model import target as target_module  # noqa: E402
-from gemma4_mtp_jax.model.layers import Linear, Weight, apply_rope, rms_normalize, rope_inv_freq  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps, compiler_options  # noqa: E402
-
-
-def rope_by_reversal(x, positions, inv_freq):
-    """apply_rope with rotate_half(x) = [-x2, x1] written as the reversal of x's two halves, times [-1, 1]."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq
-    ang = jnp.concatenate([ang, ang], axis=-1)[..., None, :]
-    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    rotated = (halves[..., ::-1, :] * jnp.asarray([[-1], [1]], x.dtype)).reshape(x.shape)
-    return x * cos + rotated * sin
-
-
-class JointNormAttention(decoder_module.Attention):
-    """decoder.Attention with q, k and v normed as one array of heads (same parameters, same values)."""
-
-    rope: str = "concat"
-
-    @nn.compact
-    def __call__(self, x, positions, kv):
-        cfg, lc = self.cfg, self.cfg.layers[self.layer]
-        B, T, _ = x.shape
-        D, nH, nKV, pd = lc.head_dim, cfg.num_heads, lc.num_kv_heads, self.param_dtype
-        inv_freq = rope_inv_freq(cfg.rope[lc.layer_type], D)
-        rope = apply_rope if self.rope == "concat" else rope_by_reversal
-        q = Linear(nH * D, pd, name="q_proj")(x)
-        scales = [jnp.broadcast_to(Weight((D,), pd, name="q_norm")().astype(jnp.float32), (nH, D))]
-        parts = [q]
-        if lc.kv_mode != "reuse":
-            k_raw = Linear(nKV * D, pd, name="k_proj")(x)
-            parts += [k_raw, k_raw if lc.k_eq_v else Linear(nKV * D, pd, name="v_proj")(x)]
-            scales += [jnp.broadcast_to(Weight((D,), pd, name="k_norm")().astype(jnp.float32), (nKV, D)),
-                       jnp.ones((nKV, D), jnp.float32)]
-        heads = jnp.concatenate(parts, axis=-1).reshape(B, T, -1, D)
-        heads = (rms_normalize(heads, cfg.rms_norm_eps) * jnp.concatenate(scales)).astype(x.dtype)
-        roped = rope(heads[:, :, : nH + (nKV if len(parts) > 1 else 0)], positions, inv_freq)
-        q = roped[:, :, :nH]
-        if len(parts) > 1:
-            kv = kv.store(self.layer, roped[:, :, nH:], heads[:, :, nH + nKV:])
-        window = cfg.sliding_window if lc.layer_type == SLIDING else None
-        out = kv.attend(lc.kv_source, q, positions, window)
-        return Linear(cfg.hidden_size, pd, name="o_proj")(out.reshape(B, T, nH * D)), kv
 
 
 @contextlib.contextmanager
@@ -105,15 +58,9 @@ def swapped(module, name, value):
         setattr(module, name, old)
 
 
-def _attention(rope: str):
-    return lambda *a, **kw: JointNormAttention(*a, rope=rope, **kw)
-
-
 # variant -> (XLA options added to the programs' own, model swap as (module, attribute, value) or None)
 VARIANTS = {
     "model": ({}, None),
-    "joint_norm_rev": ({}, (decoder_module, "Attention", _attention("reversal"))),
-    "joint_norm": ({}, (decoder_module, "Attention", _attention("concat"))),
     "no_split_k": ({"xla_gpu_experimental_force_split_k": 1}, None),
     "cublas": ({"xla_gpu_enable_triton_gemm": False}, None),
     "ple_sliced": ({}, (target_module, "layer_major", lambda ple: jax.lax.optimization_barrier(

@@ -10,8 +10,8 @@ sequence (R * page_size >= W + 2k + 2 + page_size slots, below): position p live
 a sliding layer's memory per sequence is bounded by its window, not by the context. Page 0 of each pool is never handed
 out: padding rows point at it and write their garbage there.
 
-The jitted steps take the pages donated and return them; the writes below are scatters into the donated
-buffers, which XLA performs in place.
+The jitted steps take the pages donated and return them; the writes (`kernels.attention_inputs`, a kernel on the GPU,
+scatters elsewhere) go into the donated buffers in place.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
-from gemma4_mtp_jax.sharding import head_parallel
+from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs
+from gemma4_mtp_jax.model.attention import Projections
+from gemma4_mtp_jax.sharding import head_parallel, tensor_parallel_size
 
 Array = jax.Array
 NULL_PAGE = 0
@@ -120,12 +122,15 @@ def page_slots(table: Array, positions: Array, page_size: int, ring_pages: int |
     return page, jnp.maximum(positions, 0) % page_size
 
 
-def write_kv(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset: Array) -> tuple[Array, Array]:
-    """Scatter k, v [B, T, nKV, D] into the pools at (page, offset) [B, T]."""
-    kp, vp = pages
-    kp = kp.at[:, page, offset].set(jnp.moveaxis(k, 2, 0).astype(kp.dtype))
-    vp = vp.at[:, page, offset].set(jnp.moveaxis(v, 2, 0).astype(vp.dtype))
-    return kp, vp
+def _inputs_impl(attention_impl: str) -> str:
+    """How the projections become attention inputs: as `attention_impl` asks, but through XLA under tensor
+    parallelism (the kernel, a custom call, would need its own split by heads; not written yet)."""
+    return "xla" if tensor_parallel_size() > 1 else attention_impl
+
+
+def _queries(p: Projections, attention_impl: str) -> Array:
+    return prepare_attention_inputs(p.q, None, None, p.q_norm, None, p.positions, p.inv_freq, eps=p.eps,
+                                    impl=_inputs_impl(attention_impl))[0]
 
 
 @flax.struct.dataclass
@@ -150,10 +155,16 @@ class PagedKV:
     def _ring(self, group: str) -> int | None:
         return self.ring_pages if group == SLIDING else None
 
-    def store(self, layer: int, k: Array, v: Array) -> "PagedKV":
+    def prepare(self, layer: int, p: Projections) -> tuple[Array, "PagedKV"]:
+        """The layer's queries, and its new K/V written into its pages (both by one kernel on the GPU)."""
+        if p.k is None:
+            return _queries(p, self.attention_impl), self
         group = self.layer_group[layer]
         page, offset = page_slots(self.tables[group], self.positions, self.page_size, self._ring(group))
-        return self.replace(pages={**self.pages, layer: write_kv(self.pages[layer], k, v, page, offset)})
+        q, pages = prepare_attention_inputs(p.q, p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
+                                            pages=self.pages[layer], page=page, offset=offset,
+                                            impl=_inputs_impl(self.attention_impl))
+        return q, self.replace(pages={**self.pages, layer: pages})
 
     def only(self, layers: dict[int, int]) -> "PagedKV":
         """The view of the K/V of layers `layers[r]` under the names r (the rest left out): a layer traced once
@@ -191,8 +202,10 @@ class PagedDraftKV:
     ring_pages: int | None = flax.struct.field(pytree_node=False)
     attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
 
-    def store(self, layer: int, k: Array, v: Array) -> "PagedDraftKV":
-        raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
+    def prepare(self, layer: int, p: Projections) -> tuple[Array, "PagedDraftKV"]:
+        if p.k is not None:
+            raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
+        return _queries(p, self.attention_impl), self
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         from gemma4_mtp_jax.kernels.paged_attention import attend_paged

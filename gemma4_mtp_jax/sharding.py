@@ -36,7 +36,7 @@ AXIS = "tp"
 _LAYER = re.compile(r"^layers_(\d+)\.")
 
 
-def _context_tp() -> int:
+def tensor_parallel_size() -> int:
     """The size of the "tp" axis of the mesh in context while tracing (1 without one)."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)  # JAX >= 0.6; without it there is no mesh context
     mesh = get() if get is not None else None
@@ -49,7 +49,7 @@ def head_parallel(attend: Callable[..., jax.Array], q: jax.Array, k_pages: jax.A
     """`attend(q, k_pages, v_pages, *rest)` (q [B, T, nH, D], pages [nKV, ...]) run by each device on its own heads
     when a tensor-parallel mesh is in context and both head counts split evenly: a device then owns whole GQA
     groups, and a kernel (a custom call the SPMD partitioner cannot split) sees only its shard. Otherwise as is."""
-    n = _context_tp()
+    n = tensor_parallel_size()
     if n == 1 or q.shape[2] % n or k_pages.shape[0] % n:
         return attend(q, k_pages, v_pages, *rest)
     heads, kv = P(None, None, AXIS, None), P(AXIS)
@@ -62,7 +62,7 @@ def expert_parallel(experts: Callable[..., jax.Array], x: jax.Array, weights: ja
     """`experts(x, weights, idx, gate_up, down, expert_offset=...)` (kernels.grouped_matmul.routed_experts) with
     each device running only its own experts on the pairs routed to them, then one all-reduce, when a
     tensor-parallel mesh is in context and the experts split evenly. Otherwise as is."""
-    n = _context_tp()
+    n = tensor_parallel_size()
     if n == 1 or gate_up.shape[0] % n:
         return experts(x, weights, idx, gate_up, down)
     local = gate_up.shape[0] // n

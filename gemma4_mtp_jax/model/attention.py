@@ -1,8 +1,10 @@
 """The K/V views the decoder layers attend through (the attention math itself is `kernels.dense_attention`).
 
-Every decoder layer reaches K/V only through a view: `store` (layers that own K/V hand over their new keys and
-values) and `attend` (read the K/V of a given layer). The dense views here hold K/V of the tokens at hand; the
-paged KV state plugs in behind the same two calls, so the layers never know where K/V live.
+Every decoder layer reaches K/V only through a view: `prepare` (a layer hands over its raw q / k / v projections
+and gets its attention queries back; a layer that owns K/V has its new keys and values stored) and `attend` (read
+the K/V of a given layer). The dense views here hold K/V of the tokens at hand; the paged KV state plugs in behind
+the same two calls, so the layers never know where K/V live, and it may turn the projections into queries and
+paged K/V in one kernel (`kernels.attention_inputs`).
 """
 
 from __future__ import annotations
@@ -13,13 +15,35 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
 
 Array = jax.Array
 
 
+@flax.struct.dataclass
+class Projections:
+    """A layer's raw projections and what turns them into attention inputs: q [B, T, nH, D] gets `q_norm` and RoPE;
+    k [B, T, nKV, D] gets `k_norm` and RoPE, v (or, where v is None, the raw k: attention_k_eq_v) an RMSNorm
+    without a weight. k None: the layer has queries only (it reads another layer's K/V, or is the assistant's)."""
+
+    q: Array
+    k: Array | None
+    v: Array | None
+    q_norm: Array  # [D]
+    k_norm: Array | None  # [D]
+    positions: Array  # [B, T]
+    inv_freq: Array  # [D/2]
+    eps: float = flax.struct.field(pytree_node=False)
+
+    def normed_and_roped(self) -> tuple[Array, Array | None, Array | None]:
+        """(queries, keys, values) in plain XLA; keys and values None for a layer with queries only."""
+        return normed_and_roped(self.q, self.k, self.v, self.q_norm, self.k_norm, self.positions, self.inv_freq,
+                                eps=self.eps)
+
+
 class KVView(Protocol):
-    def store(self, layer: int, k: Array, v: Array) -> "KVView": ...
+    def prepare(self, layer: int, p: Projections) -> tuple[Array, "KVView"]: ...
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array: ...
 
@@ -31,8 +55,9 @@ class DenseKV:
     positions: Array  # [B, T]
     layers: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
 
-    def store(self, layer: int, k: Array, v: Array) -> "DenseKV":
-        return self.replace(layers={**self.layers, layer: (k, v)})
+    def prepare(self, layer: int, p: Projections) -> tuple[Array, "DenseKV"]:
+        q, k, v = p.normed_and_roped()
+        return q, (self if k is None else self.replace(layers={**self.layers, layer: (k, v)}))
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         k, v = self.layers[layer]
@@ -51,8 +76,10 @@ class DraftKV:
     by_layer: dict[int, tuple[Array, Array]]
     lengths: Array  # [B] committed tokens = the query position
 
-    def store(self, layer: int, k: Array, v: Array) -> "DraftKV":
-        raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
+    def prepare(self, layer: int, p: Projections) -> tuple[Array, "DraftKV"]:
+        if p.k is not None:
+            raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
+        return p.normed_and_roped()[0], self
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         k, v = self.by_layer[layer]

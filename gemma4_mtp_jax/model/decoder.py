@@ -7,15 +7,16 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
-from gemma4_mtp_jax.model.attention import KVView
-from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, apply_rope, gelu_tanh, rope_inv_freq
+from gemma4_mtp_jax.model.attention import KVView, Projections
+from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, gelu_tanh, rope_inv_freq
 
 Array = jax.Array
 
 
 class Attention(nn.Module):
     """q_norm'ed, RoPE'd queries; layers that own K/V also project, norm and rope K (V: v_norm, no weight)
-    and store them in the view; every layer then attends to the K/V of its `kv_source`."""
+    and store them in the view (which does all of it, `KVView.prepare`); every layer then attends to the K/V
+    of its `kv_source`."""
 
     cfg: TextConfig
     layer: int
@@ -26,18 +27,18 @@ class Attention(nn.Module):
         cfg, lc = self.cfg, self.cfg.layers[self.layer]
         B, T, _ = x.shape
         D, nH, nKV = lc.head_dim, cfg.num_heads, lc.num_kv_heads
-        inv_freq = rope_inv_freq(cfg.rope[lc.layer_type], D)
-        norm = lambda name, scale=True: RMSNorm(cfg.rms_norm_eps, scale, self.param_dtype, name=name)  # noqa: E731
+        norm_weight = lambda name: Weight((D,), self.param_dtype, nn.initializers.ones, name=name)()  # noqa: E731
 
         q = Linear(nH * D, self.param_dtype, name="q_proj")(x).reshape(B, T, nH, D)
-        q = apply_rope(norm("q_norm")(q), positions, inv_freq)
+        k = v = k_norm = None
         if lc.kv_mode != "reuse":
-            k_raw = Linear(nKV * D, self.param_dtype, name="k_proj")(x).reshape(B, T, nKV, D)
-            # attention_k_eq_v full layers use the un-normed, un-roped K projection as V.
-            v_raw = k_raw if lc.k_eq_v else Linear(nKV * D, self.param_dtype, name="v_proj")(x).reshape(B, T, nKV, D)
-            k = apply_rope(norm("k_norm")(k_raw), positions, inv_freq)
-            v = RMSNorm(cfg.rms_norm_eps, with_scale=False)(v_raw)
-            kv = kv.store(self.layer, k, v)
+            k = Linear(nKV * D, self.param_dtype, name="k_proj")(x).reshape(B, T, nKV, D)
+            # attention_k_eq_v full layers use the un-normed, un-roped K projection as V (v None).
+            v = None if lc.k_eq_v else Linear(nKV * D, self.param_dtype, name="v_proj")(x).reshape(B, T, nKV, D)
+            k_norm = norm_weight("k_norm")
+        p = Projections(q, k, v, norm_weight("q_norm"), k_norm, positions,
+                        rope_inv_freq(cfg.rope[lc.layer_type], D), cfg.rms_norm_eps)
+        q, kv = kv.prepare(self.layer, p)
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
         out = kv.attend(lc.kv_source, q, positions, window)  # [B, T, nH, D]
         return Linear(cfg.hidden_size, self.param_dtype, name="o_proj")(out.reshape(B, T, nH * D)), kv

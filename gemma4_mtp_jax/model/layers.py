@@ -7,12 +7,14 @@ maps onto the parameter tree by name alone and nothing is transposed at load tim
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import RopeConfig
+from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.sharding import expert_parallel
 
@@ -21,12 +23,6 @@ Array = jax.Array
 
 def gelu_tanh(x: Array) -> Array:
     return jax.nn.gelu(x, approximate=True)
-
-
-def rms_normalize(x: Array, eps: float) -> Array:
-    """x * (mean(x^2) + eps)^-1/2 in float32, returned in float32."""
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -38,11 +34,8 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        y = rms_normalize(x, self.eps)
-        if self.with_scale:
-            w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-            y = y * w.astype(jnp.float32)
-        return y.astype(x.dtype)
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype) if self.with_scale else None
+        return rms_norm(x, self.eps, w)
 
 
 class Weight(nn.Module):
@@ -50,10 +43,11 @@ class Weight(nn.Module):
 
     shape: tuple[int, ...]
     param_dtype: jnp.dtype = jnp.float32
+    init: Callable = nn.initializers.normal(0.02)
 
     @nn.compact
     def __call__(self) -> Array:
-        return self.param("weight", nn.initializers.normal(0.02), self.shape, self.param_dtype)
+        return self.param("weight", self.init, self.shape, self.param_dtype)
 
 
 class Linear(nn.Module):
@@ -80,17 +74,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Array:
     n_rot = int(rope.partial_rotary_factor * head_dim // 2)
     inv = 1.0 / rope.theta ** (jnp.arange(0, 2 * n_rot, 2, dtype=jnp.float32) / head_dim)
     return jnp.concatenate([inv, jnp.zeros((head_dim // 2 - n_rot,), jnp.float32)])
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Neox "rotate_half" RoPE. x: [..., T, heads, D]; positions: [..., T]."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
-    ang = jnp.concatenate([ang, ang], axis=-1)[..., None, :]  # [..., T, 1, D]
-    # transformers casts cos/sin to the activation dtype before the products.
-    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
 
 
 class MLP(nn.Module):

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run 63 (issue 10; branch qkv-epilogue, which holds traced-once-layers), one call under 590 s. Carry `.whl` and
+# `.baseline`, main's tree: rm -rf .baseline && mkdir .baseline && git archive main | tar -x -C .baseline
+# Does the attention-inputs kernel (one kernel from q/k/v projections to queries and paged K/V, where XLA ran six
+# per layer) pay on the GPU? Per tree (main = .baseline, the branch = this tree): kernels per decode / verify /
+# speculative program from the optimized HLO (E2B, B = 2; autotuning off on both for a quick compile), E2B's step
+# times (bench_spec, B = 2 and 16, k = 4; main, branch, main, branch), the demo pair's cold compile.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_common.sh run63
+end=${END:-585}
+root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
+{
+  for tree in main branch; do
+    root=$(root_of $tree); mkdir -p "$res/kernels_$tree"
+    run env OUT=$res/kernels_$tree PYTHONPATH=$root:/tmp/site XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 60) \
+        python3 "$root/benchmarks/kernel_count.py" --models e2b --batch 2
+  done
+  for round in 1 2; do
+    for tree in main branch; do
+      root=$(root_of $tree); mkdir -p "$res/spec_${tree}_$round"
+      run env OUT=$res/spec_${tree}_$round PYTHONPATH=$root:/tmp/site timeout $(lim 110) python3 \
+          "$root/benchmarks/bench_spec.py" --models e2b --batch 2 16
+    done
+  done
+  for tree in main branch; do
+    root=$(root_of $tree); mkdir -p "$res/compile_$tree"
+    run env OUT=$res/compile_$tree PYTHONPATH=$root:/tmp/site timeout $(lim 60) python3 \
+        "$root/benchmarks/compile_all.py" --families demo --engines speculative
+  done
+  echo "== $(date +%T) done, $((end - SECONDS)) s left"
+} > "$out/run63.log" 2>&1
+grep -v "cuda_timer\|^W12\|^I12\|^E12" "$out/run63.log" | grep -v "compiled .* in .*s$" | tail -n 80
