@@ -128,9 +128,10 @@ def _inputs_impl(attention_impl: str) -> str:
     return "xla" if tensor_parallel_size() > 1 else attention_impl
 
 
-def _queries(p: Projections, attention_impl: str) -> Array:
-    return prepare_attention_inputs(p.q, None, None, p.q_norm, None, p.positions, p.inv_freq, eps=p.eps,
-                                    impl=_inputs_impl(attention_impl))[0]
+def _attention_inputs(p: Projections, attention_impl: str, **slots) -> tuple[Array, tuple[Array, Array] | None]:
+    """(queries, the layer's pages with the new K/V written) from `p`; `slots`: pages, page, offset (with K/V)."""
+    return prepare_attention_inputs(p.q, p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
+                                    impl=_inputs_impl(attention_impl), **slots)
 
 
 @flax.struct.dataclass
@@ -158,12 +159,10 @@ class PagedKV:
     def prepare(self, layer: int, p: Projections) -> tuple[Array, "PagedKV"]:
         """The layer's queries, and its new K/V written into its pages (both by one kernel on the GPU)."""
         if p.k is None:
-            return _queries(p, self.attention_impl), self
+            return _attention_inputs(p, self.attention_impl)[0], self
         group = self.layer_group[layer]
         page, offset = page_slots(self.tables[group], self.positions, self.page_size, self._ring(group))
-        q, pages = prepare_attention_inputs(p.q, p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
-                                            pages=self.pages[layer], page=page, offset=offset,
-                                            impl=_inputs_impl(self.attention_impl))
+        q, pages = _attention_inputs(p, self.attention_impl, pages=self.pages[layer], page=page, offset=offset)
         return q, self.replace(pages={**self.pages, layer: pages})
 
     def only(self, layers: dict[int, int]) -> "PagedKV":
@@ -205,7 +204,7 @@ class PagedDraftKV:
     def prepare(self, layer: int, p: Projections) -> tuple[Array, "PagedDraftKV"]:
         if p.k is not None:
             raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
-        return _queries(p, self.attention_impl), self
+        return _attention_inputs(p, self.attention_impl)[0], self
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         from gemma4_mtp_jax.kernels.paged_attention import attend_paged
