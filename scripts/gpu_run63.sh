@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Run 63 (issue 10; branch qkv-epilogue, which holds traced-once-layers), one call under 590 s. Carry `.whl` and
 # `.baseline`, main's tree: rm -rf .baseline && mkdir .baseline && git archive main | tar -x -C .baseline
+# && rm .baseline/gemma4_mtp_jax/demo_pair/*/model.safetensors
 # Does the attention-inputs kernel (one kernel from q/k/v projections to queries and paged K/V, where XLA ran six
 # per layer) pay on the GPU? Per tree (main = .baseline, the branch = this tree): kernels per decode / verify /
 # speculative program from the optimized HLO (E2B, B = 2; autotuning off on both for a quick compile), E2B's step
-# times (bench_spec, B = 2 and 16, k = 4; main, branch, main, branch), the demo pair's cold compile.
+# times (bench_spec, B = 2 and 16, k = 4; main then branch, $ROUNDS rounds, default 1), the demo pair's cold compile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run63
 end=${END:-585}
+# .baseline travels without the demo pair's weights (the carry limit); they are the same file in both trees.
+for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp -n "$f" ".baseline/$f"; done
 root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
 {
   for tree in main branch; do
@@ -16,7 +19,7 @@ root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
     run env OUT=$res/kernels_$tree PYTHONPATH=$root:/tmp/site XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 60) \
         python3 "$root/benchmarks/kernel_count.py" --models e2b --batch 2
   done
-  for round in 1 2; do
+  for round in $(seq 1 ${ROUNDS:-1}); do
     for tree in main branch; do
       root=$(root_of $tree); mkdir -p "$res/spec_${tree}_$round"
       run env OUT=$res/spec_${tree}_$round PYTHONPATH=$root:/tmp/site timeout $(lim 110) python3 \
