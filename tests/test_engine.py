@@ -124,11 +124,11 @@ def test_prefill_buckets_cover_every_chunk_and_no_more(max_model_len, chunk, sma
 def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monkeypatch):
     """Over the paged state each kind of decoder layer (model/target.py `representative`) is traced once per
     program, every layer calling its kind's one traced function, and so is the assistant's draft step (k calls);
-    the engine then writes, bitwise in float32,
-    the pages and tokens of tracing layer by layer (in bfloat16 only XLA's excess precision may differ)."""
+    the engine then writes, bitwise in float32, the tokens and pages (but the null page) of tracing layer by layer
+    (in bfloat16 only XLA's excess precision may differ)."""
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.generate import generate
-    from gemma4_mtp_jax.kv_state import PagedKV
+    from gemma4_mtp_jax.kv_state import NULL_PAGE, PagedKV
     from gemma4_mtp_jax.model.target import representative
 
     target = jax_models.target(tiny_ckpts[family]["target_plain"])
@@ -153,8 +153,9 @@ def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monke
     monkeypatch.delattr(PagedKV, "only")  # the layers traced one by one
     by_layer = run()
     assert once[0] == by_layer[0]
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(once[1]),
-                                                   jax.tree_util.tree_leaves(by_layer[1])))
+    for a, b in zip(jax.tree_util.tree_leaves(once[1]), jax.tree_util.tree_leaves(by_layer[1])):
+        live = np.arange(a.shape[1]) != NULL_PAGE  # padding rows race to write the null page: garbage by design
+        np.testing.assert_array_equal(a[:, live], b[:, live])
 
 
 def test_kv_updated_in_place(engines):
