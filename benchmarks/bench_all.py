@@ -1,8 +1,9 @@
 """The whole step matrix in one command: models x batch sizes x k, with the roofline, one JSON and plots.
 
-For each model and each k, `bench_spec.py` runs in its own process (one JAX process on the GPU at a time): the
-decode step (k = 0), the verify step and the speculative step at every batch size, each against the HBM roofline
-measured in that process. The rows are merged into `bench_all.json`; with matplotlib installed, two plots go
+For each model, `bench_spec.py` runs in its own process (one JAX process on the GPU at a time): the decode step
+(k = 0) at every batch size, the verify step and the speculative step at every batch size and k, against the HBM
+roofline measured in that process; its weights are made once and all its programs compile concurrently before the
+first is timed. The rows are merged into `bench_all.json`; with matplotlib installed, two plots go
 beside it: `bench_all_decode.png` (decode step time and share of the roofline vs batch, per model) and
 `bench_all_spec.png` (speculative step / decode step vs k, per model and batch); each both synchronised (every call
 waited for) and pipelined (calls back to back, as the async engine runs them). A run that fails or times out is
@@ -11,8 +12,8 @@ recorded and the others go on.
     python benchmarks/bench_all.py --models e2b e4b 26b 31b --batch 1 2 16 64 --k 2 4 8
     python benchmarks/bench_all.py --smoke       # tiny shapes, CPU
 
-The whole matrix takes longer than one 600 s device call. `--merge OLD.json` keeps the (model, k) runs of an earlier
-bench_all.json that succeeded with every batch asked for, runs only the others, and writes the union (plots
+The whole matrix takes longer than one 600 s device call. `--merge OLD.json` keeps the model runs of an earlier
+bench_all.json that succeeded with every batch and k asked for, runs only the others, and writes the union (plots
 included): call it again with the last JSON carried until nothing is left to run. Every row's ratios still come
 from one process.
 """
@@ -34,9 +35,9 @@ from benchmarks.common import TARGETS, environment  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_spec(model: str | None, batch: list[int], k: int, args) -> dict:
-    """One bench_spec.py process; returns {model, k, rc, seconds, rows[, error]}."""
-    cmd = [sys.executable, os.path.join(HERE, "bench_spec.py"), "--k", str(k), "--batch", *map(str, batch),
+def run_spec(model: str | None, batch: list[int], ks: list[int], args) -> dict:
+    """One bench_spec.py process; returns {model, k (the list), rc, seconds, rows[, error]}."""
+    cmd = [sys.executable, os.path.join(HERE, "bench_spec.py"), "--k", *map(str, ks), "--batch", *map(str, batch),
            "--context", str(args.context), "--repeats", str(args.repeats),
            "--tensor-parallel-size", str(args.tensor_parallel_size)]
     cmd += ["--smoke"] if model is None else ["--models", model]
@@ -48,21 +49,22 @@ def run_spec(model: str | None, batch: list[int], k: int, args) -> dict:
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
         except subprocess.TimeoutExpired:
             rc, tail = 124, f"timed out after {args.timeout} s"
-        record = {"model": model or "smoke", "k": k, "rc": rc, "seconds": time.perf_counter() - t0, "rows": []}
+        record = {"model": model or "smoke", "k": ks, "rc": rc, "seconds": time.perf_counter() - t0, "rows": []}
         path = os.path.join(out, "bench_spec.json")
-        if rc == 0 and os.path.exists(path):
+        if os.path.exists(path):  # a process cut short leaves the rows it measured (kept, and run again by --merge)
             with open(path) as f:
-                record["rows"] = [dict(r, k=k) for r in json.load(f)["rows"]]
-        else:
+                record["rows"] = json.load(f)["rows"]
+        if rc != 0:
             record["error"] = tail
     return record
 
 
-def _kept_runs(path: str, batch: list[int]) -> list[dict]:
-    """The runs of an earlier bench_all.json that succeeded with a row for every batch size in `batch`."""
+def _kept_runs(path: str, batch: list[int], ks: list[int]) -> list[dict]:
+    """The runs of an earlier bench_all.json that succeeded with a row for every batch size and k asked for."""
     with open(path) as f:
         runs = json.load(f)["runs"]
-    return [rec for rec in runs if rec["rc"] == 0 and set(batch) <= {r["batch"] for r in rec["rows"]}]
+    want = {(b, k) for b in batch for k in ks}
+    return [rec for rec in runs if rec["rc"] == 0 and want <= {(r["batch"], r["k"]) for r in rec["rows"]}]
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
@@ -129,22 +131,20 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="directory of bench_all.json and the plots (default: $OUT or .)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
     ap.add_argument("--merge", default=None, metavar="OLD_JSON",
-                    help="an earlier bench_all.json: its successful (model, k) runs are kept, not run again")
+                    help="an earlier bench_all.json: its successful model runs are kept, not run again")
     args = ap.parse_args()
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
     batch = [2] if args.smoke else args.batch
-    runs = _kept_runs(args.merge, batch) if args.merge else []
-    done = {(rec["model"], rec["k"]) for rec in runs}
+    runs = _kept_runs(args.merge, batch, args.k) if args.merge else []
+    done = {rec["model"] for rec in runs}
     for model in ([None] if args.smoke else args.models):
-        for k in args.k:
-            if (model or "smoke", k) in done:
-                print(f"[{model or 'smoke'} k={k}] kept from {args.merge}", flush=True)
-                continue
-            rec = run_spec(model, batch, k, args)
-            print(f"[{rec['model']} k={k}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows",
-                  flush=True)
-            runs.append(rec)
+        if (model or "smoke") in done:
+            print(f"[{model}] kept from {args.merge}", flush=True)
+            continue
+        rec = run_spec(model, batch, args.k, args)
+        print(f"[{rec['model']}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows", flush=True)
+        runs.append(rec)
     rows = [r for rec in runs for r in rec["rows"]]
     pngs = plot(rows, out_dir) if rows else []
     with open(os.path.join(out_dir, "bench_all.json"), "w") as f:
@@ -157,7 +157,7 @@ def main() -> int:
               f"{r['spec_over_decode']:8.2f} {r['decode_pipelined_ms']:17.3f} "
               f"{100 * r['decode_roofline_ms'] / r['decode_pipelined_ms']:6.1f} {r['spec_pipelined_ms']:7.3f} "
               f"{r['spec_over_decode_pipelined']:8.2f}")
-    failed = [f"{rec['model']} k={rec['k']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
+    failed = [f"{rec['model']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
     for line in failed:
         print("FAILED", line)
     return 1 if failed else 0

@@ -8,6 +8,8 @@ L * t_decode / t_spec. Acceptance itself is not measured here (random weights ac
 time does not depend on it (shapes never do).
 
     python benchmarks/bench_spec.py --models e2b 31b --batch 1 16 --k 4
+    python benchmarks/bench_spec.py --models e2b --batch 1 2 16 64 --k 2 4 8   # one process, every program
+                                                                               # compiled before any is timed
     python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512 --acceptance-length 3.2
     python benchmarks/bench_spec.py --smoke
 """
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
 import time
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +32,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, random_pages  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, copy_bandwidth, environment,  # noqa: E402
-                               fresh_inputs, layout_for, pipelined_time, random_params, write_json)
+from benchmarks.common import (ASSISTANTS, TARGETS, compile_concurrently, copy_bandwidth,  # noqa: E402
+                               environment, fresh_inputs, layout_for, pipelined_time, random_params, write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
@@ -79,10 +83,11 @@ def timed(fn, state, rest, repeats, warmup=3):
     return statistics.median(times), pipelined_time(call, repeats), box[0]
 
 
-def bench_model(name: str, args, bw: float) -> list[dict]:
-    """Decode, verify and speculative step of one model at each batch size."""
-    rows = []
-    k = args.k
+def bench_model(name: str, args, bw: float) -> Iterator[dict]:
+    """Rows of the decode step at each batch size, and of the verify and speculative steps at each batch size and
+    k, all of one model in this process: the weights made once, every program compiled before the first is timed
+    (compile_concurrently). Yields each row as soon as it is measured."""
+    ks = args.k
     t0 = time.perf_counter()
     if name == "demo":  # the trained pair shipped in the package, in its own dtype
         from gemma4_mtp_jax.demo import demo_pair
@@ -99,8 +104,10 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     print(f"[{name}] weights in {time.perf_counter() - t0:.1f}s", flush=True)
     context = 64 if name == "smoke" else args.context
     max_b = max(args.batch)
-    layout = layout_for(tcfg, max_b, page_size=args.page_size, max_model_len=context + 16, num_speculative_tokens=k,
-                        assistant_window=acfg.text.sliding_window)
+    # One layout for every k: its sliding rings sized for the largest (a ring only holds more than a smaller k
+    # needs; what a step reads does not change).
+    layout = layout_for(tcfg, max_b, page_size=args.page_size, max_model_len=context + 16,
+                        num_speculative_tokens=max(ks), assistant_window=acfg.text.sliding_window)
     placement = None
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(tcfg, args.tensor_parallel_size)
@@ -110,72 +117,81 @@ def bench_model(name: str, args, bw: float) -> list[dict]:
     # The speculative programs take the same placed parameters (not a second copy), and the whole weights made on
     # the first device go: under tensor parallelism they and two sets of shards would not fit one GPU (31B, TP=2).
     target = plain.target = dataclasses.replace(target, params=params)
-    steps = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=max_b,
-                          placement=placement)
+    steps = {k: CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k,
+                              num_slots=max_b, placement=placement) for k in ks}
     pages = random_pages(tcfg, layout, dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
     rng = np.random.default_rng(0)
+
+    def verify(params, pages, tokens, positions, tables):
+        h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")
+        return pages, jnp.argmax(lm_logits(target, params, h), -1)
+
+    def verify_lowering(B, k, tables):
+        tokens = jax.ShapeDtypeStruct((B, k + 1), jnp.int32)
+        with mesh_context(placement):  # attention splits by heads under tensor parallelism
+            return jax.jit(verify, donate_argnums=(1,), out_shardings=(steps[k].page_shardings(), None)
+                           if placement else None).lower(params, pages, tokens, tokens, tables)
+
+    cases = {}  # B -> (tokens, lengths, tables)
+    lowerings = {}
     for B in args.batch:
         tables = {}
         for g, w in layout.pages_per_seq:
             tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
-        tokens = rng.integers(0, tcfg.vocab_size, B).astype(np.int32)
-        P = np.full(B, context - k - 2, np.int32)
-        row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context}
+        cases[B] = (rng.integers(0, tcfg.vocab_size, B).astype(np.int32), np.full(B, context - max(ks) - 2, np.int32),
+                    tables)
+        lowerings[("decode", B, 0)] = functools.partial(plain._lower_decode, B, False)
+        for k in ks:
+            lowerings[("verify", B, k)] = functools.partial(verify_lowering, B, k, tables)
+            lowerings[("speculative", B, k)] = functools.partial(steps[k]._lower_speculative, B, False)
+    t0 = time.perf_counter()
+    compiled = compile_concurrently(lowerings)
+    print(f"[{name}] {len(compiled)} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
-        t0 = time.perf_counter()
-        dec = plain.compile_decode(B)
-        row["compile_decode_s"] = time.perf_counter() - t0
+    for B in args.batch:
+        tokens, P, tables = cases[B]
+        dec, t_compile = compiled[("decode", B, 0)]
         t, tp, (state,) = timed(lambda s, *r: dec(plain.program_params, s, *r), (plain.init_state(pages),),
                                 (fresh_inputs(tokens, P, tables, plain.num_slots),), args.repeats)
         pages = state.pages
-        row["decode_ms"], row["decode_pipelined_ms"] = t * 1e3, tp * 1e3
-
-        def verify(params, pages, tokens, positions, tables):
-            h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables,
-                                     attention_impl="auto")
-            return pages, jnp.argmax(lm_logits(target, params, h), -1)
-
-        vt = np.tile(tokens[:, None], (1, k + 1))
-        vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
-        t0 = time.perf_counter()
-        with mesh_context(placement):  # attention splits by heads under tensor parallelism
-            ver = jax.jit(verify, donate_argnums=(1,), out_shardings=(steps.page_shardings(), None)
-                          if placement else None).lower(params, pages, vt, vp, tables).compile()
-        row["compile_verify_s"] = time.perf_counter() - t0
-        t, tp, (pages,) = timed(lambda p, *r: ver(params, p, *r), (pages,), (vt, vp, tables), args.repeats)
-        row["verify_ms"], row["verify_pipelined_ms"] = t * 1e3, tp * 1e3
-
-        t0 = time.perf_counter()
-        spec = steps.compile_speculative(B)
-        row["compile_spec_s"] = time.perf_counter() - t0
-        t, tp, (state,) = timed(lambda s, *r: spec(steps.program_params, steps.draft_params, s, *r),
-                                (steps.init_state(pages, hidden),),
-                                (fresh_inputs(tokens, P, tables, steps.num_slots),), args.repeats)
-        if args.profile:
-            box = [state]
-
-            def one_spec():
-                box[0], out = spec(steps.program_params, steps.draft_params, box[0],
-                                   fresh_inputs(tokens, P, tables, steps.num_slots))
-                return out
-
-            row["spec_profile"] = profile_calls(one_spec)
-            state = box[0]
-            print_profile(f"{name} B={B} speculative", row["spec_profile"], t * 1e6, top=25)
-        pages, hidden = state.pages, state.hidden
-        row["spec_ms"], row["spec_pipelined_ms"] = t * 1e3, tp * 1e3
+        decode = {"compile_decode_s": t_compile, "decode_ms": t * 1e3, "decode_pipelined_ms": tp * 1e3}
         need = bytes_per_step(tcfg, target.params, B, context)
-        row["decode_roofline_ms"] = need["total"] / bw * 1e3
-        row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["decode_ms"]
-        row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
-        row["spec_over_decode_pipelined"] = row["spec_pipelined_ms"] / row["decode_pipelined_ms"]
-        row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
-        row["draft_ms_est"] = row["spec_ms"] - row["verify_ms"]
-        row["projected_speedup"] = args.acceptance_length * row["decode_ms"] / row["spec_ms"]
-        rows.append(row)
-        print(row, flush=True)
-    return rows
+        decode["decode_roofline_ms"] = need["total"] / bw * 1e3
+        decode["decode_roofline_fraction"] = decode["decode_roofline_ms"] / decode["decode_ms"]
+        for k in ks:
+            row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context, **decode}
+            vt = np.tile(tokens[:, None], (1, k + 1))
+            vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
+            ver, row["compile_verify_s"] = compiled[("verify", B, k)]
+            t, tp, (pages,) = timed(lambda p, *r: ver(params, p, *r), (pages,), (vt, vp, tables), args.repeats)
+            row["verify_ms"], row["verify_pipelined_ms"] = t * 1e3, tp * 1e3
+
+            st = steps[k]
+            spec, row["compile_spec_s"] = compiled[("speculative", B, k)]
+            t, tp, (state,) = timed(lambda s, *r: spec(st.program_params, st.draft_params, s, *r),
+                                    (st.init_state(pages, hidden),),
+                                    (fresh_inputs(tokens, P, tables, st.num_slots),), args.repeats)
+            if args.profile:
+                box = [state]
+
+                def one_spec():
+                    box[0], out = spec(st.program_params, st.draft_params, box[0],
+                                       fresh_inputs(tokens, P, tables, st.num_slots))
+                    return out
+
+                row["spec_profile"] = profile_calls(one_spec)
+                state = box[0]
+                print_profile(f"{name} B={B} k={k} speculative", row["spec_profile"], t * 1e6, top=25)
+            pages, hidden = state.pages, state.hidden
+            row["spec_ms"], row["spec_pipelined_ms"] = t * 1e3, tp * 1e3
+            row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
+            row["spec_over_decode_pipelined"] = row["spec_pipelined_ms"] / row["decode_pipelined_ms"]
+            row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
+            row["draft_ms_est"] = row["spec_ms"] - row["verify_ms"]
+            row["projected_speedup"] = args.acceptance_length * row["decode_ms"] / row["spec_ms"]
+            print(row, flush=True)
+            yield row
 
 
 def main() -> None:
@@ -183,7 +199,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["e2b", "31b"], choices=sorted(TARGETS) + ["demo"],
                     help="real shapes with random weights, or 'demo': the trained pair shipped in the package")
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 16])
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", nargs="+", type=int, default=[4], help="drafts per round; several: one row per k")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
@@ -200,17 +216,17 @@ def main() -> None:
     bw = copy_bandwidth(0.05 if args.smoke else 2.0)
     print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s", flush=True)
     rows = []
-    k = args.k
     for name in (["smoke"] if args.smoke else args.models):
-        rows += bench_model(name, args, bw)
-    write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "acceptance_length": args.acceptance_length,
-                                   "rows": rows})
-    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; k={k}; projected speedup at mean acceptance length "
+        for row in bench_model(name, args, bw):
+            rows.append(row)  # written row by row: a process cut short still leaves what it measured
+            write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12,
+                                           "acceptance_length": args.acceptance_length, "rows": rows})
+    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; projected speedup at mean acceptance length "
           f"{args.acceptance_length}")
-    print(f"{'model':6} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
+    print(f"{'model':6} {'k':>2} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
           f"{'spec/dec':>8} {'speedup':>8} {'dec pipe':>8} {'spec pipe':>9} {'ratio':>6}")
     for r in rows:
-        print(f"{r['model']:6} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
+        print(f"{r['model']:6} {r['k']:2d} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
               f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:8.3f} {r['spec_ms']:8.3f} "
               f"{r['draft_ms_est']:8.3f} {r['spec_over_decode']:8.2f} {r['projected_speedup']:8.2f} "
               f"{r['decode_pipelined_ms']:8.3f} {r['spec_pipelined_ms']:9.3f} {r['spec_over_decode_pipelined']:6.2f}")

@@ -3,6 +3,7 @@ HBM copy bandwidth, and a timer (warm-up, then the median over repeats)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import statistics
@@ -17,7 +18,7 @@ import numpy as np
 from gemma4_mtp_jax.device_state import MAX_STOP_IDS, StepRows
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
 from gemma4_mtp_jax.sampling import SamplingBatch
-from gemma4_mtp_jax.step import CompiledSteps
+from gemma4_mtp_jax.step import CompiledSteps, compiler_options
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
 _S, _F = "sliding_attention", "full_attention"
@@ -110,6 +111,31 @@ def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.n
     return CompiledSteps.inputs(rows, tables, SamplingBatch.from_params([], B))
 
 
+def compile_concurrently(lowerings: dict[Any, Callable[[], jax.stages.Lowered]],
+                         threads: int | None = None) -> dict[Any, tuple[Any, float]]:
+    """{key: (compiled, seconds)}: each program lowered in turn (tracing holds the GIL) and compiled in a thread as
+    soon as it is lowered (XLA releases the GIL), with the options the engine compiles with, so a benchmark's many
+    programs compile in about the time of its slowest few. Seconds: lowering plus compilation, wall time in its
+    thread (other compilations run beside it)."""
+    done: dict[Any, tuple[Any, float]] = {}
+    options = compiler_options()
+
+    def compile_one(lowered, t_lower):
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        return compiled, t_lower + time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(threads or min(len(lowerings), os.cpu_count() or 1) or 1) as pool:
+        futures = {}
+        for key, lower in lowerings.items():
+            t0 = time.perf_counter()
+            lowered = lower()
+            futures[key] = pool.submit(compile_one, lowered, time.perf_counter() - t0)
+        for key, fut in futures.items():
+            done[key] = fut.result()
+    return done
+
+
 def median_time(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3) -> float:
     """Seconds per call: median over `repeats` timed calls after `warmup` calls, each synchronised."""
     for _ in range(warmup):
@@ -145,11 +171,14 @@ def add_pack_params_arg(ap) -> None:
 def environment() -> dict:
     info = {"jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        check=False).stdout.strip() or os.environ.get("GIT_COMMIT", "unknown")
-    except OSError:
-        info["commit"] = os.environ.get("GIT_COMMIT", "unknown")
+    # GIT_COMMIT first: a device call's copy of the tree need not carry the checkout's HEAD
+    info["commit"] = os.environ.get("GIT_COMMIT", "")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                            check=False).stdout.strip() or "unknown"
+        except OSError:
+            info["commit"] = "unknown"
     return info
 
 
