@@ -12,6 +12,9 @@ recorded and the others go on.
     python benchmarks/bench_all.py --models e2b e4b 26b 31b --batch 1 2 16 64 --k 2 4 8
     python benchmarks/bench_all.py --smoke       # tiny shapes, CPU
 
+Beside the matrix (`--hf-models`, default E2B and 31B): transformers' own `generate` at batch 1, greedy, eager
+PyTorch, on the same shapes and context (bench_hf_eager.py), where torch and transformers are installed.
+
 The whole matrix takes longer than one 600 s device call. `--merge OLD.json` keeps the model runs of an earlier
 bench_all.json that succeeded with every batch and k asked for, runs only the others, and writes the union (plots
 included): call it again with the last JSON carried until nothing is left to run. Every row's ratios still come
@@ -35,22 +38,19 @@ from benchmarks.common import TARGETS, environment  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_spec(model: str | None, batch: list[int], ks: list[int], args) -> dict:
-    """One bench_spec.py process; returns {model, k (the list), rc, seconds, rows[, error]}."""
-    cmd = [sys.executable, os.path.join(HERE, "bench_spec.py"), "--k", *map(str, ks), "--batch", *map(str, batch),
-           "--context", str(args.context), "--repeats", str(args.repeats),
-           "--tensor-parallel-size", str(args.tensor_parallel_size)]
-    cmd += ["--smoke"] if model is None else ["--models", model]
+def _run(script: str, cmd_args: list[str], json_name: str, timeout: float) -> dict:
+    """One benchmark process (its own JAX or torch process on the GPU); returns {rc, seconds, rows[, error]}."""
+    cmd = [sys.executable, os.path.join(HERE, script), *cmd_args]
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env={**os.environ, "OUT": out}, capture_output=True, text=True,
-                                  timeout=args.timeout)
+                                  timeout=timeout)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
         except subprocess.TimeoutExpired:
-            rc, tail = 124, f"timed out after {args.timeout} s"
-        record = {"model": model or "smoke", "k": ks, "rc": rc, "seconds": time.perf_counter() - t0, "rows": []}
-        path = os.path.join(out, "bench_spec.json")
+            rc, tail = 124, f"timed out after {timeout} s"
+        record = {"rc": rc, "seconds": time.perf_counter() - t0, "rows": []}
+        path = os.path.join(out, json_name)
         if os.path.exists(path):  # a process cut short leaves the rows it measured (kept, and run again by --merge)
             with open(path) as f:
                 record["rows"] = json.load(f)["rows"]
@@ -59,12 +59,30 @@ def run_spec(model: str | None, batch: list[int], ks: list[int], args) -> dict:
     return record
 
 
+def run_spec(model: str | None, batch: list[int], ks: list[int], args) -> dict:
+    """One bench_spec.py process: {kind "spec", model, k (the list), rc, seconds, rows[, error]}."""
+    cmd = ["--k", *map(str, ks), "--batch", *map(str, batch), "--context", str(args.context),
+           "--repeats", str(args.repeats), "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    cmd += ["--smoke"] if model is None else ["--models", model]
+    return {"kind": "spec", "model": model or "smoke", "k": ks,
+            **_run("bench_spec.py", cmd, "bench_spec.json", args.timeout)}
+
+
+def run_hf(model: str | None, args) -> dict:
+    """One bench_hf_eager.py process (transformers' generate, batch 1): {kind "hf_eager", model, rc, ...}."""
+    cmd = ["--smoke"] if model is None else ["--models", model, "--context", str(args.context)]
+    return {"kind": "hf_eager", "model": model or "smoke",
+            **_run("bench_hf_eager.py", cmd, "bench_hf_eager.json", args.timeout)}
+
+
 def _kept_runs(path: str, batch: list[int], ks: list[int]) -> list[dict]:
-    """The runs of an earlier bench_all.json that succeeded with a row for every batch size and k asked for."""
+    """The runs of an earlier bench_all.json that succeeded: a spec run with a row for every batch size and k asked
+    for, a transformers run with its row."""
     with open(path) as f:
         runs = json.load(f)["runs"]
     want = {(b, k) for b in batch for k in ks}
-    return [rec for rec in runs if rec["rc"] == 0 and want <= {(r["batch"], r["k"]) for r in rec["rows"]}]
+    return [rec for rec in runs if rec["rc"] == 0 and rec["rows"] and
+            (rec.get("kind", "spec") == "hf_eager" or want <= {(r["batch"], r["k"]) for r in rec["rows"]})]
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
@@ -132,20 +150,26 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
     ap.add_argument("--merge", default=None, metavar="OLD_JSON",
                     help="an earlier bench_all.json: its successful model runs are kept, not run again")
+    ap.add_argument("--hf-models", nargs="*", default=["e2b", "31b"], choices=sorted(TARGETS),
+                    help="beside the matrix: transformers' own generate at batch 1 (bench_hf_eager.py; needs torch "
+                         "and transformers >= 5.24); none to skip")
     args = ap.parse_args()
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
     batch = [2] if args.smoke else args.batch
     runs = _kept_runs(args.merge, batch, args.k) if args.merge else []
-    done = {rec["model"] for rec in runs}
-    for model in ([None] if args.smoke else args.models):
-        if (model or "smoke") in done:
-            print(f"[{model}] kept from {args.merge}", flush=True)
+    done = {(rec.get("kind", "spec"), rec["model"]) for rec in runs}
+    todo = [("spec", m) for m in ([None] if args.smoke else args.models)]
+    todo += [("hf_eager", m) for m in ([None] if args.smoke else args.hf_models)]
+    for kind, model in todo:
+        if (kind, model or "smoke") in done:
+            print(f"[{kind} {model or 'smoke'}] kept from {args.merge}", flush=True)
             continue
-        rec = run_spec(model, batch, args.k, args)
-        print(f"[{rec['model']}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows", flush=True)
+        rec = run_spec(model, batch, args.k, args) if kind == "spec" else run_hf(model, args)
+        print(f"[{kind} {rec['model']}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows", flush=True)
         runs.append(rec)
-    rows = [r for rec in runs for r in rec["rows"]]
+    rows = [r for rec in runs if rec.get("kind", "spec") == "spec" for r in rec["rows"]]
+    hf_rows = [r for rec in runs if rec.get("kind") == "hf_eager" for r in rec["rows"]]
     pngs = plot(rows, out_dir) if rows else []
     with open(os.path.join(out_dir, "bench_all.json"), "w") as f:
         json.dump({"env": environment(), "config": vars(args), "runs": runs, "plots": pngs}, f, indent=1)
@@ -157,7 +181,16 @@ def main() -> int:
               f"{r['spec_over_decode']:8.2f} {r['decode_pipelined_ms']:17.3f} "
               f"{100 * r['decode_roofline_ms'] / r['decode_pipelined_ms']:6.1f} {r['spec_pipelined_ms']:7.3f} "
               f"{r['spec_over_decode_pipelined']:8.2f}")
-    failed = [f"{rec['model']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
+    if hf_rows:
+        print("\ntransformers' generate, batch 1, beside this stack's decode step at the smallest batch measured:")
+        print(f"{'model':6} {'ctx':>6} {'hf ms/token':>11}  {'attention':9} {'ours B':>6} {'ours pipelined ms':>17} "
+              f"{'hf / ours':>9}")
+        for h in hf_rows:
+            ours = sorted((r["batch"], r["decode_pipelined_ms"]) for r in rows if r["model"] == h["model"])
+            b, ms = ours[0] if ours else (0, float("nan"))
+            print(f"{h['model']:6} {h['context']:6d} {h['ms_per_token']:11.2f}  {h['attn_implementation']:9} {b:6d} "
+                  f"{ms:17.3f} {h['ms_per_token'] / ms:9.1f}")
+    failed = [f"{rec.get('kind', 'spec')} {rec['model']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
     for line in failed:
         print("FAILED", line)
     return 1 if failed else 0
