@@ -607,10 +607,19 @@ def test_top_k_top_p_masks_match_reference():
     logits = rng.standard_normal((6, 300)).astype(np.float32) * 3
     top_k = np.array([0, 1, 5, 40, 0, 300], np.int32)
     top_p = np.array([1.0, 0.5, 0.9, 0.3, 0.05, 0.999], np.float32)
+    # ties cut by top-k and by top-p: the lower token id goes first
+    logits[4, :] = -5.0
+    logits[4, [7, 3, 250, 9]] = 2.0
+    logits[5, :] = np.repeat(np.arange(60, dtype=np.float32), 5)[::-1] / 10
+    top_k[4], top_p[4], top_p[5] = 3, 1.0, 0.1
+    ties = np.array([[0.0] * 300], np.float32)
+    logits, top_k, top_p = np.concatenate([logits, ties]), np.append(top_k, 0), np.append(top_p, 0.021)
     got = np.asarray(filter_logits(logits, top_k, top_p))
     want = _numpy_filter(logits, top_k, top_p)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)])
+    np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
+    assert np.flatnonzero(np.isfinite(got[4])).tolist() == [3, 7, 9]
+    assert np.flatnonzero(np.isfinite(got[6])).tolist() == list(range(7))  # 300 equal: 7 reach mass 0.021
 
 
 def test_sampling_distribution_follows_temperature():
