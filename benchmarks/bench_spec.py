@@ -11,6 +11,7 @@ time does not depend on it (shapes never do).
     python benchmarks/bench_spec.py --models e2b --batch 1 2 16 64 --k 2 4 8   # one process, every program
                                                                                # compiled before any is timed
     python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512 --acceptance-length 3.2
+    python benchmarks/bench_spec.py --models e2b --batch 2 16 --sampled   # the sampling programs (T = 1, top-p)
     python benchmarks/bench_spec.py --smoke
 """
 
@@ -46,6 +47,7 @@ from gemma4_mtp_jax.api import (  # noqa: E402
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
 from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.sampling import SamplingParams  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -141,26 +143,28 @@ def bench_model(name: str, args, bw: float) -> Iterator[dict]:
             tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
         cases[B] = (rng.integers(0, tcfg.vocab_size, B).astype(np.int32), np.full(B, context - max(ks) - 2, np.int32),
                     tables)
-        lowerings[("decode", B, 0)] = functools.partial(plain._lower_decode, B, False)
+        lowerings[("decode", B, 0)] = functools.partial(plain._lower_decode, B, args.sampled)
         for k in ks:
             lowerings[("verify", B, k)] = functools.partial(verify_lowering, B, k, tables)
-            lowerings[("speculative", B, k)] = functools.partial(steps[k]._lower_speculative, B, False)
+            lowerings[("speculative", B, k)] = functools.partial(steps[k]._lower_speculative, B, args.sampled)
     t0 = time.perf_counter()
     compiled = compile_concurrently(lowerings)
     print(f"[{name}] {len(compiled)} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=7) if args.sampled else None
     for B in args.batch:
         tokens, P, tables = cases[B]
         dec, t_compile = compiled[("decode", B, 0)]
         t, tp, (state,) = timed(lambda s, *r: dec(plain.program_params, s, *r), (plain.init_state(pages),),
-                                (fresh_inputs(tokens, P, tables, plain.num_slots),), args.repeats)
+                                (fresh_inputs(tokens, P, tables, plain.num_slots, sampling),), args.repeats)
         pages = state.pages
         decode = {"compile_decode_s": t_compile, "decode_ms": t * 1e3, "decode_pipelined_ms": tp * 1e3}
         need = bytes_per_step(tcfg, target.params, B, context)
         decode["decode_roofline_ms"] = need["total"] / bw * 1e3
         decode["decode_roofline_fraction"] = decode["decode_roofline_ms"] / decode["decode_ms"]
         for k in ks:
-            row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context, **decode}
+            row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context,
+                   "sampled": args.sampled, **decode}
             vt = np.tile(tokens[:, None], (1, k + 1))
             vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
             ver, row["compile_verify_s"] = compiled[("verify", B, k)]
@@ -171,13 +175,13 @@ def bench_model(name: str, args, bw: float) -> Iterator[dict]:
             spec, row["compile_spec_s"] = compiled[("speculative", B, k)]
             t, tp, (state,) = timed(lambda s, *r: spec(st.program_params, st.draft_params, s, *r),
                                     (st.init_state(pages, hidden),),
-                                    (fresh_inputs(tokens, P, tables, st.num_slots),), args.repeats)
+                                    (fresh_inputs(tokens, P, tables, st.num_slots, sampling),), args.repeats)
             if args.profile:
                 box = [state]
 
                 def one_spec():
                     box[0], out = spec(st.program_params, st.draft_params, box[0],
-                                       fresh_inputs(tokens, P, tables, st.num_slots))
+                                       fresh_inputs(tokens, P, tables, st.num_slots, sampling))
                     return out
 
                 row["spec_profile"] = profile_calls(one_spec)
@@ -209,6 +213,9 @@ def main() -> None:
                     help="split the target over the first N devices (sharding.py)")
     ap.add_argument("--profile", action="store_true",
                     help="also trace the speculative step and list its kernels (kernel_profile.py)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="the programs' sampling variants, every row at temperature 1, top-p 0.95 (the verify "
+                         "column stays the greedy forward)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     env = environment()

@@ -17,7 +17,7 @@ import numpy as np
 
 from gemma4_mtp_jax.device_state import MAX_STOP_IDS, StepRows
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
-from gemma4_mtp_jax.sampling import SamplingBatch
+from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
 from gemma4_mtp_jax.step import CompiledSteps, compiler_options
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
@@ -99,16 +99,18 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     return 2 * x.nbytes / t
 
 
-def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.ndarray], num_slots: int) -> np.ndarray:
+def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.ndarray], num_slots: int,
+                 sampling: SamplingParams | None = None) -> np.ndarray:
     """A decode or speculative step's packed host inputs (CompiledSteps.inputs) whose rows all bring their token and
     length from the host, never reading what the previous call left in the slots: repeated calls time the same step
-    (no sequence grows or stops). Greedy rows, no stop ids; tables: KV group -> [B, width] page ids."""
+    (no sequence grows or stops). Greedy rows unless `sampling` (every row then samples so), no stop ids; tables:
+    KV group -> [B, width] page ids."""
     B = len(tokens)
     rows = StepRows(slot=np.minimum(np.arange(B), num_slots).astype(np.int32), fresh=np.ones(B, bool),
                     token=np.asarray(tokens, np.int32), length=np.asarray(lengths, np.int32),
                     remaining=np.full(B, 1 << 20, np.int32), stop_ids=np.full((B, MAX_STOP_IDS), -1, np.int32),
                     speculate=np.ones(B, bool))
-    return CompiledSteps.inputs(rows, tables, SamplingBatch.from_params([], B))
+    return CompiledSteps.inputs(rows, tables, SamplingBatch.from_params([sampling] * B if sampling else [], B))
 
 
 def compile_concurrently(lowerings: dict[Any, Callable[[], jax.stages.Lowered]],

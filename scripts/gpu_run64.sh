@@ -7,6 +7,7 @@
 # 3. The matrix's first model: E2B at B = 1, 2, 16, 64 and k = 2, 4, 8 in one process (every program compiled
 #    concurrently first), and transformers' generate at batch 1 beside it (bench_all.py). The rest of the matrix
 #    follows in later calls: `bench_all.py --merge` with the JSON this one leaves.
+# 4. E2B's sampling programs (temperature 1, top-p 0.95; filter_logits now sorts the vocabulary once, not twice).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run64
@@ -19,6 +20,8 @@ end=${END:-585}
       > "$res/probe_compile.log" 2>&1
   grep -aE " time: [0-9.]+ (s|min)" "$res/probe_compile.log" | sort -t: -k2 -rn | head -40
   grep -av "^[WIE]1" "$res/probe_compile.log" | tail -5
+  mkdir -p "$res/sampled"  # what sampled serving costs (never measured): the sampling variants, T = 1, top-p 0.95
+  run env OUT=$res/sampled timeout $(lim 120) python3 benchmarks/bench_spec.py --models e2b --batch 2 16 --sampled
   mkdir -p "$res/matrix"
   run timeout $(lim 400) python3 benchmarks/bench_all.py --models e2b --hf-models e2b --batch 1 2 16 64 \
       --k 2 4 8 --timeout $(lim 380) --out "$res/matrix"
