@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run63
 end=${END:-585}
 # .baseline travels without the demo pair's weights (the carry limit); they are the same file in both trees.
-for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp -n "$f" ".baseline/$f"; done
+for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp --update=none "$f" ".baseline/$f"; done
 root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
 {
   for tree in main branch; do
