@@ -7,7 +7,8 @@
 # 3. The matrix's first model: E2B at B = 1, 2, 16, 64 and k = 2, 4, 8 in one process (every program compiled
 #    concurrently first), and transformers' generate at batch 1 beside it (bench_all.py). The rest of the matrix
 #    follows in later calls: `bench_all.py --merge` with the JSON this one leaves.
-# 4. E2B's sampling programs (temperature 1, top-p 0.95; filter_logits now sorts the vocabulary once, not twice).
+# 4. E2B's sampling programs (temperature 1, top-p 0.95; filter_logits sorts the vocabulary twice on main, once on
+#    the branch filter-logits-one-sort: run this line there too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run64
