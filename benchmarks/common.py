@@ -18,7 +18,7 @@ import numpy as np
 from gemma4_mtp_jax.device_state import MAX_STOP_IDS, StepRows
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
-from gemma4_mtp_jax.step import CompiledSteps, compiler_options
+from gemma4_mtp_jax.step import CompiledSteps, compile_lowered
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
 _S, _F = "sliding_attention", "full_attention"
@@ -119,13 +119,9 @@ def compile_concurrently(lowerings: dict[Any, Callable[[], jax.stages.Lowered]],
     soon as it is lowered (XLA releases the GIL), with the options the engine compiles with, so a benchmark's many
     programs compile in about the time of its slowest few. Seconds: lowering plus compilation, wall time in its
     thread (other compilations run beside it)."""
-    done: dict[Any, tuple[Any, float]] = {}
-    options = compiler_options()
-
     def compile_one(lowered, t_lower):
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-        return compiled, t_lower + time.perf_counter() - t0
+        return compile_lowered(lowered), t_lower + time.perf_counter() - t0
 
     with concurrent.futures.ThreadPoolExecutor(threads or min(len(lowerings), os.cpu_count() or 1) or 1) as pool:
         futures = {}
@@ -133,9 +129,7 @@ def compile_concurrently(lowerings: dict[Any, Callable[[], jax.stages.Lowered]],
             t0 = time.perf_counter()
             lowered = lower()
             futures[key] = pool.submit(compile_one, lowered, time.perf_counter() - t0)
-        for key, fut in futures.items():
-            done[key] = fut.result()
-    return done
+        return {key: fut.result() for key, fut in futures.items()}
 
 
 def median_time(fn: Callable, args: tuple, repeats: int = 20, warmup: int = 3) -> float:

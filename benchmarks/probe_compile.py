@@ -22,7 +22,7 @@ from gemma4_mtp_jax.api import load_assistant, load_target  # noqa: E402
 from gemma4_mtp_jax.demo import demo_pair  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, _max_position_embeddings, build_parser  # noqa: E402
-from gemma4_mtp_jax.step import compiler_options  # noqa: E402
+from gemma4_mtp_jax.step import compile_lowered  # noqa: E402
 
 
 def main() -> int:
@@ -50,7 +50,7 @@ def main() -> int:
     jitted, abstract = build()
     lowered = jitted.lower(*abstract)
     t1 = time.perf_counter()
-    compiled = lowered.compile(compiler_options=compiler_options() or None)
+    compiled = compile_lowered(lowered)
     t2 = time.perf_counter()
     text = compiled.as_text()
     print(f"{name}: traced and lowered in {t1 - t0:.2f} s, compiled in {t2 - t1:.2f} s; optimized HLO "

@@ -70,7 +70,8 @@ _TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_
 _options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once
 
 
-def _compile(lowered: jax.stages.Lowered) -> Any:
+def compile_lowered(lowered: jax.stages.Lowered) -> Any:
+    """A lowered step program compiled with `compiler_options()`, or without them where this XLA refuses them."""
     options = compiler_options()
     if options and not _options_rejected:
         try:
@@ -375,7 +376,7 @@ class CompiledSteps:
         """(program_params, state, inputs) -> (state, out); inputs: `inputs(PrefillRows, tables, sampling)` of B
         rows of T tokens; state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
         if (batch, tokens) not in self.prefill:
-            self.prefill[(batch, tokens)] = _compile(self._lower_prefill(batch, tokens))
+            self.prefill[(batch, tokens)] = compile_lowered(self._lower_prefill(batch, tokens))
         return self.prefill[(batch, tokens)]
 
     def compile_decode(self, batch: int, sampled: bool = False) -> Any:
@@ -383,7 +384,7 @@ class CompiledSteps:
         inputs donated; `result(out)` is the packed [B, 4] result. `sampled`: some row samples (False: every row
         must be greedy)."""
         if (batch, sampled) not in self.decode:
-            self.decode[(batch, sampled)] = _compile(self._lower_decode(batch, sampled))
+            self.decode[(batch, sampled)] = compile_lowered(self._lower_decode(batch, sampled))
         return self.decode[(batch, sampled)]
 
     def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
@@ -391,7 +392,7 @@ class CompiledSteps:
         sampling)`; state and inputs donated; `result(out)` is the packed [B, k+4] result. `sampled`: some row
         samples (False: every row must be greedy)."""
         if (batch, sampled) not in self.speculative:
-            self.speculative[(batch, sampled)] = _compile(self._lower_speculative(batch, sampled))
+            self.speculative[(batch, sampled)] = compile_lowered(self._lower_speculative(batch, sampled))
         return self.speculative[(batch, sampled)]
 
     def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
@@ -465,7 +466,8 @@ class CompiledSteps:
                     continue
                 t0 = time.perf_counter()
                 low = jitted.lower(*args)
-                pending[pool.submit(timed, _compile, low)] = (name, store, time.perf_counter() - t0, key, args)
+                fut = pool.submit(timed, compile_lowered, low)
+                pending[fut] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))
         return times

@@ -452,7 +452,7 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
         return f"compiled {low}"
 
     monkeypatch.setattr(steps, "programs", fake_programs)
-    monkeypatch.setattr(step_mod, "_compile", fake_compile)
+    monkeypatch.setattr(step_mod, "compile_lowered", fake_compile)
     reported = []
     times = steps.compile_all([2, 4], [8, 16], progress=lambda name, s: reported.append(name), threads=2)
     order = [name for kind, name in events]
@@ -751,8 +751,8 @@ def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
     monkeypatch.setattr(step, "_options_rejected", [])
     lowered = jax.jit(lambda x: x * 2).lower(np.float32(3))
     with caplog.at_level("WARNING", logger="gemma4_mtp_jax.step"):
-        assert float(step._compile(lowered)(np.float32(3))) == 6.0
-        assert float(step._compile(lowered)(np.float32(4))) == 8.0
+        assert float(step.compile_lowered(lowered)(np.float32(3))) == 6.0
+        assert float(step.compile_lowered(lowered)(np.float32(4))) == 8.0
     assert len(step._options_rejected) == 1 and "NO_SUCH_MODE" in step._options_rejected[0]
     assert sum("compiling without" in r.message for r in caplog.records) == 1
 
