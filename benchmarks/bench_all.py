@@ -15,9 +15,9 @@ recorded and the others go on.
 Beside the matrix (`--hf-models`, default E2B and 31B): transformers' own `generate` at batch 1, greedy, eager
 PyTorch, on the same shapes and context (bench_hf_eager.py), where torch and transformers are installed.
 
-The whole matrix takes longer than one 600 s device call. `--merge OLD.json` keeps the model runs of an earlier
-bench_all.json that succeeded with every batch and k asked for, runs only the others, and writes the union (plots
-included): call it again with the last JSON carried until nothing is left to run. Every row's ratios still come
+The whole matrix takes longer than one 600 s device call. `--merge OLD.json [...]` keeps the model runs of earlier
+bench_all.json files that succeeded, runs only the models left, and writes the union (plots included): call it
+again with the JSONs carried until nothing is left to run. Every row's ratios still come
 from one process.
 """
 
@@ -75,14 +75,18 @@ def run_hf(model: str | None, args) -> dict:
             **_run("bench_hf_eager.py", cmd, "bench_hf_eager.json", args.timeout)}
 
 
-def _kept_runs(path: str, batch: list[int], ks: list[int]) -> list[dict]:
-    """The runs of an earlier bench_all.json that succeeded: a spec run with a row for every batch size and k asked
-    for, a transformers run with its row."""
-    with open(path) as f:
-        runs = json.load(f)["runs"]
-    want = {(b, k) for b in batch for k in ks}
-    return [rec for rec in runs if rec["rc"] == 0 and rec["rows"] and
-            (rec.get("kind", "spec") == "hf_eager" or want <= {(r["batch"], r["k"]) for r in rec["rows"]})]
+def _kept_runs(paths: list[str]) -> list[dict]:
+    """The runs of earlier bench_all.json files that succeeded (exit 0, rows written), the first file's run of a
+    model winning: a run that exits 0 measured every batch size and k it was asked for."""
+    runs, seen = [], set()
+    for path in paths:
+        with open(path) as f:
+            for rec in json.load(f)["runs"]:
+                key = (rec.get("kind", "spec"), rec["model"])
+                if rec["rc"] == 0 and rec["rows"] and key not in seen:
+                    seen.add(key)
+                    runs.append(rec)
+    return runs
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
@@ -148,8 +152,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per bench_spec.py process")
     ap.add_argument("--out", default=None, help="directory of bench_all.json and the plots (default: $OUT or .)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs on CPU)")
-    ap.add_argument("--merge", default=None, metavar="OLD_JSON",
-                    help="an earlier bench_all.json: its successful model runs are kept, not run again")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="OLD_JSON",
+                    help="earlier bench_all.json files: their successful model runs are kept, not run again")
     ap.add_argument("--hf-models", nargs="*", default=["e2b", "31b"], choices=sorted(TARGETS),
                     help="beside the matrix: transformers' own generate at batch 1 (bench_hf_eager.py; needs torch "
                          "and transformers >= 5.24); none to skip")
@@ -157,13 +161,13 @@ def main() -> int:
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
     batch = [2] if args.smoke else args.batch
-    runs = _kept_runs(args.merge, batch, args.k) if args.merge else []
+    runs = _kept_runs(args.merge) if args.merge else []
     done = {(rec.get("kind", "spec"), rec["model"]) for rec in runs}
     todo = [("spec", m) for m in ([None] if args.smoke else args.models)]
     todo += [("hf_eager", m) for m in ([None] if args.smoke else args.hf_models)]
     for kind, model in todo:
         if (kind, model or "smoke") in done:
-            print(f"[{kind} {model or 'smoke'}] kept from {args.merge}", flush=True)
+            print(f"[{kind} {model or 'smoke'}] kept from {' '.join(args.merge)}", flush=True)
             continue
         rec = run_spec(model, batch, args.k, args) if kind == "spec" else run_hf(model, args)
         print(f"[{kind} {rec['model']}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows", flush=True)
@@ -174,12 +178,14 @@ def main() -> int:
     with open(os.path.join(out_dir, "bench_all.json"), "w") as f:
         json.dump({"env": environment(), "config": vars(args), "runs": runs, "plots": pngs}, f, indent=1)
     print(f"\n{'model':6} {'k':>2} {'B':>3} {'decode ms':>9} {'roof%':>6} {'verify ms':>9} {'spec ms':>8} "
-          f"{'spec/dec':>8} {'pipelined: decode':>17} {'roof%':>6} {'spec':>7} {'spec/dec':>8}")
+          f"{'spec/dec':>8} {'pipelined: decode':>17} {'roof%':>6} {'read%':>6} {'spec':>7} {'spec/dec':>8}")
     for r in rows:
         print(f"{r['model']:6} {r['k']:2d} {r['batch']:3d} {r['decode_ms']:9.3f} "
               f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:9.3f} {r['spec_ms']:8.3f} "
               f"{r['spec_over_decode']:8.2f} {r['decode_pipelined_ms']:17.3f} "
-              f"{100 * r['decode_roofline_ms'] / r['decode_pipelined_ms']:6.1f} {r['spec_pipelined_ms']:7.3f} "
+              f"{100 * r['decode_roofline_ms'] / r['decode_pipelined_ms']:6.1f} "
+              f"{100 * r.get('decode_roofline_read_ms', float('nan')) / r['decode_pipelined_ms']:6.1f} "
+              f"{r['spec_pipelined_ms']:7.3f} "
               f"{r['spec_over_decode_pipelined']:8.2f}")
     if hf_rows:
         print("\ntransformers' generate, batch 1, beside this stack's decode step at the smallest batch measured:")

@@ -99,6 +99,16 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     return 2 * x.nbytes / t
 
 
+def read_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
+    """Device read bandwidth in bytes/s through a jitted sum. A decode step mostly reads, and a read stream runs
+    faster than a copy, so a step can beat the copy roofline: this is the stricter bar."""
+    n = int(gib * (1 << 30) / 2)
+    x = jax.random.normal(jax.random.PRNGKey(0), (n,), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    t = median_time(f, (x,), repeats=repeats)
+    return x.nbytes / t
+
+
 def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.ndarray], num_slots: int,
                  sampling: SamplingParams | None = None) -> np.ndarray:
     """A decode or speculative step's packed host inputs (CompiledSteps.inputs) whose rows all bring their token and
