@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, experts_touched, random_pages  # noqa: E402
 from benchmarks.common import (ASSISTANTS, TARGETS, compile_concurrently, copy_bandwidth,  # noqa: E402
-                               environment, fresh_inputs, layout_for, pipelined_time, random_params, read_bandwidth,
+                               environment, fresh_inputs, gemv_bandwidth, layout_for, pipelined_time, random_params,
                                write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
@@ -86,7 +86,7 @@ def timed(fn, state, rest, repeats, warmup=3):
     return statistics.median(times), pipelined_time(call, repeats), box[0]
 
 
-def bench_model(name: str, args, bw: float, read_bw: float) -> Iterator[dict]:
+def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     """Rows of the decode step at each batch size, and of the verify and speculative steps at each batch size and
     k, all of one model in this process: the weights made once, every program compiled before the first is timed
     (compile_concurrently). Yields each row as soon as it is measured."""
@@ -166,7 +166,7 @@ def bench_model(name: str, args, bw: float, read_bw: float) -> Iterator[dict]:
         need = bytes_per_step(tcfg, target.params, B, context, experts_touched=touched)
         decode["decode_roofline_ms"] = need["total"] / bw * 1e3
         decode["decode_roofline_fraction"] = decode["decode_roofline_ms"] / decode["decode_ms"]
-        decode["decode_roofline_read_ms"] = need["total"] / read_bw * 1e3
+        decode["decode_roofline_gemv_ms"] = need["total"] / gemv_bw * 1e3
         for k in ks:
             row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context,
                    "sampled": args.sampled, **decode}
@@ -226,13 +226,14 @@ def main() -> None:
     env = environment()
     print(env, flush=True)
     bw = copy_bandwidth(0.05 if args.smoke else 2.0)
-    read_bw = read_bandwidth(0.05 if args.smoke else 2.0)
-    print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s; read bandwidth {read_bw / 1e12:.3f} TB/s", flush=True)
+    gemv_bw = gemv_bandwidth(0.05 if args.smoke else 2.0)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s; matrix-vector read {gemv_bw / 1e12:.3f} TB/s",
+          flush=True)
     rows = []
     for name in (["smoke"] if args.smoke else args.models):
-        for row in bench_model(name, args, bw, read_bw):
+        for row in bench_model(name, args, bw, gemv_bw):
             rows.append(row)  # written row by row: a process cut short still leaves what it measured
-            write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "read_TBps": read_bw / 1e12,
+            write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "gemv_TBps": gemv_bw / 1e12,
                                            "acceptance_length": args.acceptance_length, "rows": rows})
     print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; projected speedup at mean acceptance length "
           f"{args.acceptance_length}")
