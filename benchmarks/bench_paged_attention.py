@@ -158,6 +158,45 @@ def bench_one(name, shape, *, B, Tq, ctx, args, key, reps, interpret, seed, kern
     return row
 
 
+def _bench_logged(name, shape, B, Tq, ctx, args, key, interpret, seed, kernel_kw) -> dict:
+    """bench_one, its failure recorded rather than raised (one failing shape or tiling must not hide the others),
+    and its line printed."""
+    t0 = time.perf_counter()
+    try:
+        row = bench_one(name, shape, B=B, Tq=Tq, ctx=ctx, args=args, key=key, reps=args.reps, interpret=interpret,
+                        seed=seed, kernel_kw=kernel_kw)
+    except Exception as e:
+        row = dict(name=name, B=B, Tq=Tq, ctx=ctx, error=f"{type(e).__name__}: {e}"[:2000])
+    row["wall_s"] = time.perf_counter() - t0
+    row["asked"] = kernel_kw
+    if "error" in row:
+        print(f"{name} B={B} Tq={Tq} ctx={ctx} {kernel_kw}: ERROR {row['error'][:300]}", flush=True)
+    else:
+        print(f"{name} B={B} Tq={Tq} ctx={ctx}: kernel {row['kernel_us']:.1f} us "
+              f"({row['kernel_GBps']:.0f} GB/s), ref {row['ref_us']:.1f} us, "
+              f"max|err| {row['max_abs_err']:.2e}, rel {row['rel_fro_err']:.2e}, "
+              f"cfg {row['kernel_config']}, first calls {row['first_call_s_kernel']:.1f}/"
+              f"{row['first_call_s_ref']:.1f} s, wall {row['wall_s']:.1f} s", flush=True)
+    return row
+
+
+def _print_sweep(rows: list[dict]) -> None:
+    """Per shape: kernel_config's own tiling (the first row of each shape) against the fastest of the sweep."""
+    print(f"\n{'shape':<12} {'B':>3} {'Tq':>3} {'ctx':>6} {'auto us':>8} {'best us':>8}  best tiling (of n that ran)")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["name"], r["B"], r["Tq"], r["ctx"]), []).append(r)
+    for (name, B, Tq, ctx), rs in groups.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            print(f"{name:<12} {B:>3} {Tq:>3} {ctx:>6}  every tiling failed")
+            continue
+        auto = rs[0].get("kernel_us", float("nan"))
+        best = min(ok, key=lambda r: r["kernel_us"])
+        print(f"{name:<12} {B:>3} {Tq:>3} {ctx:>6} {auto:>8.1f} {best['kernel_us']:>8.1f}  "
+              f"{best['kernel_config']} (of {len(ok)})")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU (kernel in interpret mode)")
@@ -176,7 +215,23 @@ def parse_args(argv=None):
     ap.add_argument("--k-splits", type=int, default=None)
     ap.add_argument("--num-warps", type=int, default=None)
     ap.add_argument("--num-stages", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every tiling of a grid (block rows x key splits x keys per block x warps; the "
+                         "arguments above stay fixed) for each shape beside kernel_config's own choice, and print "
+                         "the fastest")
     return ap.parse_args(argv)
+
+
+SWEEP = dict(block_rows=(16, 32), k_splits=(4, 9, 17, 32, 64), block_k=(16, 32), num_warps=(4, 8))
+
+
+def sweep_configs(fixed: dict) -> list[dict]:
+    """kernel_config's own choice first, then every point of SWEEP, with the arguments given on the command line
+    held fixed."""
+    grid = [{}]
+    for name, values in SWEEP.items():
+        grid = [{**g, name: v} for g in grid for v in ((fixed[name],) if name in fixed else values)]
+    return [dict(fixed)] + [{**fixed, **g} for g in grid if g != fixed]
 
 
 def main(argv=None):
@@ -214,22 +269,10 @@ def main(argv=None):
                 for ctx in ctxs:
                     seed += 1
                     key, sub = jax.random.split(key)
-                    t0 = time.perf_counter()
-                    try:
-                        row = bench_one(name, shape, B=B, Tq=Tq, ctx=ctx, args=args, key=sub, reps=args.reps,
-                                        interpret=interpret, seed=seed, kernel_kw=kernel_kw)
-                    except Exception as e:  # keep going: one failing shape must not hide the others
-                        row = dict(name=name, B=B, Tq=Tq, ctx=ctx, error=f"{type(e).__name__}: {e}"[:2000])
-                    row["wall_s"] = time.perf_counter() - t0
-                    rows.append(row)
-                    if "error" in row:
-                        print(f"{name} B={B} Tq={Tq} ctx={ctx}: ERROR {row['error'][:300]}", flush=True)
-                    else:
-                        print(f"{name} B={B} Tq={Tq} ctx={ctx}: kernel {row['kernel_us']:.1f} us "
-                              f"({row['kernel_GBps']:.0f} GB/s), ref {row['ref_us']:.1f} us, "
-                              f"max|err| {row['max_abs_err']:.2e}, rel {row['rel_fro_err']:.2e}, "
-                              f"cfg {row['kernel_config']}, first calls {row['first_call_s_kernel']:.1f}/"
-                              f"{row['first_call_s_ref']:.1f} s, wall {row['wall_s']:.1f} s", flush=True)
+                    for kw in sweep_configs(kernel_kw) if args.sweep else [kernel_kw]:
+                        rows.append(_bench_logged(name, shape, B, Tq, ctx, args, sub, interpret, seed, kw))
+    if args.sweep:
+        _print_sweep(rows)
 
     total = time.perf_counter() - t_start
     print(f"\ncopy bandwidth {copy['GBps']:.0f} GB/s; total {total:.0f} s")
