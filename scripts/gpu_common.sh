@@ -9,7 +9,19 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"; res=/tmp/$1; mkdir -p "$res/logs"
 run() { echo "== $(date +%T) $*"; "$@"; echo "== rc=$?"; }
 # lim N: N seconds, or fewer when the script's own deadline $end (seconds since it started) comes sooner.
 lim() { local left=$((${end:-600} - SECONDS)); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
-trap 'tar czf "$out/results.tar.gz" -C "$res" .' EXIT
+# The device returns no file over 16 MiB: an archive too big loses everything in it (run 64 lost its matrix JSON
+# beside an HLO dump and a verbose log), so the largest files leave it, one by one, named, until it fits.
+pack_results() {
+  tar czf "$out/results.tar.gz" -C "$res" .
+  while [ "$(stat -c %s "$out/results.tar.gz")" -gt 15000000 ]; do
+    local big; big=$(find "$res" -type f -printf '%s %P\n' | sort -rn | head -1 | cut -d' ' -f2-)
+    [ -n "$big" ] || break
+    echo "== results.tar.gz over 15 MB: left out $big ($(stat -c %s "$res/$big") bytes)"
+    rm -f "$res/$big"
+    tar czf "$out/results.tar.gz" -C "$res" .
+  done
+}
+trap pack_results EXIT
 update_summary() {  # updates of each phase of a probe_dispatch log: count, nodes skipped, mean host time
   python3 - "$1" <<'PY'
 import collections, re, sys
