@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run 71 (issues 10, 11), one call under 590 s; carry `.whl`. Set GIT_COMMIT to the commit the tree is at.
-# 1. Kernels per decode, verify and speculative program for every family at B = 2 and 16 (issue 10's table; only
+# 1. Kernels per decode, verify and speculative program for every family at B = 2 (issue 10's table; only
 #    E2B has been counted so far), from the parameters' shapes, autotuning off.
 # 2. Where the demo pair's slowest cold compile goes (run 64's log of it was lost with an oversized archive):
 #    probe_compile.py under XLA's scoped timers, the timer lines kept, the verbose log left on the device.
@@ -14,7 +14,7 @@ end=${END:-585}
 {
   mkdir -p "$res/kernels"
   run env OUT=$res/kernels XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 200) \
-      python3 benchmarks/kernel_count.py --models e2b e4b 26b 31b --batch 2 16
+      python3 benchmarks/kernel_count.py --models e2b e4b 26b 31b --batch 2
   run env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=1 timeout $(lim 90) python3 benchmarks/probe_compile.py \
       > /tmp/probe_compile.log 2>&1
   grep -aE " time: [0-9.]+ (s|min)" /tmp/probe_compile.log | sort -t: -k2 -rn | head -60 > "$res/probe_compile_timers.txt"
