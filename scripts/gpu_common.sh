@@ -60,3 +60,19 @@ host_overhead() {
     mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
   done
 }
+# Two trees in one call: main's carried as .baseline (without the demo pair's weights, over the carry limit; the
+# same files in both trees, copied in here), this tree the branch. root_of main|branch: a tree's root.
+use_baseline() {
+  local f
+  for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp --update=none "$f" ".baseline/$f"; done
+}
+root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
+# kernels_both ARGS...: benchmarks/kernel_count.py ARGS in each tree (autotuning off), to $res/kernels_{main,branch}.
+kernels_both() {
+  local tree root
+  for tree in main branch; do
+    root=$(root_of $tree); mkdir -p "$res/kernels_$tree"
+    run env OUT=$res/kernels_$tree PYTHONPATH=$root:/tmp/site XLA_FLAGS=--xla_gpu_autotune_level=0 \
+        timeout $(lim 60) python3 "$root/benchmarks/kernel_count.py" "$@"
+  done
+}

@@ -10,15 +10,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run63
 end=${END:-585}
-# .baseline travels without the demo pair's weights (the carry limit); they are the same file in both trees.
-for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp --update=none "$f" ".baseline/$f"; done
-root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
+use_baseline
 {
-  for tree in main branch; do
-    root=$(root_of $tree); mkdir -p "$res/kernels_$tree"
-    run env OUT=$res/kernels_$tree PYTHONPATH=$root:/tmp/site XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 60) \
-        python3 "$root/benchmarks/kernel_count.py" --models e2b --batch 2
-  done
+  kernels_both --models e2b --batch 2
   for round in $(seq 1 ${ROUNDS:-1}); do
     for tree in main branch; do
       root=$(root_of $tree); mkdir -p "$res/spec_${tree}_$round"
