@@ -67,12 +67,13 @@ use_baseline() {
   for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp --update=none "$f" ".baseline/$f"; done
 }
 root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
-# kernels_both ARGS...: benchmarks/kernel_count.py ARGS in each tree (autotuning off), to $res/kernels_{main,branch}.
+# kernels_both ARGS...: benchmarks/kernel_count.py ARGS in each tree (autotuning off), to $res/kernels_{main,branch};
+# "{tree}" in an argument becomes the tree's name (--dump-hlo "$res/hlo_{tree}").
 kernels_both() {
   local tree root
   for tree in main branch; do
     root=$(root_of $tree); mkdir -p "$res/kernels_$tree"
     run env OUT=$res/kernels_$tree PYTHONPATH=$root:/tmp/site XLA_FLAGS=--xla_gpu_autotune_level=0 \
-        timeout $(lim 60) python3 "$root/benchmarks/kernel_count.py" "$@"
+        timeout $(lim 60) python3 "$root/benchmarks/kernel_count.py" "${@//\{tree\}/$tree}"
   done
 }
