@@ -222,7 +222,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-SWEEP = dict(block_rows=(16, 32), k_splits=(4, 9, 17, 32, 64), block_k=(16, 32), num_warps=(4, 8))
+SWEEP = dict(block_rows=(16, 32), k_splits=(1, 2, 4, 9, 17, 32, 64), block_k=(16, 32), num_warps=(4, 8))
 
 
 def sweep_configs(fixed: dict) -> list[dict]:
