@@ -158,6 +158,9 @@ def bench_one(name, shape, *, B, Tq, ctx, args, key, reps, interpret, seed, kern
     return row
 
 
+SWEEP = dict(block_rows=(16, 32), k_splits=(1, 2, 4, 9, 17, 32, 64), block_k=(16, 32), num_warps=(4, 8))
+
+
 def _bench_logged(name, shape, B, Tq, ctx, args, key, interpret, seed, kernel_kw) -> dict:
     """bench_one, its failure recorded rather than raised (one failing shape or tiling must not hide the others),
     and its line printed."""
@@ -219,17 +222,26 @@ def parse_args(argv=None):
                     help="time every tiling of a grid (block rows x key splits x keys per block x warps; the "
                          "arguments above stay fixed) for each shape beside kernel_config's own choice, and print "
                          "the fastest")
-    return ap.parse_args(argv)
+    ap.add_argument("--sweep-grid", nargs="+", default=[], metavar="NAME=V1,V2",
+                    help=f"replace a dimension of the sweep's grid (default {SWEEP}), e.g. block_k=32,64")
+    args = ap.parse_args(argv)
+    args.grid = dict(SWEEP)
+    for item in args.sweep_grid:
+        name, _, values = item.partition("=")
+        if name not in SWEEP or not values:
+            ap.error(f"--sweep-grid {item!r}: expected NAME=V1,V2,... with NAME one of {', '.join(SWEEP)}")
+        try:
+            args.grid[name] = tuple(int(v) for v in values.split(","))
+        except ValueError:
+            ap.error(f"--sweep-grid {item!r}: the values must be integers")
+    return args
 
 
-SWEEP = dict(block_rows=(16, 32), k_splits=(1, 2, 4, 9, 17, 32, 64), block_k=(16, 32), num_warps=(4, 8))
-
-
-def sweep_configs(fixed: dict) -> list[dict]:
-    """kernel_config's own choice first, then every point of SWEEP, with the arguments given on the command line
-    held fixed."""
+def sweep_configs(fixed: dict, dims: dict[str, tuple[int, ...]]) -> list[dict]:
+    """kernel_config's own choice first, then every point of the grid `dims`, with the arguments given on the
+    command line held fixed."""
     grid = [{}]
-    for name, values in SWEEP.items():
+    for name, values in dims.items():
         grid = [{**g, name: v} for g in grid for v in ((fixed[name],) if name in fixed else values)]
     return [dict(fixed)] + [{**fixed, **g} for g in grid if g != fixed]
 
@@ -269,7 +281,7 @@ def main(argv=None):
                 for ctx in ctxs:
                     seed += 1
                     key, sub = jax.random.split(key)
-                    for kw in sweep_configs(kernel_kw) if args.sweep else [kernel_kw]:
+                    for kw in sweep_configs(kernel_kw, args.grid) if args.sweep else [kernel_kw]:
                         rows.append(_bench_logged(name, shape, B, Tq, ctx, args, sub, interpret, seed, kw))
     if args.sweep:
         _print_sweep(rows)

@@ -11,12 +11,12 @@ end=${END:-585}
 {
   mkdir -p "$res/sweep" "$res/sampled_profile"
   run env OUT=$res/sweep timeout $(lim 220) python3 benchmarks/bench_paged_attention.py --sweep \
-      --shapes e2b_full --batch 16 --q-len 5 --ctx 4096
+      --shapes e2b_full --batch 16 --q-len 5 --ctx 4096 --sweep-grid k_splits=4,9,17,32,64
   # Sliding layers at decode: is one split (no merge after the kernel: 28 of E2B's 668 decode kernels are merges)
   # as fast as the split kernel plus its merge?
   mkdir -p "$res/sweep_sliding"
   run env OUT=$res/sweep_sliding timeout $(lim 200) python3 benchmarks/bench_paged_attention.py --sweep \
-      --shapes e2b_sliding --batch 2,16 --q-len 1 --ctx 4096
+      --shapes e2b_sliding --batch 2,16 --q-len 1 --ctx 4096 --sweep-grid block_k=32,64 k_splits=1,2,4,8
   run env OUT=$res/sampled_profile timeout $(lim 120) python3 benchmarks/bench_spec.py --models e2b --batch 16 \
       --sampled --profile
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
