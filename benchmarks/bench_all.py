@@ -161,7 +161,7 @@ def main() -> int:
                     help="earlier bench_all.json files: their successful model runs are kept, not run again")
     ap.add_argument("--hf-models", nargs="*", default=["e2b", "31b"], choices=sorted(TARGETS),
                     help="beside the matrix: transformers' own generate at batch 1 (bench_hf_eager.py; needs torch "
-                         "and transformers >= 5.24); none to skip")
+                         "and transformers >= 5.24); the flag alone, with no model, skips it")
     args = ap.parse_args()
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
