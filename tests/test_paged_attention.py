@@ -228,11 +228,14 @@ def test_kernel_config_defaults():
     assert (cfg.block_rows, cfg.block_k) == (16, 64) and cfg.k_splits >= 4
     assert pa.kernel_config((1, 256, 8, 256), (1, 100, 16, 256), (1, 34), window=512,
                             ring_pages=34).block_rows == 64
-    # E2B full, verify at B = 2: D=512 keeps the accumulator at 32 x 512; 32 splits of the 4096 keys.
+    # E2B full, verify: 40 rows in three 16-row blocks, splits counted per sequence as decode's are (B = 16: 17,
+    # the fastest tiling of run 74's sweep); at B = 2 the merge's reads cap them (42 splits of the 4096 keys).
     cfg = pa.kernel_config((2, 5, 8, 512), (1, 9000, 16, 512), (2, 256))
-    assert (cfg.block_rows, cfg.block_k, cfg.k_splits) == (32, 32, 32)
-    cfg = pa.kernel_config((16, 5, 8, 512), (1, 9000, 64, 512), (16, 512))
-    assert (cfg.block_rows, cfg.block_k) == (32, 32)
+    assert (cfg.block_rows, cfg.block_k, cfg.k_splits) == (16, 32, 42)
+    cfg = pa.kernel_config((16, 5, 8, 512), (1, 9000, 16, 512), (16, 256))
+    assert (cfg.block_rows, cfg.block_k, cfg.k_splits, cfg.num_warps, cfg.num_stages) == (16, 32, 17, 4, 2)
+    decode = pa.kernel_config((16, 1, 8, 512), (1, 9000, 16, 512), (16, 256))
+    assert decode.k_splits == cfg.k_splits
     # Batch 1, long full context: the key range is split to fill the GPU; batch 16 x 16 heads needs no split.
     assert pa.kernel_config((1, 1, 8, 512), (1, 600, 64, 512), (1, 512)).k_splits > 8
     assert pa.kernel_config((16, 1, 32, 256), (16, 600, 64, 256), (16, 9), window=1024,

@@ -185,10 +185,11 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
     nKV, _, page_size, _ = k_pages_shape
     rows = Tq * (nH // nKV)
     br = block_rows or min(_next_pow2(max(16, rows)), max(16, 16384 // D))
-    if block_rows is None and window is not None and rows <= 64:
-        # A sliding layer's keys are few (the window plus the query span), so 16-row blocks, which re-read them
-        # once per block, cost little and give a verify step more programs (benchmarks/RESULTS.md run 39: E2B,
-        # B = 2, 5 query tokens: 43 us with 64-row blocks and 2 splits, 21-24 us with 16-row blocks).
+    if block_rows is None and rows <= 64:
+        # A verify step's few rows go in 16-row blocks: each block re-reads the keys (from L2 for all but the
+        # first), but a program's serial loop is what bounds these shapes, and 16 rows halve it (benchmarks/
+        # RESULTS.md run 39, sliding: 43 us with 64-row blocks, 21-24 us with 16; run 74, E2B full attention at
+        # B = 16 and 5 tokens: 253 us with 32-row blocks, 132 us with 16).
         br = 16
     bk = block_k or (64 if D <= 256 else 32)
     st = num_stages or 2
@@ -217,7 +218,10 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
         if window is not None:
             max_keys = min(max_keys, window + Tq - 1)
         max_blocks = -(-max_keys // bk) + 1
-        programs = B * nKV * n_row_blocks
+        # Splits are counted per (sequence, KV head), as a decode step of the batch would take them: the row
+        # blocks of a verify step add programs on top rather than taking splits away (run 74, E2B full attention,
+        # B = 16, 5 tokens in three 16-row blocks: 17 splits 132 us, 9 splits 147 us, 32 splits 181 us).
+        programs = B * nKV
         if programs >= budget.num_sms:
             k_splits = 1
         else:
