@@ -131,7 +131,7 @@ def _inputs_impl(attention_impl: str) -> str:
 def _attention_inputs(p: Projections, attention_impl: str, **slots) -> tuple[Array, tuple[Array, Array] | None]:
     """(queries, the layer's pages with the new K/V written) from `p`; `slots`: pages, page, offset (with K/V)."""
     return prepare_attention_inputs(p.q, p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
-                                    qkv=p.qkv, impl=_inputs_impl(attention_impl), **slots)
+                                    impl=_inputs_impl(attention_impl), **slots)
 
 
 @flax.struct.dataclass

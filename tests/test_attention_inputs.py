@@ -95,23 +95,3 @@ def test_bad_shapes_are_named():
         ai.attention_inputs_reference(**kw, eps=1e-6)
     with pytest.raises(ValueError, match="impl"):
         ai.prepare_attention_inputs(**kw, **paged, eps=1e-6, impl="cuda")
-
-
-@pytest.mark.parametrize("mode", ["kv", "k_eq_v"])
-def test_kernel_reads_the_projections_side_by_side_as_it_reads_them_apart(mode):
-    """`qkv` (one matmul's output, q | k [| v]) gives bit for bit what q, k and v given apart give; the q, k and v
-    arrays are then only the heads' shapes, so poisoning them shows the kernel read `qkv`."""
-    kw, paged = _case(7, mode=mode, dtype=jnp.bfloat16, B=2, T=5, nH=8, nKV=1, D=256, padding=1)
-    lead = kw["q"].shape[:2]
-    qkv = jnp.concatenate([kw[n].reshape(*lead, -1) for n in ("q", "k", "v") if kw[n] is not None], axis=-1)
-    apart_q, apart_pages = ai.attention_inputs(**kw, **paged, eps=1e-6, interpret=INTERPRET)
-    _, again = _case(7, mode=mode, dtype=jnp.bfloat16, B=2, T=5, nH=8, nKV=1, D=256, padding=1)  # pages were donated
-    poisoned = {**kw, **{n: jnp.full_like(kw[n], jnp.nan) for n in ("q", "k", "v") if kw[n] is not None}}
-    side_q, side_pages = ai.attention_inputs(**poisoned, **again, eps=1e-6, qkv=qkv, interpret=INTERPRET)
-    np.testing.assert_array_equal(np.asarray(side_q, np.float32), np.asarray(apart_q, np.float32))
-    for side, apart in zip(side_pages, apart_pages):
-        np.testing.assert_array_equal(np.asarray(side, np.float32), np.asarray(apart, np.float32))
-    with pytest.raises(ValueError, match="qkv"):
-        ai.attention_inputs(**kw, **again, eps=1e-6, qkv=qkv[..., :-1], interpret=INTERPRET)
-    with pytest.raises(ValueError, match="qkv"):
-        ai.attention_inputs_reference(**kw, **again, eps=1e-6, qkv=qkv.astype(jnp.float32))

@@ -74,13 +74,8 @@ def write_pages(pages: tuple[Array, Array], k: Array, v: Array, page: Array, off
     return kp, vp
 
 
-def _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, qkv=None):
+def _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset):
     *lead, nH, D = q.shape
-    if qkv is not None:
-        width = (nH + sum(0 if a is None else a.shape[-2] for a in (k, v))) * D
-        if qkv.shape != (*lead, width) or qkv.dtype != q.dtype:
-            raise ValueError(f"qkv {qkv.shape} {qkv.dtype} is not q {q.shape}, k {None if k is None else k.shape} and "
-                             f"v {None if v is None else v.shape} side by side: expected {(*lead, width)} {q.dtype}")
     if positions.shape != tuple(lead):
         raise ValueError(f"positions {positions.shape} do not match q {q.shape}")
     if q_norm.shape != (D,) or inv_freq.shape != (D // 2,) or D % 2:
@@ -116,13 +111,10 @@ def normed_and_roped(q: Array, k: Array | None, v: Array | None, q_norm: Array, 
 def attention_inputs_reference(q: Array, k: Array | None, v: Array | None, q_norm: Array, k_norm: Array | None,
                                positions: Array, inv_freq: Array, *, eps: float,
                                pages: tuple[Array, Array] | None = None, page: Array | None = None,
-                               offset: Array | None = None,
-                               qkv: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
+                               offset: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
     """(queries, pages): `normed_and_roped`, the keys and values written into `pages` at (page, offset). k None:
-    queries only (a layer reading another's K/V, or the assistant's), pages None. `qkv`, where given, is q, k and v
-    side by side in one buffer [..., (nH + nKV [+ nKV]) D] (one matmul's output): the kernel reads it in place of
-    concatenating them; here it is only checked."""
-    _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, qkv)
+    queries only (a layer reading another's K/V, or the assistant's), pages None."""
+    _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset)
     queries, keys, values = normed_and_roped(q, k, v, q_norm, k_norm, positions, inv_freq, eps=eps)
     return queries, (None if k is None else write_pages(pages, keys, values, page, offset))
 
@@ -212,7 +204,7 @@ def _compiler_params(interpret: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"), donate_argnames=("pages",))
-def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, qkv, *, eps: float,
+def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, *, eps: float,
                              interpret: bool):
     *lead, nH, D = q.shape
     N = 1
@@ -226,10 +218,9 @@ def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages
         if v is not None:
             v_col = (nH + nKV) * D
             parts.append(v.reshape(*lead, nKV * D).astype(q.dtype))
-    # One operand [N, C]: the projections side by side, as one matmul computed them (`qkv`), or concatenated here.
-    if qkv is None:
-        qkv = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    x = qkv.reshape(N, -1)
+    # One operand [N, C], concatenated along the projections' own last axis: XLA's dot merger computes q, k and v as
+    # one matmul, and a concatenation of its output's slices in order is that output again.
+    x = (jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).reshape(N, -1)
     flat = lambda a: jnp.reshape(a, (N,)).astype(jnp.int32)  # noqa: E731
     args = [flat(positions), x, q_norm, inv_freq.astype(jnp.float32)]
     out_shape = [jax.ShapeDtypeStruct((N, nH, D), q.dtype)]
@@ -254,23 +245,23 @@ def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages
 
 def attention_inputs(q: Array, k: Array | None, v: Array | None, q_norm: Array, k_norm: Array | None,
                      positions: Array, inv_freq: Array, *, eps: float, pages: tuple[Array, Array] | None = None,
-                     page: Array | None = None, offset: Array | None = None, qkv: Array | None = None,
+                     page: Array | None = None, offset: Array | None = None,
                      interpret: bool = False) -> tuple[Array, tuple[Array, Array] | None]:
     """The Pallas kernel; same contract as `attention_inputs_reference`. `pages` are updated in place (donated)."""
-    _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, qkv)
-    return _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, qkv,
-                                    eps=eps, interpret=interpret)
+    _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset)
+    return _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, eps=eps,
+                                    interpret=interpret)
 
 
 def prepare_attention_inputs(q: Array, k: Array | None, v: Array | None, q_norm: Array, k_norm: Array | None,
                              positions: Array, inv_freq: Array, *, eps: float,
                              pages: tuple[Array, Array] | None = None, page: Array | None = None,
-                             offset: Array | None = None, qkv: Array | None = None,
+                             offset: Array | None = None,
                              impl: str = "auto") -> tuple[Array, tuple[Array, Array] | None]:
     """Through the kernel ("pallas"), the reference ("xla"), or "auto": the kernel on GPU, the reference elsewhere."""
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    kwargs = dict(eps=eps, pages=pages, page=page, offset=offset, qkv=qkv)
+    kwargs = dict(eps=eps, pages=pages, page=page, offset=offset)
     if impl == "pallas":
         return attention_inputs(q, k, v, q_norm, k_norm, positions, inv_freq, **kwargs)
     if impl == "xla":

@@ -35,9 +35,6 @@ class Projections:
     positions: Array  # [B, T]
     inv_freq: Array  # [D/2]
     eps: float = flax.struct.field(pytree_node=False)
-    # The same projections side by side, [B, T, (nH + nKV [+ nKV]) D], where the layer computed them as one matmul:
-    # the attention-inputs kernel reads this one buffer instead of concatenating q, k and v again.
-    qkv: Array | None = None
 
     def normed_and_roped(self) -> tuple[Array, Array | None, Array | None]:
         """(queries, keys, values) in plain XLA; keys and values None for a layer with queries only."""

@@ -5,12 +5,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, gelu_tanh, rope_inv_freq
-from gemma4_mtp_jax.sharding import tensor_parallel_size
 
 Array = jax.Array
 
@@ -31,27 +29,15 @@ class Attention(nn.Module):
         D, nH, nKV = lc.head_dim, cfg.num_heads, lc.num_kv_heads
         norm_weight = lambda name: Weight((D,), self.param_dtype, nn.initializers.ones, name=name)()  # noqa: E731
 
-        k = v = k_norm = qkv = None
-        # attention_k_eq_v full layers use the un-normed, un-roped K projection as V (no v_proj).
-        names = ("q_proj",) if lc.kv_mode == "reuse" else ("q_proj", "k_proj") + (() if lc.k_eq_v else ("v_proj",))
-        widths = {"q_proj": nH * D, "k_proj": nKV * D, "v_proj": nKV * D}
-        if len(names) > 1 and tensor_parallel_size() == 1:
-            # One matmul over the three weights side by side (the GEMM reads their concatenation in place), its
-            # output handed whole to the attention-inputs kernel: XLA's own merge of the three matmuls left a copy
-            # that put the slices back together before the kernel (benchmarks/RESULTS.md, fifteenth session).
-            # Under tensor parallelism q and k / v split by different heads, so each keeps its own matmul.
-            w = jnp.concatenate([Weight((widths[n], x.shape[-1]), self.param_dtype, name=n)() for n in names])
-            qkv = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))  # [B, T, (nH + nKV [+ nKV]) D]
-            parts = jnp.split(qkv, np.cumsum([widths[n] for n in names])[:-1].tolist(), axis=-1)
-        else:
-            parts = [Linear(widths[n], self.param_dtype, name=n)(x) for n in names]
-        q = parts[0].reshape(B, T, nH, D)
-        if len(parts) > 1:
-            k = parts[1].reshape(B, T, nKV, D)
-            v = parts[2].reshape(B, T, nKV, D) if len(parts) > 2 else None
+        q = Linear(nH * D, self.param_dtype, name="q_proj")(x).reshape(B, T, nH, D)
+        k = v = k_norm = None
+        if lc.kv_mode != "reuse":
+            k = Linear(nKV * D, self.param_dtype, name="k_proj")(x).reshape(B, T, nKV, D)
+            # attention_k_eq_v full layers use the un-normed, un-roped K projection as V (v None).
+            v = None if lc.k_eq_v else Linear(nKV * D, self.param_dtype, name="v_proj")(x).reshape(B, T, nKV, D)
             k_norm = norm_weight("k_norm")
         p = Projections(q, k, v, norm_weight("q_norm"), k_norm, positions,
-                        rope_inv_freq(cfg.rope[lc.layer_type], D), cfg.rms_norm_eps, qkv)
+                        rope_inv_freq(cfg.rope[lc.layer_type], D), cfg.rms_norm_eps)
         q, kv = kv.prepare(self.layer, p)
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
         out = kv.attend(lc.kv_source, q, positions, window)  # [B, T, nH, D]
