@@ -8,9 +8,7 @@ Paths timed per T (hn [T, 256] bf16; table [262144, 256] bf16; 2048 centroids; t
     pallas_full    select_centroids (XLA) -> Pallas argmax kernel -> chunk combine
     pallas_kernel  the Pallas argmax kernel + combine alone (top precomputed)
     pallas_sparse  the Pallas sparse-logits kernel alone ([T, 4096] logits + ids)
-    select         select_centroids alone (scores matmul + top-k in passes of 16, `top_k_indices`)
-    select_sort    the scores matmul + one jax.lax.top_k(K) (XLA sorts each row for K > 16): the select before
-    pallas_full_sort  pallas_full with select_sort
+    select         select_centroids alone (scores matmul + top_k)
     dense_full     full-vocab logits [T,256]x[256,262144] + argmax, for comparison
 Correctness first (Pallas vs XLA: token ids equal, logits close), then timing.
 
@@ -149,13 +147,6 @@ def main():
     def select(h, tp):
         return ch.select_centroids(h, centroids, K)
 
-    def select_sort(h, tp):
-        scores = jnp.einsum("th,ch->tc", h, centroids.astype(h.dtype))
-        return jax.lax.top_k(scores, K)[1].astype(jnp.int32)
-
-    def pallas_full_sort(h, tp):
-        return ch.centroid_argmax(h, select_sort(h, tp), table, ordering, rows_per_centroid=R, interpret=interpret)
-
     def dense_full(h, tp):
         lg = jnp.einsum("th,vh->tv", h, table, preferred_element_type=jnp.float32)
         j = jnp.argmax(lg, axis=-1)
@@ -165,8 +156,7 @@ def main():
         return ch.centroid_sparse_logits_reference(h, tp, table, ordering, rows_per_centroid=R)
 
     paths = dict(xla_full=xla_full, pallas_full=pallas_full, pallas_kernel=pallas_kernel,
-                 pallas_sparse=pallas_sparse, select=select, select_sort=select_sort,
-                 pallas_full_sort=pallas_full_sort, dense_full=dense_full)
+                 pallas_sparse=pallas_sparse, select=select, dense_full=dense_full)
     row_bytes = K * R * Ha * 2  # per token
     results = {"backend": backend, "device": str(getattr(dev, "device_kind", dev)), "jax": jax.__version__,
                "dims": dict(Ha=Ha, V=V, C=C, K=K, R=R), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
@@ -223,7 +213,7 @@ def main():
                 nbytes = V * Ha * 2
             elif name in ("pallas_kernel", "pallas_sparse"):
                 nbytes = T * row_bytes
-            elif name.startswith("select"):
+            elif name == "select":
                 nbytes = C * Ha * 2
             else:
                 nbytes = T * row_bytes + C * Ha * 2

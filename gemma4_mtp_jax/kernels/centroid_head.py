@@ -18,7 +18,6 @@ exact in float32, so only the summation order differs between the XLA reference 
 
 Functions:
     select_centroids(hn, centroids, top_k)                                  -> top [T, K] int32 (plain XLA)
-    top_k_indices(scores, k)                        -> lax.top_k's indices, in passes XLA's GPU top-k kernel takes
     centroid_argmax_reference / centroid_argmax                             -> (token [T] int32, logit [T] f32)
     centroid_sparse_logits_reference / centroid_sparse_logits               -> (logits [T, K*R] f32, ids [T, K*R] i32)
     centroid_head(..., mode="argmax"|"sparse", impl="auto"|"pallas"|"xla")  -> dispatcher
@@ -57,7 +56,6 @@ except Exception:  # pragma: no cover - a JAX without the Triton backend
 
 __all__ = [
     "select_centroids",
-    "top_k_indices",
     "centroid_argmax_reference",
     "centroid_argmax",
     "centroid_sparse_logits_reference",
@@ -75,34 +73,12 @@ _NEG_INF = float("-inf")
 # --------------------------------------------------------------------------------------------------------------
 
 
-# XLA's GPU top-k kernel takes k <= 16; a larger k sorts every row (benchmarks/RESULTS.md, run 1: top-32 of 2048
-# scores 11 us in bf16, 15-47 us in float32).
-_TOP_K_PER_PASS = 16
-
-
-def top_k_indices(scores: Array, k: int) -> Array:
-    """`jax.lax.top_k(scores, k)[1]` as int32 [T, k], found in passes of at most 16: each pass takes the best of
-    what the earlier passes left (their picks masked to -inf), so the order is top_k's own (descending score,
-    lower index first on ties) wherever the k best scores are above -inf."""
-    if k <= _TOP_K_PER_PASS:
-        return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
-    columns = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-    picks, left = [], scores
-    while sum(p.shape[-1] for p in picks) < k:
-        n = min(_TOP_K_PER_PASS, k - sum(p.shape[-1] for p in picks))
-        idx = jax.lax.top_k(left, n)[1].astype(jnp.int32)  # [T, n]
-        picks.append(idx)
-        taken = jnp.any(columns[None, None, :] == idx[:, :, None], axis=1)  # [T, C]
-        left = jnp.where(taken, -jnp.inf, left)
-    return jnp.concatenate(picks, axis=-1)
-
-
 def select_centroids(hn: Array, centroids: Array, top_k: int) -> Array:
     """top [T, K] int32: the K best clusters by the raw score hn @ centroids.T (`centroids` is [C, Ha], PyTorch
     layout). Computed as the assistant's `Linear` does (weight cast to hn's dtype, default precision), so this
     equals `CentroidHead`'s selection; `jax.lax.top_k` order (descending score, lower index first on ties)."""
     scores = jnp.einsum("th,ch->tc", hn, centroids.astype(hn.dtype))
-    return top_k_indices(scores, top_k)
+    return jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
 
 
 def _check_shapes(hn, top, ordered_embedding, token_ordering, suppress):
