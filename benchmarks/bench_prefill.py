@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the page tables' width in tokens (default: the prompt + 16). The XLA path attends over "
+                         "the whole width, the kernel over the keys written so far")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
@@ -69,7 +72,10 @@ def main() -> None:
         dtype = jnp.float32 if name == "smoke" else jnp.dtype(args.dtype).type
         prompt_len, chunk = (100, 32) if name == "smoke" else (args.prompt, args.chunk)
         target = Target(cfg, random_params(abstract_target_params(cfg, dtype)), dtype, None, {})
-        layout = layout_for(cfg, 1, page_size=args.page_size, max_model_len=prompt_len + 16, prefill_chunk=chunk)
+        max_len = args.max_model_len or prompt_len + 16
+        if max_len < prompt_len + 16:
+            ap.error(f"--max-model-len {max_len} must hold the prompt and 16 tokens more ({prompt_len + 16})")
+        layout = layout_for(cfg, 1, page_size=args.page_size, max_model_len=max_len, prefill_chunk=chunk)
         rng = np.random.default_rng(0)
         prompt = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
         tables = {g: rng.permutation(np.arange(1, layout.pages(g)))[:w][None].astype(np.int32)
@@ -92,7 +98,8 @@ def main() -> None:
                 samples.append(time.perf_counter() - t0)
             times[impl] = (statistics.median(samples), compile_s)
             del state, steps
-        row = {"model": name, "dtype": jnp.dtype(dtype).name, "prompt": prompt_len, "chunk": chunk}
+        row = {"model": name, "dtype": jnp.dtype(dtype).name, "prompt": prompt_len, "chunk": chunk,
+               "max_model_len": max_len}
         for impl, (t, c) in times.items():
             row[f"{impl}_ms"] = t * 1e3
             row[f"{impl}_tok_per_s"] = prompt_len / t
@@ -104,9 +111,10 @@ def main() -> None:
         print(row, flush=True)
         del target
     write_json("bench_prefill.json", {"env": env, "rows": rows})
-    print(f"\n{'model':6} {'prompt':>6} {'chunk':>5} {'pallas ms':>10} {'xla ms':>10} {'pallas tok/s':>12} {'rel err':>8}")
+    print(f"\n{'model':6} {'prompt':>6} {'chunk':>5} {'max len':>7} {'pallas ms':>10} {'xla ms':>10} {'pallas tok/s':>12} {'rel err':>8}")
     for r in rows:
-        print(f"{r['model']:6} {r['prompt']:6d} {r['chunk']:5d} {r.get('pallas_ms', float('nan')):10.1f} "
+        print(f"{r['model']:6} {r['prompt']:6d} {r['chunk']:5d} {r['max_model_len']:7d} "
+              f"{r.get('pallas_ms', float('nan')):10.1f} "
               f"{r['xla_ms']:10.1f} {r.get('pallas_tok_per_s', float('nan')):12.0f} "
               f"{r.get('rel_err_last_kv', float('nan')):8.1e}")
 

@@ -236,6 +236,15 @@ def test_kernel_config_defaults():
     assert (cfg.block_rows, cfg.block_k, cfg.k_splits, cfg.num_warps, cfg.num_stages) == (16, 32, 17, 4, 2)
     decode = pa.kernel_config((16, 1, 8, 512), (1, 9000, 16, 512), (16, 256))
     assert decode.k_splits == cfg.k_splits
+    # A 256-token prefill chunk after 2048 tokens: E2B's one KV head gives 64 (full) or 32 (sliding) row blocks,
+    # so splits bring the programs up to one wave of the SMs (run 78's fastest tilings: 2 and 4 splits); 31B's
+    # four KV heads fill the SMs with row blocks alone.
+    prefill = pa.kernel_config((1, 256, 8, 512), (1, 577, 16, 512), (1, 144), budget=HOPPER)
+    assert (prefill.block_rows, prefill.k_splits, prefill.num_warps) == (32, 2, 8)
+    prefill = pa.kernel_config((1, 256, 8, 256), (1, 197, 16, 256), (1, 49), window=512, ring_pages=49,
+                               budget=HOPPER)
+    assert (prefill.block_rows, prefill.k_splits) == (64, 4)
+    assert pa.kernel_config((1, 256, 32, 512), (4, 577, 16, 512), (1, 144), budget=HOPPER).k_splits == 1
     # Batch 1, long full context: the key range is split to fill the GPU; batch 16 x 16 heads needs no split.
     assert pa.kernel_config((1, 1, 8, 512), (1, 600, 64, 512), (1, 512)).k_splits > 8
     assert pa.kernel_config((16, 1, 32, 256), (16, 600, 64, 256), (16, 9), window=1024,

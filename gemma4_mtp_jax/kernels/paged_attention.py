@@ -231,6 +231,11 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
             rows_padded = n_row_blocks * br
             k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // 2,
                                   max_keys // (2 * rows_padded), 64))
+            # A prefill chunk's many rows are bound by arithmetic, not by K/V bytes, so the merge's cap above
+            # leaves it one split, and its row blocks alone may not fill the SMs (E2B's full layer, 256 queries:
+            # 64 programs on 132 SMs). So as many splits as keep the programs within one wave (run 78, after 2048
+            # tokens: E2B full 320 -> 179 us at 2 splits; sliding, 64-row blocks, 69 -> 50 us at 4).
+            k_splits = max(k_splits, min(budget.num_sms // (programs * n_row_blocks), max_blocks // 2, 64))
     return KernelConfig(int(br), int(bk), int(k_splits), int(warps()), int(st))
 
 
