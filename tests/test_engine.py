@@ -460,6 +460,18 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
     assert sorted(reported) == sorted(order) == sorted(times) and stored == {n: f"compiled {n}" for n in order}
 
 
+def test_programs_are_listed_costliest_first(engines):
+    """compile_all starts programs in this order: sampling's step programs, then the greedy ones, larger buckets
+    first, then prefill, longer chunks first (the order of their compile times on the H200, run 79)."""
+    import re
+
+    names = [name for name, _, _ in engines("e2b").steps.programs([2, 4], [8, 16])]
+    steps = [(bool(re.search(r",sampled\]$", n)), int(re.search(r"\[(\d+)", n).group(1)))
+             for n in names if not n.startswith("prefill")]
+    assert steps == [(True, 4), (True, 2), (False, 4), (False, 2)]
+    assert [n for n in names if n.startswith("prefill")] == ["prefill[1x16]", "prefill[1x8]"]
+
+
 def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, monkeypatch):
     """A device out of memory while the engine places its weights, allocates its pools or compiles (XLA's
     autotuner allocates too) is said in the engine's terms: what takes the memory and which settings help."""
