@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep of the argmax kernel")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping after this many seconds")
+    ap.add_argument("--paths", nargs="+", default=None, help="time only these paths (default: all; see above)")
     args = ap.parse_args()
 
     backend = jax.default_backend()
@@ -157,6 +158,11 @@ def main():
 
     paths = dict(xla_full=xla_full, pallas_full=pallas_full, pallas_kernel=pallas_kernel,
                  pallas_sparse=pallas_sparse, select=select, dense_full=dense_full)
+    if args.paths:
+        unknown = sorted(set(args.paths) - set(paths))
+        if unknown:
+            ap.error(f"--paths: unknown {', '.join(unknown)}; known: {', '.join(paths)}")
+        paths = {n: f for n, f in paths.items() if n in args.paths}
     row_bytes = K * R * Ha * 2  # per token
     results = {"backend": backend, "device": str(getattr(dev, "device_kind", dev)), "jax": jax.__version__,
                "dims": dict(Ha=Ha, V=V, C=C, K=K, R=R), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
@@ -224,7 +230,9 @@ def main():
                 f"{gbs or 0:8.0f} GB/s ({nbytes / 2**20:.2f} MiB)  compile {c1 + cn:.1f}s")
 
         # ---- launch-config sweep of the argmax kernel alone
-        if not args.no_sweep:
+        if not args.no_sweep and "pallas_kernel" not in res["paths"]:
+            log("sweep: skipped (it is timed against pallas_kernel, which --paths left out)")
+        elif not args.no_sweep:
             t1 = res["paths"]["pallas_kernel"]["single_call_us"] * 1e-6
             for bp, nw in sweep_cfgs.get(T, []):
                 if bp > R:
