@@ -10,6 +10,7 @@ greedy batch launches, by kind (kernels_max: a batch that samples), and the host
 
     python benchmarks/kernel_count.py --models e2b 31b --batch 2 16          # on the GPU
     python benchmarks/kernel_count.py --models demo --batch 2 --dump-hlo /tmp/hlo
+    python benchmarks/kernel_count.py --models e2b --batch 2 --programs verify speculative --by-scope 3
 
 JSON to $OUT/kernel_count.json when $OUT is set.
 """
@@ -76,10 +77,35 @@ def _kind(opcode: str, line: str) -> str:
     return opcode
 
 
-def count_kernels(text: str, branch: str = "max") -> collections.Counter:
-    """Kernels one execution of the module launches, by kind (see the module docstring). At each conditional the
-    branch with the most kernels is counted (branch "max": e.g. a batch that samples), or the fewest ("min": a
-    greedy batch, whose sampling branches are skipped)."""
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _scope(line: str, comps: dict[str, list[str]], depth: int) -> str:
+    """Where in the model a kernel comes from: the JAX name stack of its instruction (a fusion without metadata of
+    its own: its root's), the program's own jit and the inner jits dropped but `draft_step` (the assistant's step,
+    traced once), numbered modules merged (layers_3 -> layers_*), cut after `depth` names."""
+    m = _OP_NAME.search(line)
+    callee = re.search(r"calls=%?([\w.\-]+)", line)
+    if not m and callee:
+        root = next((ln for ln in comps.get(callee.group(1), []) if ln.lstrip().startswith("ROOT")), "")
+        m = _OP_NAME.search(root)
+    if not m:
+        return "(no name)"
+    names = []
+    for part in m.group(1).split("/")[1:]:
+        if part.startswith("jit("):
+            if part == "jit(draft_step)":
+                names.append("draft_step")
+            continue
+        names.append(re.sub(r"_\d+$", "_*", part))
+    return "/".join(names[:depth]) or "(top level)"
+
+
+def count_kernels(text: str, branch: str = "max", scope_depth: int | None = None) -> collections.Counter:
+    """Kernels one execution of the module launches, by kind (see the module docstring), or with `scope_depth` by
+    where in the model they come from (`_scope`). At each conditional the branch with the most kernels is counted
+    (branch "max": e.g. a batch that samples), or the fewest ("min": a greedy batch, whose sampling branches are
+    skipped)."""
     entry, comps = parse_hlo(text)
     pick = max if branch == "max" else min
 
@@ -121,15 +147,20 @@ def count_kernels(text: str, branch: str = "max") -> collections.Counter:
                     continue
             if opcode in ("async-done", "async-update"):
                 continue
-            out[_kind(opcode, line)] += times
+            out[_kind(opcode, line) if scope_depth is None else _scope(line, comps, scope_depth)] += times
     total: collections.Counter = collections.Counter()
     walk(entry, 1, total)
     return total
 
 
-def summarize(text: str) -> dict:
-    """kernels: with every conditional's smaller branch (a greedy batch); kernels_max: with the larger one."""
+def summarize(text: str, scope_depth: int | None = None) -> dict:
+    """kernels: with every conditional's smaller branch (a greedy batch); kernels_max: with the larger one;
+    by_scope (with `scope_depth`): a greedy batch's kernels by where in the model they come from."""
     out = {}
+    if scope_depth is not None:
+        scopes = count_kernels(text, "min", scope_depth)
+        out["by_scope"] = dict(sorted(((k, v) for k, v in scopes.items() if not k.endswith("-sync")),
+                                      key=lambda kv: -kv[1]))
     for branch in ("min", "max"):
         counter = count_kernels(text, branch)
         kernels = {k: v for k, v in counter.items() if not k.endswith("-sync")}
@@ -193,6 +224,9 @@ def main() -> None:
     ap.add_argument("--programs", nargs="+", default=["decode", "verify", "speculative"],
                     choices=["decode", "verify", "speculative", "decode_sampled", "speculative_sampled"])
     ap.add_argument("--dump-hlo", default=None, help="write each program's optimized HLO (gzip) here")
+    ap.add_argument("--by-scope", type=int, default=None, metavar="DEPTH",
+                    help="also count each program's kernels by where in the model they come from (the name stack "
+                         "cut after DEPTH names, e.g. 3: draft_step/Gemma4Assistant/layers_*), and print them")
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
@@ -209,7 +243,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 text = lower().compile().as_text()
                 row[f"{prog}_compile_s"] = round(time.perf_counter() - t0, 2)
-                row[prog] = summarize(text)
+                row[prog] = summarize(text, args.by_scope)
                 if args.dump_hlo:
                     os.makedirs(args.dump_hlo, exist_ok=True)
                     with gzip.open(os.path.join(args.dump_hlo, f"{name}_{prog}_b{B}.hlo.txt.gz"), "wt") as f:
@@ -225,6 +259,13 @@ def main() -> None:
     def cell(r, key, fmt="7d"):
         v = r[key]["kernels"] if isinstance(r.get(key), dict) else r.get(key)
         return format(v, fmt) if v is not None else f"{'-':>7}"
+
+    for r in rows if args.by_scope is not None else []:
+        for prog in args.programs:
+            if prog in r:
+                print(f"\n{r['model']} B={r['batch']} {prog}: kernels by scope")
+                for scope, n in r[prog]["by_scope"].items():
+                    print(f"  {n:6d}  {scope}")
 
     print(f"\n{'model':6} {'B':>3} {'decode':>7} {'/layer':>7} {'verify':>7} {'spec':>7} {'/draft':>7} {'syncs':>7}")
     for r in rows:
