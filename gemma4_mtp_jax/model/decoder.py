@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
+from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
-from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, gelu_tanh, rope_inv_freq
+from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
+from gemma4_mtp_jax.sharding import tensor_parallel_size
 
 Array = jax.Array
+
+
+def splits_for(x: Array, K: int, N: int) -> int:
+    """How many parts the contraction of a projection of x (K -> N) is split into, its partials summed by the norm
+    kernel after it (kernels/split_k.py); 1 under tensor parallelism, whose row-parallel projections are sharded
+    along K and summed by an all-reduce."""
+    return 1 if tensor_parallel_size() > 1 else plan_splits(math.prod(x.shape[:-1]), K, N)
 
 
 class Attention(nn.Module):
@@ -23,7 +34,7 @@ class Attention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, kv: KVView) -> tuple[Array, KVView]:
+    def __call__(self, x: Array, positions: Array, kv: KVView) -> tuple[Array | SplitSum, KVView]:
         cfg, lc = self.cfg, self.cfg.layers[self.layer]
         B, T, _ = x.shape
         D, nH, nKV = lc.head_dim, cfg.num_heads, lc.num_kv_heads
@@ -40,40 +51,50 @@ class Attention(nn.Module):
                         rope_inv_freq(cfg.rope[lc.layer_type], D), cfg.rms_norm_eps)
         q, kv = kv.prepare(self.layer, p)
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
-        out = kv.attend(lc.kv_source, q, positions, window)  # [B, T, nH, D]
-        return Linear(cfg.hidden_size, self.param_dtype, name="o_proj")(out.reshape(B, T, nH * D)), kv
+        out = kv.attend(lc.kv_source, q, positions, window).reshape(B, T, nH * D)
+        o_proj = Linear(cfg.hidden_size, self.param_dtype, name="o_proj")
+        return o_proj(out, splits_for(out, nH * D, cfg.hidden_size)), kv
 
 
 class DecoderLayer(nn.Module):
     """Sandwich-norm attention and feed-forward blocks [+ MoE beside the MLP] [+ per-layer input], then the
-    whole residual stream times `layer_scalar`."""
+    whole residual stream times `layer_scalar`.
+
+    The post-norms of o_proj and down_proj (and the per-layer-input gate) go through kernels/split_k.py, which adds
+    the partial products of a projection split along its contraction in the same kernel; for an unsplit projection
+    it is the plain math. `per_layer_input` is (the stack of every layer's [L, B, T, P], this layer's index)."""
 
     cfg: TextConfig
     layer: int
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, kv: KVView, per_layer_input: Array | None = None):
+    def __call__(self, x: Array, positions: Array, kv: KVView, per_layer_input: tuple[Array, Array] | None = None):
         cfg, lc = self.cfg, self.cfg.layers[self.layer]
-        H, pd = cfg.hidden_size, self.param_dtype
-        norm = lambda name: RMSNorm(cfg.rms_norm_eps, True, pd, name=name)  # noqa: E731
+        H, pd, eps = cfg.hidden_size, self.param_dtype, cfg.rms_norm_eps
+        norm = lambda name: RMSNorm(eps, True, pd, name=name)  # noqa: E731
+        norm_weight = lambda name: Weight((H,), pd, nn.initializers.ones, name=name)()  # noqa: E731
 
         residual = x
         a, kv = Attention(cfg, self.layer, pd, name="self_attn")(norm("input_layernorm")(x), positions, kv)
-        x = residual + norm("post_attention_layernorm")(a)
+        x, mlp_input = add_normed(a, residual, norm_weight("post_attention_layernorm"), eps=eps,
+                                  next_weight=norm_weight("pre_feedforward_layernorm"))
 
         residual = x
-        f = MLP(H, lc.intermediate_size, pd, name="mlp")(norm("pre_feedforward_layernorm")(x))
+        splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H)
+        f = MLP(H, lc.intermediate_size, pd, name="mlp")(mlp_input, splits)
         if cfg.enable_moe_block:
-            weights, idx = Router(cfg.num_experts, cfg.top_k_experts, cfg.rms_norm_eps, pd, name="router")(residual)
+            weights, idx = Router(cfg.num_experts, cfg.top_k_experts, eps, pd, name="router")(residual)
             e = Experts(cfg.num_experts, cfg.moe_intermediate_size, pd, name="experts")(
                 norm("pre_feedforward_layernorm_2")(residual), weights, idx
             )
             f = norm("post_feedforward_layernorm_1")(f) + norm("post_feedforward_layernorm_2")(e)
-        x = residual + norm("post_feedforward_layernorm")(f)
+        x, _ = add_normed(f, residual, norm_weight("post_feedforward_layernorm"), eps=eps)
 
         if cfg.hidden_size_per_layer_input:
-            g = gelu_tanh(Linear(cfg.hidden_size_per_layer_input, pd, name="per_layer_input_gate")(x)) * per_layer_input
+            P = cfg.hidden_size_per_layer_input
+            gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P))
+            g = gelu_gate(gate, *per_layer_input)
             x = x + norm("post_per_layer_input_norm")(Linear(H, pd, name="per_layer_projection")(g))
 
         layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), pd)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
+from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
 from gemma4_mtp_jax.sharding import expert_parallel
 
 Array = jax.Array
@@ -51,15 +52,17 @@ class Weight(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T with the PyTorch `[out, in]` weight layout (no bias anywhere in Gemma 4)."""
+    """y = x @ weight.T with the PyTorch `[out, in]` weight layout (no bias anywhere in Gemma 4). With `splits` > 1
+    the contraction is split in that many parts and the unsummed partial products are returned (a `SplitSum`), for
+    a consumer that adds them in its own kernel (kernels/split_k.py)."""
 
     features: int
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
         w = self.param("weight", nn.initializers.normal(0.02), (self.features, x.shape[-1]), self.param_dtype)
-        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype))
+        return split_matmul(x, w, splits)
 
 
 def scaled_embedding_lookup(table: Array, ids: Array, hidden_size: int) -> Array:
@@ -77,17 +80,17 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Array:
 
 
 class MLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x))."""
+    """down(gelu_tanh(gate(x)) * up(x)); down_proj split in `splits` parts (see `Linear`)."""
 
     hidden_size: int
     intermediate_size: int
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
         gate = Linear(self.intermediate_size, self.param_dtype, name="gate_proj")(x)
         up = Linear(self.intermediate_size, self.param_dtype, name="up_proj")(x)
-        return Linear(self.hidden_size, self.param_dtype, name="down_proj")(gelu_tanh(gate) * up)
+        return Linear(self.hidden_size, self.param_dtype, name="down_proj")(gelu_tanh(gate) * up, splits)
 
 
 class Router(nn.Module):

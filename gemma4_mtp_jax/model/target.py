@@ -50,7 +50,8 @@ def _layer_program(cfg: TextConfig, rep: int, param_dtype) -> Callable:
     return traced_once((cfg,), ("decoder_layer", rep, jnp.dtype(param_dtype).name), build)
 
 
-def _run_layer(cfg: TextConfig, i: int, param_dtype, params, x: Array, positions: Array, kv, ple: Array | None):
+def _run_layer(cfg: TextConfig, i: int, param_dtype, params, x: Array, positions: Array, kv,
+               ple: tuple[Array, Array] | None):
     """Decoder layer i on a view that can be narrowed (`only`/`absorb`), run as its kind's representative."""
     rep = representative(cfg, i)
     layers = {cfg.layers[rep].kv_source: cfg.layers[i].kv_source}  # the K/V it attends to
@@ -97,7 +98,8 @@ class Gemma4Target(nn.Module):
         # tracing 60 layers one by one took 2-6 s per step program at 31B, the critical path of start-up.
         traced_once = hasattr(kv, "only") and not self.is_initializing()
         for i, layer in enumerate(self.layers):
-            ple_i = None if ple is None else ple[i]
+            # The whole stack and the layer's index: the kernel after per_layer_input_gate reads the layer's slice.
+            ple_i = None if ple is None else (ple, jnp.int32(i))
             if traced_once:
                 x, kv = _run_layer(cfg, i, self.param_dtype, self.variables["params"][f"layers_{i}"], x, positions,
                                    kv, ple_i)

@@ -1,0 +1,264 @@
+"""A matmul with few rows split over its contraction, its partial sums added by the kernel that consumes them.
+
+At decode a projection has a handful of rows (the batch) and thousands of columns: to keep every SM busy, XLA
+splits the contraction K into S parts (split K), one GEMM kernel writes S partial products, and a second kernel
+adds them. The norm after the projection is a third. Gemma 4's sandwich norms put such a pair after o_proj,
+down_proj and (E2B / E4B) per_layer_input_gate in every layer: at E2B decode that is 3 of a layer's ~19 kernels,
+each a few microseconds of fixed cost (benchmarks/RESULTS.md, issue 10).
+
+Here the split is written out: `SplitSum` holds the S partial products of `x @ w.T` (one batched matmul, so XLA
+still runs one GEMM kernel over S x (column tiles) programs), and the consumer adds them up in its own kernel:
+- `add_normed(y, residual, weight, next_weight=None)`: h = residual + rms_norm(y, weight) and, optionally,
+  rms_norm(h, next_weight) — post_attention_layernorm + residual + pre_feedforward_layernorm, or
+  post_feedforward_layernorm + residual;
+- `gelu_gate(y, multiplier, index)`: gelu_tanh(y) * multiplier[index] — the per-layer-input gate, reading its
+  layer's per-layer input out of the stack of all layers' (so no kernel copies the slice out first).
+`y` may also be a plain array (a projection that was not split): then both are the model's plain XLA math.
+
+Two implementations with one contract: the `*_reference` functions (plain XLA: the sum, then the model's math) and
+the Pallas kernel (Triton lowering on GPU, `interpret=True` anywhere). Grid: one program per row; the row is
+processed in power-of-two chunks of the width (1536 = 3 x 512), with the S partials summed in float32. Rounding
+follows the reference: the sum rounded to the activations' dtype (what the matmul returns), each norm in float32
+rounded after its weight, the residual add and the gate's product rounded once each.
+
+`plan_splits(rows, K, N)` decides S (1: do not split) from the shape alone, so a program's plan is the same on
+every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
+
+Array = jax.Array
+
+__all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "add_normed", "add_normed_reference", "gelu_gate",
+           "gelu_gate_reference"]
+
+MAX_ROWS = 16  # more rows than a decode batch: XLA's own GEMM plan is left alone (verify, prefill)
+MIN_SPLIT_K = 64  # contraction per part: shorter parts make the partials' bytes rival the weights'
+MAX_SPLITS = 16
+_COLUMN_TILE = 64  # the column tile a skinny GEMM takes, for counting its programs
+
+
+class SplitSum(NamedTuple):
+    """The S partial products of a matmul, [S, ..., N] float32, awaiting their sum in `dtype`."""
+
+    partials: Array
+    dtype: jnp.dtype
+
+
+def plan_splits(rows: int, K: int, N: int, budget: GpuBudget | None = None) -> int:
+    """S for a matmul of `rows` rows, contraction K and N columns: the fewest power-of-two parts (each at least
+    MIN_SPLIT_K long) that give the GEMM about one program per SM, at most MAX_SPLITS; 1 past MAX_ROWS rows."""
+    if rows > MAX_ROWS:
+        return 1
+    sms = (budget or default_budget()).num_sms
+    tiles = -(-N // _COLUMN_TILE)
+    s = 1
+    while s < MAX_SPLITS and tiles * s < sms and K % (2 * s) == 0 and K // (2 * s) >= MIN_SPLIT_K:
+        s *= 2
+    return s
+
+
+def split_matmul(x: Array, w: Array, splits: int) -> Array | SplitSum:
+    """x [..., K] @ w.T (w [N, K], PyTorch layout) in x's dtype; with splits > 1, the unsummed `SplitSum`."""
+    w = w.astype(x.dtype)
+    if splits == 1:
+        return jnp.einsum("...i,oi->...o", x, w)
+    *lead, K = x.shape
+    if K % splits:
+        raise ValueError(f"split_matmul: splits={splits} does not divide the contraction K={K}")
+    xs = x.reshape(*lead, splits, K // splits)
+    ws = w.reshape(w.shape[0], splits, K // splits)
+    partials = jnp.einsum("...si,osi->s...o", xs, ws, preferred_element_type=jnp.float32)
+    return SplitSum(partials, x.dtype)
+
+
+def total(y: Array | SplitSum) -> Array:
+    """The matmul's result: the partials summed in float32, rounded to its dtype."""
+    if isinstance(y, SplitSum):
+        return jnp.sum(y.partials, axis=0).astype(y.dtype)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (plain XLA): the model's math
+# ----------------------------------------------------------------------------------------------------------
+
+
+def add_normed_reference(y: Array | SplitSum, residual: Array, weight: Array, *, eps: float,
+                         next_weight: Array | None = None) -> tuple[Array, Array | None]:
+    """(h, rms_norm(h, next_weight) or None) with h = residual + rms_norm(y, weight)."""
+    h = residual + rms_norm(total(y), eps, weight)
+    return h, (None if next_weight is None else rms_norm(h, eps, next_weight))
+
+
+def gelu_gate_reference(y: Array | SplitSum, multiplier: Array, index: Array) -> Array:
+    """gelu_tanh(y) * multiplier[index]: the GELU in float32, rounded to the dtype before the product."""
+    g = total(y)
+    act = jax.nn.gelu(g.astype(jnp.float32), approximate=True).astype(g.dtype)
+    return act * jnp.take(multiplier, index, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas kernel
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _chunk_width(N: int) -> int:
+    """The largest power of two dividing N, at most 1024 (a row is processed in chunks of it)."""
+    return min(N & -N, 1024)
+
+
+def supported(N: int) -> bool:
+    """Whether the kernel takes rows of width N (Triton's blocks are powers of two: N needs a factor >= 16)."""
+    return _chunk_width(N) >= 16
+
+
+def _summed(p_ref, m, S: int, N: int, dtype) -> list[Array]:
+    """Row m of the partials' sum, rounded to dtype, as chunks of `_chunk_width(N)`."""
+    C = _chunk_width(N)
+    chunks = []
+    for c in range(N // C):
+        acc = p_ref[0, m, pl.ds(c * C, C)]
+        for s in range(1, S):
+            acc = acc + p_ref[s, m, pl.ds(c * C, C)]
+        chunks.append(acc.astype(dtype))
+    return chunks
+
+
+def _normed(chunks: list[Array], w_ref, N: int, eps: float, dtype) -> list[Array]:
+    """rms_norm of a row given as chunks: float32, times the weight, rounded to dtype."""
+    C = _chunk_width(N)
+    f = [x.astype(jnp.float32) for x in chunks]
+    ss = sum(jnp.sum(x * x) for x in f)
+    r = jax.lax.rsqrt(ss / N + eps)
+    return [(x * r * w_ref[pl.ds(c * C, C)].astype(jnp.float32)).astype(dtype) for c, x in enumerate(f)]
+
+
+def _add_normed_kernel(p_ref, res_ref, w_ref, *refs, S: int, N: int, eps: float, with_next: bool):
+    if with_next:
+        w2_ref, h_ref, n_ref = refs
+    else:
+        (h_ref,) = refs
+    m = pl.program_id(0)
+    C = _chunk_width(N)
+    dtype = h_ref.dtype
+    y = _normed(_summed(p_ref, m, S, N, dtype), w_ref, N, eps, dtype)
+    h = [(res_ref[m, pl.ds(c * C, C)].astype(jnp.float32) + x.astype(jnp.float32)).astype(dtype)
+         for c, x in enumerate(y)]
+    for c, x in enumerate(h):
+        h_ref[m, pl.ds(c * C, C)] = x
+    if with_next:
+        for c, x in enumerate(_normed(h, w2_ref, N, eps, dtype)):
+            n_ref[m, pl.ds(c * C, C)] = x
+
+
+def _gelu_gate_kernel(p_ref, idx_ref, mul_ref, g_ref, *, S: int, N: int):
+    m = pl.program_id(0)
+    C = _chunk_width(N)
+    dtype = g_ref.dtype
+    layer = idx_ref[0]
+    for c, x in enumerate(_summed(p_ref, m, S, N, dtype)):
+        act = jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(dtype)
+        mul = mul_ref[layer, m, pl.ds(c * C, C)]
+        g_ref[m, pl.ds(c * C, C)] = (act.astype(jnp.float32) * mul.astype(jnp.float32)).astype(dtype)
+
+
+def _compiler_params(interpret: bool, N: int):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4 if N <= 2048 else 8, num_stages=1)
+
+
+def _rows(y: SplitSum) -> tuple[Array, tuple[int, ...], int]:
+    """The partials as [S, M, N] with M the flattened leading dims, those dims, and N."""
+    S, *lead, N = y.partials.shape
+    M = 1
+    for d in lead:
+        M *= d
+    return y.partials.reshape(S, M, N), tuple(lead), N
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "eps", "interpret"))
+def _add_normed_pallas(partials, residual, weight, next_weight, *, dtype, eps: float, interpret: bool):
+    p, lead, N = _rows(SplitSum(partials, dtype))
+    S, M = p.shape[:2]
+    args = [p, residual.reshape(M, N), weight] + ([] if next_weight is None else [next_weight])
+    out = jax.ShapeDtypeStruct((M, N), dtype)
+    kernel = functools.partial(_add_normed_kernel, S=S, N=N, eps=eps, with_next=next_weight is not None)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(M,),
+        out_shape=[out] if next_weight is None else [out, out],
+        compiler_params=_compiler_params(interpret, N),
+        interpret=interpret,
+        name=f"split_k_add_normed_s{S}_n{N}",
+    )(*args)
+    h = outs[0].reshape(*lead, N)
+    return h, (None if next_weight is None else outs[1].reshape(*lead, N))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def _gelu_gate_pallas(partials, multiplier, index, *, dtype, interpret: bool):
+    p, lead, N = _rows(SplitSum(partials, dtype))
+    S, M = p.shape[:2]
+    mul = multiplier.reshape(multiplier.shape[0], M, N)
+    g = pl.pallas_call(
+        functools.partial(_gelu_gate_kernel, S=S, N=N),
+        grid=(M,),
+        out_shape=jax.ShapeDtypeStruct((M, N), dtype),
+        compiler_params=_compiler_params(interpret, N),
+        interpret=interpret,
+        name=f"split_k_gelu_gate_s{S}_n{N}",
+    )(p, jnp.reshape(index, (1,)).astype(jnp.int32), mul)
+    return g.reshape(*lead, N)
+
+
+def _use_kernel(y, N: int, impl: str) -> bool:
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    if not isinstance(y, SplitSum) or impl == "xla":
+        return False
+    if not supported(N):
+        if impl == "pallas":
+            raise ValueError(f"the split-K kernels need a width with a power-of-two factor >= 16, got N={N}")
+        return False
+    return impl == "pallas" or jax.default_backend() == "gpu"
+
+
+def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: float, next_weight: Array | None = None,
+               impl: str = "auto", interpret: bool = False) -> tuple[Array, Array | None]:
+    """`add_normed_reference`, through the kernel when `y` is a SplitSum and impl is "pallas" or ("auto") the
+    backend is a GPU."""
+    N = residual.shape[-1]
+    if isinstance(y, SplitSum) and (y.partials.shape[1:] != residual.shape or weight.shape != (N,)
+                                    or (next_weight is not None and next_weight.shape != (N,))):
+        raise ValueError(f"add_normed: partials {y.partials.shape}, residual {residual.shape}, weight "
+                         f"{weight.shape}, next_weight {None if next_weight is None else next_weight.shape} disagree")
+    if not _use_kernel(y, N, impl):
+        return add_normed_reference(y, residual, weight, eps=eps, next_weight=next_weight)
+    return _add_normed_pallas(y.partials, residual.astype(y.dtype), weight, next_weight, dtype=jnp.dtype(y.dtype),
+                              eps=eps, interpret=interpret)
+
+
+def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str = "auto",
+              interpret: bool = False) -> Array:
+    """`gelu_gate_reference` (multiplier [L, ..., N], index a scalar), through the kernel as `add_normed` decides."""
+    N = multiplier.shape[-1]
+    if isinstance(y, SplitSum) and y.partials.shape[1:] != multiplier.shape[1:]:
+        raise ValueError(f"gelu_gate: partials {y.partials.shape} do not fit the multiplier {multiplier.shape}")
+    if not _use_kernel(y, N, impl):
+        return gelu_gate_reference(y, multiplier, index)
+    return _gelu_gate_pallas(y.partials, multiplier.astype(y.dtype), index, dtype=jnp.dtype(y.dtype),
+                             interpret=interpret)

@@ -1,0 +1,117 @@
+"""Split-K matmuls and the kernels that add their partials: the Pallas kernels (compiled on the GPU, interpret mode
+elsewhere) against the plain-XLA reference, and the reference against the model's own math."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4_mtp_jax.kernels import split_k as sk
+from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
+from gemma4_mtp_jax.kernels.device_budget import HOPPER
+from testenv import INTERPRET
+
+EPS = 1e-6
+
+
+def _arrays(seed, dtype, *shapes, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.normal(size=s) * scale, dtype) for s in shapes]
+
+
+def _tol(dtype):
+    # float32: sums in another order (a few ulp); bf16: one rounding step where XLA and Triton round apart.
+    return dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_split_matmul_sums_to_the_matmul():
+    x, w = _arrays(0, jnp.float32, (2, 3, 256), (96, 256))
+    y = sk.split_matmul(x, w, 8)
+    assert isinstance(y, sk.SplitSum) and y.partials.shape == (8, 2, 3, 96) and y.partials.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(sk.total(y)), want, rtol=1e-5, atol=1e-5)
+    # Each partial is its own slice of the contraction.
+    np.testing.assert_allclose(np.asarray(y.partials[3]), np.asarray(x[..., 96:128]) @ np.asarray(w[:, 96:128]).T,
+                               rtol=1e-5, atol=1e-5)
+    plain = sk.split_matmul(x, w, 1)
+    assert isinstance(plain, jax.Array)
+    np.testing.assert_allclose(np.asarray(plain), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not divide"):
+        sk.split_matmul(x, w, 3)
+
+
+def test_reference_is_the_models_math():
+    """Given a plain array (no split), the reference is exactly what the decoder layer computed before."""
+    y, res, w, w2 = _arrays(1, jnp.bfloat16, (4, 64), (4, 64), (64,), (64,))
+    h, n = sk.add_normed_reference(y, res, w, eps=EPS, next_weight=w2)
+    want_h = res + rms_norm(y, EPS, w)
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
+    np.testing.assert_array_equal(np.asarray(n, np.float32), np.asarray(rms_norm(want_h, EPS, w2), np.float32))
+    assert sk.add_normed_reference(y, res, w, eps=EPS)[1] is None
+    mult = _arrays(2, jnp.bfloat16, (3, 4, 64))[0]
+    g = sk.gelu_gate_reference(y, mult, jnp.int32(2))
+    want_g = jax.nn.gelu(y.astype(jnp.float32), approximate=True).astype(jnp.bfloat16) * mult[2]
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want_g, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("N,S,with_next", [(64, 4, True), (1536, 8, True), (1536, 16, False), (80, 2, False)])
+def test_add_normed_kernel_equals_reference(N, S, with_next, dtype):
+    x, w, res, nw, nw2 = _arrays(3, dtype, (2, 3, 4 * S), (N, 4 * S), (2, 3, N), (N,), (N,), scale=1.0)
+    y = sk.split_matmul(x, w, S)
+    kw = dict(eps=EPS, next_weight=nw2 if with_next else None)
+    want = sk.add_normed_reference(y, res, nw, **kw)
+    got = sk.add_normed(y, res, nw, impl="pallas", interpret=INTERPRET, **kw)
+    for g, r in zip(got, want):
+        if r is None:
+            assert g is None
+            continue
+        assert g.shape == r.shape and g.dtype == r.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gelu_gate_kernel_equals_reference(dtype):
+    L, N, S = 5, 256, 16
+    x, w, mult = _arrays(4, dtype, (3, 1, 1536), (N, 1536), (L, 3, 1, N), scale=0.05)
+    y = sk.split_matmul(x, w, S)
+    for index in (0, 3):
+        want = sk.gelu_gate_reference(y, mult, jnp.int32(index))
+        got = sk.gelu_gate(y, mult, jnp.int32(index), impl="pallas", interpret=INTERPRET)
+        assert got.shape == want.shape == (3, 1, N)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **_tol(dtype))
+
+
+def test_auto_takes_the_reference_off_the_gpu_and_for_plain_arrays():
+    y, res, w = _arrays(5, jnp.float32, (2, 64), (2, 64), (64,))
+    h, _ = sk.add_normed(y, res, w, eps=EPS, impl="pallas")  # a plain array: nothing to sum, the reference
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(res + rms_norm(y, EPS, w)))
+
+
+def test_bad_inputs_are_named():
+    x, w, res, nw = _arrays(6, jnp.float32, (2, 64), (48, 64), (2, 40), (48,))
+    y = sk.split_matmul(x, w, 4)
+    with pytest.raises(ValueError, match="add_normed: partials"):
+        sk.add_normed(y, res, nw, eps=EPS)
+    with pytest.raises(ValueError, match="gelu_gate: partials"):
+        sk.gelu_gate(y, jnp.zeros((2, 2, 40)), jnp.int32(0))
+    with pytest.raises(ValueError, match="impl must be"):
+        sk.add_normed(y, jnp.zeros((2, 48)), nw, eps=EPS, impl="triton")
+    odd = sk.split_matmul(*_arrays(7, jnp.float32, (2, 64), (24, 64)), 4)  # 24 = 8 x 3: no power-of-two chunk >= 16
+    with pytest.raises(ValueError, match="power-of-two factor"):
+        sk.add_normed(odd, jnp.zeros((2, 24)), jnp.ones((24,)), eps=EPS, impl="pallas")
+    h, _ = sk.add_normed(odd, jnp.zeros((2, 24)), jnp.ones((24,)), eps=EPS)  # auto: the reference takes it
+    assert h.shape == (2, 24)
+
+
+def test_plan_splits():
+    # E2B at decode: o_proj (K 2048 -> 1536), down_proj (6144 -> 1536), per_layer_input_gate (1536 -> 256).
+    assert sk.plan_splits(2, 2048, 1536, HOPPER) == 8
+    assert sk.plan_splits(16, 6144, 1536, HOPPER) == 8
+    assert sk.plan_splits(2, 1536, 256, HOPPER) == 16
+    assert sk.plan_splits(sk.MAX_ROWS + 1, 6144, 1536, HOPPER) == 1  # verify at B = 16, prefill: XLA's plan
+    assert sk.plan_splits(2, 128, 64, HOPPER) == 2  # parts stay >= MIN_SPLIT_K long
+    assert sk.plan_splits(2, 96, 64, HOPPER) == 1
+    assert sk.plan_splits(2, 8192, 16384, HOPPER) == 1  # 256 column tiles already fill the SMs
