@@ -50,6 +50,10 @@ def test_reference_is_the_models_math():
     np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
     np.testing.assert_array_equal(np.asarray(n, np.float32), np.asarray(rms_norm(want_h, EPS, w2), np.float32))
     assert sk.add_normed_reference(y, res, w, eps=EPS)[1] is None
+    scale = jnp.asarray([0.37], jnp.float32)
+    h_scaled, _ = sk.add_normed_reference(y, res, w, eps=EPS, scale=scale)
+    np.testing.assert_array_equal(np.asarray(h_scaled, np.float32),
+                                  np.asarray(want_h * scale.astype(jnp.bfloat16), np.float32))
     mult = _arrays(2, jnp.bfloat16, (3, 4, 64))[0]
     g = sk.gelu_gate_reference(y, mult, jnp.int32(2))
     want_g = jax.nn.gelu(y.astype(jnp.float32), approximate=True).astype(jnp.bfloat16) * mult[2]
@@ -57,11 +61,13 @@ def test_reference_is_the_models_math():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("N,S,with_next", [(64, 4, True), (1536, 8, True), (1536, 16, False), (80, 2, False)])
-def test_add_normed_kernel_equals_reference(N, S, with_next, dtype):
+@pytest.mark.parametrize("N,S,with_next,with_scale", [(64, 4, True, False), (1536, 8, True, True),
+                                                      (1536, 16, False, False), (80, 2, False, True)])
+def test_add_normed_kernel_equals_reference(N, S, with_next, with_scale, dtype):
     x, w, res, nw, nw2 = _arrays(3, dtype, (2, 3, 4 * S), (N, 4 * S), (2, 3, N), (N,), (N,), scale=1.0)
     y = sk.split_matmul(x, w, S)
-    kw = dict(eps=EPS, next_weight=nw2 if with_next else None)
+    kw = dict(eps=EPS, next_weight=nw2 if with_next else None,
+              scale=jnp.asarray([0.37], jnp.float32) if with_scale else None)
     want = sk.add_normed_reference(y, res, nw, **kw)
     got = sk.add_normed(y, res, nw, impl="pallas", interpret=INTERPRET, **kw)
     for g, r in zip(got, want):

@@ -8,9 +8,10 @@ each a few microseconds of fixed cost (benchmarks/RESULTS.md, issue 10).
 
 Here the split is written out: `SplitSum` holds the S partial products of `x @ w.T` (one batched matmul, so XLA
 still runs one GEMM kernel over S x (column tiles) programs), and the consumer adds them up in its own kernel:
-- `add_normed(y, residual, weight, next_weight=None)`: h = residual + rms_norm(y, weight) and, optionally,
-  rms_norm(h, next_weight) — post_attention_layernorm + residual + pre_feedforward_layernorm, or
-  post_feedforward_layernorm + residual;
+- `add_normed(y, residual, weight, next_weight=None, scale=None)`: h = residual + rms_norm(y, weight) (times
+  `scale`, the layer's `layer_scalar`, for the layer's last residual add) and, optionally, rms_norm(h,
+  next_weight) — post_attention_layernorm + residual + pre_feedforward_layernorm, post_feedforward_layernorm +
+  residual, or post_per_layer_input_norm + residual;
 - `gelu_gate(y, multiplier, index)`: gelu_tanh(y) * multiplier[index] — the per-layer-input gate, reading its
   layer's per-layer input out of the stack of all layers' (so no kernel copies the slice out first).
 `y` may also be a plain array (a projection that was not split): then both are the model's plain XLA math.
@@ -95,9 +96,11 @@ def total(y: Array | SplitSum) -> Array:
 
 
 def add_normed_reference(y: Array | SplitSum, residual: Array, weight: Array, *, eps: float,
-                         next_weight: Array | None = None) -> tuple[Array, Array | None]:
-    """(h, rms_norm(h, next_weight) or None) with h = residual + rms_norm(y, weight)."""
+                         next_weight: Array | None = None, scale: Array | None = None) -> tuple[Array, Array | None]:
+    """(h, rms_norm(h, next_weight) or None) with h = residual + rms_norm(y, weight), times `scale` ([1]) if given."""
     h = residual + rms_norm(total(y), eps, weight)
+    if scale is not None:
+        h = h * scale.astype(h.dtype)
     return h, (None if next_weight is None else rms_norm(h, eps, next_weight))
 
 
@@ -144,17 +147,21 @@ def _normed(chunks: list[Array], w_ref, N: int, eps: float, dtype) -> list[Array
     return [(x * r * w_ref[pl.ds(c * C, C)].astype(jnp.float32)).astype(dtype) for c, x in enumerate(f)]
 
 
-def _add_normed_kernel(p_ref, res_ref, w_ref, *refs, S: int, N: int, eps: float, with_next: bool):
-    if with_next:
-        w2_ref, h_ref, n_ref = refs
-    else:
-        (h_ref,) = refs
+def _add_normed_kernel(p_ref, res_ref, w_ref, *refs, S: int, N: int, eps: float, with_next: bool,
+                       with_scale: bool):
+    refs = list(refs)
+    w2_ref = refs.pop(0) if with_next else None
+    scale_ref = refs.pop(0) if with_scale else None
+    h_ref, n_ref = (refs + [None])[:2]
     m = pl.program_id(0)
     C = _chunk_width(N)
     dtype = h_ref.dtype
     y = _normed(_summed(p_ref, m, S, N, dtype), w_ref, N, eps, dtype)
     h = [(res_ref[m, pl.ds(c * C, C)].astype(jnp.float32) + x.astype(jnp.float32)).astype(dtype)
          for c, x in enumerate(y)]
+    if with_scale:
+        scale = scale_ref[0].astype(dtype).astype(jnp.float32)
+        h = [(x.astype(jnp.float32) * scale).astype(dtype) for x in h]
     for c, x in enumerate(h):
         h_ref[m, pl.ds(c * C, C)] = x
     if with_next:
@@ -191,12 +198,13 @@ def _rows(y: SplitSum) -> tuple[Array, tuple[int, ...], int]:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "eps", "interpret"))
-def _add_normed_pallas(partials, residual, weight, next_weight, *, dtype, eps: float, interpret: bool):
+def _add_normed_pallas(partials, residual, weight, next_weight, scale, *, dtype, eps: float, interpret: bool):
     p, lead, N = _rows(SplitSum(partials, dtype))
     S, M = p.shape[:2]
-    args = [p, residual.reshape(M, N), weight] + ([] if next_weight is None else [next_weight])
+    args = [p, residual.reshape(M, N), weight] + [a for a in (next_weight, scale) if a is not None]
     out = jax.ShapeDtypeStruct((M, N), dtype)
-    kernel = functools.partial(_add_normed_kernel, S=S, N=N, eps=eps, with_next=next_weight is not None)
+    kernel = functools.partial(_add_normed_kernel, S=S, N=N, eps=eps, with_next=next_weight is not None,
+                               with_scale=scale is not None)
     outs = pl.pallas_call(
         kernel,
         grid=(M,),
@@ -238,18 +246,20 @@ def _use_kernel(y, N: int, impl: str) -> bool:
 
 
 def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: float, next_weight: Array | None = None,
-               impl: str = "auto", interpret: bool = False) -> tuple[Array, Array | None]:
+               scale: Array | None = None, impl: str = "auto", interpret: bool = False) -> tuple[Array, Array | None]:
     """`add_normed_reference`, through the kernel when `y` is a SplitSum and impl is "pallas" or ("auto") the
     backend is a GPU."""
     N = residual.shape[-1]
     if isinstance(y, SplitSum) and (y.partials.shape[1:] != residual.shape or weight.shape != (N,)
-                                    or (next_weight is not None and next_weight.shape != (N,))):
+                                    or (next_weight is not None and next_weight.shape != (N,))
+                                    or (scale is not None and scale.shape != (1,))):
         raise ValueError(f"add_normed: partials {y.partials.shape}, residual {residual.shape}, weight "
-                         f"{weight.shape}, next_weight {None if next_weight is None else next_weight.shape} disagree")
+                         f"{weight.shape}, next_weight {None if next_weight is None else next_weight.shape}, scale "
+                         f"{None if scale is None else scale.shape} disagree")
     if not _use_kernel(y, N, impl):
-        return add_normed_reference(y, residual, weight, eps=eps, next_weight=next_weight)
-    return _add_normed_pallas(y.partials, residual.astype(y.dtype), weight, next_weight, dtype=jnp.dtype(y.dtype),
-                              eps=eps, interpret=interpret)
+        return add_normed_reference(y, residual, weight, eps=eps, next_weight=next_weight, scale=scale)
+    return _add_normed_pallas(y.partials, residual.astype(y.dtype), weight, next_weight, scale,
+                              dtype=jnp.dtype(y.dtype), eps=eps, interpret=interpret)
 
 
 def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str = "auto",

@@ -89,13 +89,16 @@ class DecoderLayer(nn.Module):
                 norm("pre_feedforward_layernorm_2")(residual), weights, idx
             )
             f = norm("post_feedforward_layernorm_1")(f) + norm("post_feedforward_layernorm_2")(e)
-        x, _ = add_normed(f, residual, norm_weight("post_feedforward_layernorm"), eps=eps)
+        # The layer's last residual add also multiplies by layer_scalar: a kernel's operand must be a buffer, so a
+        # separate multiply would be a kernel of its own.
+        layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), pd)
+        P = cfg.hidden_size_per_layer_input
+        x, _ = add_normed(f, residual, norm_weight("post_feedforward_layernorm"), eps=eps,
+                          scale=None if P else layer_scalar)
 
-        if cfg.hidden_size_per_layer_input:
-            P = cfg.hidden_size_per_layer_input
+        if P:
             gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P))
             g = gelu_gate(gate, *per_layer_input)
-            x = x + norm("post_per_layer_input_norm")(Linear(H, pd, name="per_layer_projection")(g))
-
-        layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), pd)
-        return x * layer_scalar.astype(x.dtype), kv
+            projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H))
+            x, _ = add_normed(projection, x, norm_weight("post_per_layer_input_norm"), eps=eps, scale=layer_scalar)
+        return x, kv
