@@ -90,6 +90,24 @@ def test_gelu_gate_kernel_equals_reference(dtype):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **_tol(dtype))
 
 
+def test_gradients_through_the_kernels_are_the_references():
+    """A Pallas call has no JVP rule: training differentiates through the kernels by the reference's VJP."""
+    x, w, res, nw, nw2, mult = _arrays(8, jnp.float32, (2, 1, 256), (64, 256), (2, 1, 64), (64,), (64,), (3, 2, 1, 64))
+    scale = jnp.asarray([0.8], jnp.float32)
+
+    def loss(impl, x, w, res, nw, nw2, scale, mult):
+        h, n = sk.add_normed(sk.split_matmul(x, w, 4), res, nw, eps=EPS, next_weight=nw2, scale=scale, impl=impl,
+                             interpret=INTERPRET)
+        g = sk.gelu_gate(sk.split_matmul(n, w[:, :64], 2), mult, jnp.int32(1), impl=impl, interpret=INTERPRET)
+        return jnp.sum(h * h) + jnp.sum(jnp.sin(g))
+
+    args = (x, w, res, nw, nw2, scale, mult)
+    got = jax.grad(lambda *a: loss("pallas", *a), argnums=tuple(range(7)))(*args)
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=tuple(range(7)))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
 def test_auto_takes_the_reference_off_the_gpu_and_for_plain_arrays():
     y, res, w = _arrays(5, jnp.float32, (2, 64), (2, 64), (64,))
     h, _ = sk.add_normed(y, res, w, eps=EPS, impl="pallas")  # a plain array: nothing to sum, the reference

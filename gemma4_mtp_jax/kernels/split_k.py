@@ -233,6 +233,14 @@ def _gelu_gate_pallas(partials, multiplier, index, *, dtype, interpret: bool):
     return g.reshape(*lead, N)
 
 
+def _with_reference_vjp(kernel, reference):
+    """`kernel`'s values, `reference`'s gradients: a Pallas call has no JVP rule, and training differentiates
+    through the layers (the assistant's trainer, on the GPU)."""
+    f = jax.custom_vjp(kernel)
+    f.defvjp(lambda *args: (kernel(*args), args), lambda args, ct: jax.vjp(reference, *args)[1](ct))
+    return f
+
+
 def _use_kernel(y, N: int, impl: str) -> bool:
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
@@ -258,8 +266,14 @@ def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: floa
                          f"{None if scale is None else scale.shape} disagree")
     if not _use_kernel(y, N, impl):
         return add_normed_reference(y, residual, weight, eps=eps, next_weight=next_weight, scale=scale)
-    return _add_normed_pallas(y.partials, residual.astype(y.dtype), weight, next_weight, scale,
-                              dtype=jnp.dtype(y.dtype), eps=eps, interpret=interpret)
+    dtype = jnp.dtype(y.dtype)
+    kernel = functools.partial(_add_normed_pallas, dtype=dtype, eps=eps, interpret=interpret)
+
+    def reference(partials, residual, weight, next_weight, scale):
+        return add_normed_reference(SplitSum(partials, dtype), residual, weight, eps=eps, next_weight=next_weight,
+                                    scale=scale)
+
+    return _with_reference_vjp(kernel, reference)(y.partials, residual.astype(dtype), weight, next_weight, scale)
 
 
 def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str = "auto",
@@ -270,5 +284,10 @@ def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str
         raise ValueError(f"gelu_gate: partials {y.partials.shape} do not fit the multiplier {multiplier.shape}")
     if not _use_kernel(y, N, impl):
         return gelu_gate_reference(y, multiplier, index)
-    return _gelu_gate_pallas(y.partials, multiplier.astype(y.dtype), index, dtype=jnp.dtype(y.dtype),
-                             interpret=interpret)
+    dtype = jnp.dtype(y.dtype)
+    kernel = functools.partial(_gelu_gate_pallas, dtype=dtype, interpret=interpret)
+
+    def reference(partials, multiplier, index):
+        return gelu_gate_reference(SplitSum(partials, dtype), multiplier, index)
+
+    return _with_reference_vjp(kernel, reference)(y.partials, multiplier.astype(dtype), index)
