@@ -17,11 +17,13 @@ from gemma4_mtp_jax.sharding import tensor_parallel_size
 Array = jax.Array
 
 
-def splits_for(x: Array, K: int, N: int) -> int:
+def splits_for(x: Array, K: int, N: int, split_k: bool = True) -> int:
     """How many parts the contraction of a projection of x (K -> N) is split into, its partials summed by the norm
-    kernel after it (kernels/split_k.py); 1 under tensor parallelism, whose row-parallel projections are sharded
-    along K and summed by an all-reduce."""
-    return 1 if tensor_parallel_size() > 1 else plan_splits(math.prod(x.shape[:-1]), K, N)
+    kernel after it (kernels/split_k.py); 1 without `split_k`, and under tensor parallelism, whose row-parallel
+    projections are sharded along K and summed by an all-reduce."""
+    if not split_k or tensor_parallel_size() > 1:
+        return 1
+    return plan_splits(math.prod(x.shape[:-1]), K, N)
 
 
 class Attention(nn.Module):
@@ -32,6 +34,7 @@ class Attention(nn.Module):
     cfg: TextConfig
     layer: int
     param_dtype: jnp.dtype = jnp.float32
+    split_k: bool = True
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, kv: KVView) -> tuple[Array | SplitSum, KVView]:
@@ -53,7 +56,7 @@ class Attention(nn.Module):
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
         out = kv.attend(lc.kv_source, q, positions, window).reshape(B, T, nH * D)
         o_proj = Linear(cfg.hidden_size, self.param_dtype, name="o_proj")
-        return o_proj(out, splits_for(out, nH * D, cfg.hidden_size)), kv
+        return o_proj(out, splits_for(out, nH * D, cfg.hidden_size, self.split_k)), kv
 
 
 class DecoderLayer(nn.Module):
@@ -62,11 +65,13 @@ class DecoderLayer(nn.Module):
 
     The post-norms of o_proj and down_proj (and the per-layer-input gate) go through kernels/split_k.py, which adds
     the partial products of a projection split along its contraction in the same kernel; for an unsplit projection
-    it is the plain math. `per_layer_input` is (the stack of every layer's [L, B, T, P], this layer's index)."""
+    it is the plain math; `split_k` False keeps every projection whole. `per_layer_input` is (the stack of every
+    layer's [L, B, T, P], this layer's index)."""
 
     cfg: TextConfig
     layer: int
     param_dtype: jnp.dtype = jnp.float32
+    split_k: bool = True
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, kv: KVView, per_layer_input: tuple[Array, Array] | None = None):
@@ -76,12 +81,12 @@ class DecoderLayer(nn.Module):
         norm_weight = lambda name: Weight((H,), pd, nn.initializers.ones, name=name)()  # noqa: E731
 
         residual = x
-        a, kv = Attention(cfg, self.layer, pd, name="self_attn")(norm("input_layernorm")(x), positions, kv)
+        a, kv = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")(norm("input_layernorm")(x), positions, kv)
         x, mlp_input = add_normed(a, residual, norm_weight("post_attention_layernorm"), eps=eps,
                                   next_weight=norm_weight("pre_feedforward_layernorm"))
 
         residual = x
-        splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H)
+        splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H, self.split_k)
         f = MLP(H, lc.intermediate_size, pd, name="mlp")(mlp_input, splits)
         if cfg.enable_moe_block:
             weights, idx = Router(cfg.num_experts, cfg.top_k_experts, eps, pd, name="router")(residual)
@@ -97,8 +102,8 @@ class DecoderLayer(nn.Module):
                           scale=None if P else layer_scalar)
 
         if P:
-            gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P))
+            gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P, self.split_k))
             g = gelu_gate(gate, *per_layer_input)
-            projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H))
+            projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H, self.split_k))
             x, _ = add_normed(projection, x, norm_weight("post_per_layer_input_norm"), eps=eps, scale=layer_scalar)
         return x, kv
