@@ -132,10 +132,14 @@ def test_bad_inputs_are_named():
 
 def test_plan_splits():
     # E2B at decode: o_proj (K 2048 -> 1536), down_proj (6144 -> 1536), per_layer_input_gate (1536 -> 256).
-    assert sk.plan_splits(2, 2048, 1536, HOPPER) == 8
-    assert sk.plan_splits(16, 6144, 1536, HOPPER) == 8
-    assert sk.plan_splits(2, 1536, 256, HOPPER) == 16
-    assert sk.plan_splits(sk.MAX_ROWS + 1, 6144, 1536, HOPPER) == 1  # verify at B = 16, prefill: XLA's plan
-    assert sk.plan_splits(2, 128, 64, HOPPER) == 2  # parts stay >= MIN_SPLIT_K long
-    assert sk.plan_splits(2, 96, 64, HOPPER) == 1
-    assert sk.plan_splits(2, 8192, 16384, HOPPER) == 1  # 256 column tiles already fill the SMs
+    assert sk.plan_splits(2, 2048, 1536, budget=HOPPER) == 8
+    assert sk.plan_splits(16, 6144, 1536, budget=HOPPER) == 8
+    assert sk.plan_splits(16, 12288, 1536, budget=HOPPER) == 8  # the 12288-wide layers' down_proj: 36 MiB
+    assert sk.plan_splits(2, 1536, 256, budget=HOPPER) == 16
+    assert sk.plan_splits(sk.MAX_ROWS + 1, 6144, 1536, budget=HOPPER) == 1  # verify at B = 16, prefill: XLA's plan
+    assert sk.plan_splits(2, 128, 64, budget=HOPPER) == 2  # parts stay >= MIN_SPLIT_K long
+    assert sk.plan_splits(2, 96, 64, budget=HOPPER) == 1
+    assert sk.plan_splits(2, 2048, 16384, budget=HOPPER) == 1  # 256 column tiles already fill the SMs
+    assert sk.plan_splits(2, 21504, 5376, budget=HOPPER) == 1  # 31B's down_proj (231 MB): XLA's plan
+    assert sk.plan_splits(2, 8192, 5376, budget=HOPPER) == 1  # 31B's o_proj (88 MB)
+    assert sk.plan_splits(2, 12288, 1536, itemsize=4, budget=HOPPER) == 1  # the same matmul in float32: 72 MiB

@@ -44,6 +44,9 @@ __all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "add_normed", "ad
            "gelu_gate_reference"]
 
 MAX_ROWS = 16  # more rows than a decode batch: XLA's own GEMM plan is left alone (verify, prefill)
+# Larger weights keep XLA's autotuned plan: measured only at E2B (at most 36 MiB, down_proj of its 12288-wide
+# layers), and a matmul that streams for tens of microseconds gains little from one kernel less (31B: 88-231 MB).
+MAX_WEIGHT_BYTES = 40 << 20
 MIN_SPLIT_K = 64  # contraction per part: shorter parts make the partials' bytes rival the weights'
 MAX_SPLITS = 16
 _COLUMN_TILE = 64  # the column tile a skinny GEMM takes, for counting its programs
@@ -56,10 +59,11 @@ class SplitSum(NamedTuple):
     dtype: jnp.dtype
 
 
-def plan_splits(rows: int, K: int, N: int, budget: GpuBudget | None = None) -> int:
-    """S for a matmul of `rows` rows, contraction K and N columns: the fewest power-of-two parts (each at least
-    MIN_SPLIT_K long) that give the GEMM about one program per SM, at most MAX_SPLITS; 1 past MAX_ROWS rows."""
-    if rows > MAX_ROWS:
+def plan_splits(rows: int, K: int, N: int, itemsize: int = 2, budget: GpuBudget | None = None) -> int:
+    """S for a matmul of `rows` rows, contraction K and N columns (weights of `itemsize` bytes): the fewest
+    power-of-two parts (each at least MIN_SPLIT_K long) that give the GEMM about one program per SM, at most
+    MAX_SPLITS; 1 past MAX_ROWS rows or MAX_WEIGHT_BYTES of weights."""
+    if rows > MAX_ROWS or K * N * itemsize > MAX_WEIGHT_BYTES:
         return 1
     sms = (budget or default_budget()).num_sms
     tiles = -(-N // _COLUMN_TILE)

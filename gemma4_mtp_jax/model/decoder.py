@@ -23,7 +23,7 @@ def splits_for(x: Array, K: int, N: int, split_k: bool = True) -> int:
     projections are sharded along K and summed by an all-reduce."""
     if not split_k or tensor_parallel_size() > 1:
         return 1
-    return plan_splits(math.prod(x.shape[:-1]), K, N)
+    return plan_splits(math.prod(x.shape[:-1]), K, N, jnp.dtype(x.dtype).itemsize)
 
 
 class Attention(nn.Module):
