@@ -9,6 +9,9 @@ residual) is compiled three ways: XLA's plan (`xla`: one einsum, XLA splits K it
 and the split written out with S parts (`sS`: one batched einsum, then the kernel that sums). Printed per variant:
 kernels per layer (from the optimized HLO, by kind), device time per layer (synchronised and pipelined, median),
 and the largest difference from the `xla` variant's outputs. Writes $OUT/probe_split_k.json when $OUT is set.
+
+Each layer has its own input: run 81 gave every layer the same one, and XLA's dot merger then merged the 35
+matmuls into one, so that run's GEMM timings measured something else (benchmarks/RESULTS.md, eighteenth session).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ SITES = {"o_proj": (Q, H), "down_proj": (F, H), "per_layer_input_gate": (H, P)} 
 
 
 def site_program(site: str, splits: int, L: int):
-    """jit(fn)(ws, x, residual, norms, multiplier) running L layers of `site`; splits 0 = XLA's plan."""
+    """jit(fn)(ws, xs, residual, norms, multiplier) running L layers of `site` (layer i: weights ws[i], input
+    xs[i]); splits 0 = XLA's plan."""
 
     def layer(w, x, residual, norms, multiplier, i):
         y = split_k.split_matmul(x, w, max(splits, 1))
@@ -48,9 +52,9 @@ def site_program(site: str, splits: int, L: int):
         g = split_k.gelu_gate(y, multiplier, jnp.int32(i))
         return residual + jnp.pad(g, ((0, 0), (0, H - P))), g
 
-    def fn(ws, x, residual, norms, multiplier):
+    def fn(ws, xs, residual, norms, multiplier):
         outs = []
-        for i, w in enumerate(ws):
+        for i, (w, x) in enumerate(zip(ws, xs)):
             residual, o = layer(w, x, residual, norms, multiplier, i)
             outs.append(o)
         return residual, outs[-1]
@@ -74,10 +78,11 @@ def main() -> None:
               for i in range(L)]
         norms = jax.random.uniform(jax.random.fold_in(key, 99), (2, H), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
         for M in args.rows:
-            x = jax.random.normal(jax.random.fold_in(key, 100 + M), (M, K), jnp.float32).astype(jnp.bfloat16)
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
+                  for i in range(L)]
             residual = jax.random.normal(jax.random.fold_in(key, 200 + M), (M, H), jnp.float32).astype(jnp.bfloat16)
             multiplier = jax.random.normal(jax.random.fold_in(key, 300 + M), (L, M, P), jnp.float32).astype(jnp.bfloat16)
-            inputs = (ws, x, residual, norms, multiplier)
+            inputs = (ws, xs, residual, norms, multiplier)
             ref = None
             plan = split_k.plan_splits(M, K, N)
             for splits in [0] + args.splits:

@@ -77,3 +77,13 @@ kernels_both() {
         timeout $(lim 60) python3 "$root/benchmarks/kernel_count.py" "${@//\{tree\}/$tree}"
   done
 }
+# both LIMIT NAME SCRIPT ARGS...: benchmarks/SCRIPT ARGS in each tree (main, then branch), each within LIMIT seconds
+# (and the deadline), its $OUT $res/NAME_{main,branch}.
+both() {
+  local limit=$1 name=$2 script=$3 tree root; shift 3
+  for tree in main branch; do
+    root=$(root_of $tree); mkdir -p "$res/${name}_$tree"
+    run env OUT=$res/${name}_$tree PYTHONPATH=$root:/tmp/site timeout $(lim "$limit") python3 \
+        "$root/benchmarks/$script" "$@"
+  done
+}

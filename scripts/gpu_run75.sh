@@ -17,11 +17,7 @@ use_baseline
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
   kernels_both --models e2b --batch 2
-  for tree in main branch; do
-    root=$(root_of $tree); mkdir -p "$res/spec_$tree"
-    run env OUT=$res/spec_$tree PYTHONPATH=$root:/tmp/site timeout $(lim 110) python3 \
-        "$root/benchmarks/bench_spec.py" --models e2b --batch 2 16
-  done
+  both 110 spec bench_spec.py --models e2b --batch 2 16
   pa() {  # pa TAG ARGS: the paged kernel at one shape and tiling, its JSON kept under TAG
     local tag=$1; shift; mkdir -p "$res/paged_$tag"
     run env OUT=$res/paged_$tag timeout $(lim 40) python3 benchmarks/bench_paged_attention.py --q-len 5 \

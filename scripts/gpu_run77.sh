@@ -31,11 +31,7 @@ main, branch = loops("main"), loops("branch")
 for key, n in sorted((branch - main).items(), key=lambda kv: -kv[1])[:20]:
     print(f"only in the fused tree: {n:3d} x {key[0]} ({key[1]})")
 PY
-  for tree in main branch; do
-    root=$(root_of $tree); mkdir -p "$res/decode_$tree"
-    run env OUT=$res/decode_$tree PYTHONPATH=$root:/tmp/site timeout $(lim 200) python3 \
-        "$root/benchmarks/bench_decode.py" --models e4b 31b --batch 2 16
-  done
+  both 200 decode bench_decode.py --models e4b 31b --batch 2 16
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
 } > "$out/run77.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^E12\|^{" "$out/run77.log" | tail -n 60

@@ -19,11 +19,7 @@ use_baseline
   mkdir -p "$res/probe"
   run env OUT=$res/probe timeout $(lim 120) python3 benchmarks/probe_split_k.py --rows 2 16 --splits 8 16
   kernels_both --models e2b --batch 2
-  for tree in main branch; do
-    root=$(root_of $tree); mkdir -p "$res/spec_$tree"
-    run env OUT=$res/spec_$tree PYTHONPATH=$root:/tmp/site timeout $(lim 110) python3 \
-        "$root/benchmarks/bench_spec.py" --models e2b --batch 2 16
-  done
+  both 110 spec bench_spec.py --models e2b --batch 2 16
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
 } > "$out/run81.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^E12" "$out/run81.log" | tail -n 100

@@ -16,11 +16,7 @@ use_baseline
   mkdir -p "$res/kernels_branch"
   run env OUT=$res/kernels_branch XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 60) python3 \
       benchmarks/kernel_count.py --models e2b --batch 2
-  for tree in main branch; do
-    root=$(root_of $tree); mkdir -p "$res/spec_$tree"
-    run env OUT=$res/spec_$tree PYTHONPATH=$root:/tmp/site timeout $(lim 80) python3 \
-        "$root/benchmarks/bench_spec.py" --models e2b --batch 2 16
-  done
+  both 80 spec bench_spec.py --models e2b --batch 2 16
   mkdir -p "$res/suite1"
   run env OUT=$res/suite1 GEMMA4_TEST_WORKERS=16 timeout $(lim 600) bash scripts/gpu_suite.sh \
     tests/test_train_demo.py tests/test_train_assistant.py \

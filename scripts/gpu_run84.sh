@@ -14,11 +14,7 @@ use_baseline
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
   kernels_both --models e2b --batch 2
-  for tree in main branch; do
-    root=$(root_of $tree); mkdir -p "$res/spec_$tree"
-    run env OUT=$res/spec_$tree PYTHONPATH=$root:/tmp/site timeout $(lim 80) python3 \
-        "$root/benchmarks/bench_spec.py" --models e2b --batch 2 16
-  done
+  both 80 spec bench_spec.py --models e2b --batch 2 16
   (cd .baseline && run env PYTHONPATH=$PWD:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda \
       XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 300) python3 -m pytest -q -n 16 -p no:cacheprovider \
       --durations=8 tests/test_split_k.py tests/test_train_assistant.py tests/test_train_demo.py > "$res/train.log" 2>&1;
