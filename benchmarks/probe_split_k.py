@@ -81,7 +81,8 @@ def main() -> None:
             xs = [jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
                   for i in range(L)]
             residual = jax.random.normal(jax.random.fold_in(key, 200 + M), (M, H), jnp.float32).astype(jnp.bfloat16)
-            multiplier = jax.random.normal(jax.random.fold_in(key, 300 + M), (L, M, P), jnp.float32).astype(jnp.bfloat16)
+            multiplier = jax.random.normal(jax.random.fold_in(key, 300 + M), (L, M, P), jnp.float32)
+            multiplier = multiplier.astype(jnp.bfloat16)
             inputs = (ws, xs, residual, norms, multiplier)
             ref = None
             plan = split_k.plan_splits(M, K, N)

@@ -192,18 +192,15 @@ def _compiler_params(interpret: bool, N: int):
     return pltriton.CompilerParams(num_warps=4 if N <= 2048 else 8, num_stages=1)
 
 
-def _rows(y: SplitSum) -> tuple[Array, tuple[int, ...], int]:
-    """The partials as [S, M, N] with M the flattened leading dims, those dims, and N."""
-    S, *lead, N = y.partials.shape
-    M = 1
-    for d in lead:
-        M *= d
-    return y.partials.reshape(S, M, N), tuple(lead), N
+def _rows(partials: Array) -> tuple[Array, tuple[int, ...], int]:
+    """The partials [S, ..., N] as [S, M, N] with M the flattened leading dims, those dims, and N."""
+    S, *lead, N = partials.shape
+    return partials.reshape(S, -1, N), tuple(lead), N
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "eps", "interpret"))
 def _add_normed_pallas(partials, residual, weight, next_weight, scale, *, dtype, eps: float, interpret: bool):
-    p, lead, N = _rows(SplitSum(partials, dtype))
+    p, lead, N = _rows(partials)
     S, M = p.shape[:2]
     args = [p, residual.reshape(M, N), weight] + [a for a in (next_weight, scale) if a is not None]
     out = jax.ShapeDtypeStruct((M, N), dtype)
@@ -223,7 +220,7 @@ def _add_normed_pallas(partials, residual, weight, next_weight, scale, *, dtype,
 
 @functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
 def _gelu_gate_pallas(partials, multiplier, index, *, dtype, interpret: bool):
-    p, lead, N = _rows(SplitSum(partials, dtype))
+    p, lead, N = _rows(partials)
     S, M = p.shape[:2]
     mul = multiplier.reshape(multiplier.shape[0], M, N)
     g = pl.pallas_call(

@@ -81,7 +81,8 @@ class DecoderLayer(nn.Module):
         norm_weight = lambda name: Weight((H,), pd, nn.initializers.ones, name=name)()  # noqa: E731
 
         residual = x
-        a, kv = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")(norm("input_layernorm")(x), positions, kv)
+        attention = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")
+        a, kv = attention(norm("input_layernorm")(x), positions, kv)
         x, mlp_input = add_normed(a, residual, norm_weight("post_attention_layernorm"), eps=eps,
                                   next_weight=norm_weight("pre_feedforward_layernorm"))
 
