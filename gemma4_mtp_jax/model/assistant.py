@@ -81,7 +81,7 @@ class Gemma4Assistant(nn.Module):
         x = self.pre_projection(jnp.concatenate([token_embedding, h.astype(token_embedding.dtype)], -1))[:, None]
         positions = kv.lengths[:, None]  # docs/DESIGN.md convention 1: the bonus position, constant within a round
         for layer in self.layers:
-            x, _ = layer(x, positions, kv)
+            x, _, _ = layer(x, positions, kv)
         hn = self.norm(x)[:, 0]
         return hn, self.post_projection(hn)
 

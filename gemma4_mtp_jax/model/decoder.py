@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
+from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
@@ -66,7 +67,12 @@ class DecoderLayer(nn.Module):
     The post-norms of o_proj and down_proj (and the per-layer-input gate) go through kernels/split_k.py, which adds
     the partial products of a projection split along its contraction in the same kernel; for an unsplit projection
     it is the plain math; `split_k` False keeps every projection whole. `per_layer_input` is (the stack of every
-    layer's [L, B, T, P], this layer's index)."""
+    layer's [L, B, T, P], this layer's index).
+
+    The norm that reads the layer's output (the next layer's input_layernorm, or the model's final norm) is applied
+    by the layer's last residual kernel when its weight is passed as `next_norm`: a norm on its own is a kernel per
+    layer. `normed_x` is then the previous layer's output through this layer's input_layernorm; None, and the layer
+    norms x itself. Returns (x, next_norm(x) or None, kv)."""
 
     cfg: TextConfig
     layer: int
@@ -74,15 +80,18 @@ class DecoderLayer(nn.Module):
     split_k: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, kv: KVView, per_layer_input: tuple[Array, Array] | None = None):
+    def __call__(self, x: Array, positions: Array, kv: KVView, per_layer_input: tuple[Array, Array] | None = None,
+                 *, normed_x: Array | None = None, next_norm: Array | None = None
+                 ) -> tuple[Array, Array | None, KVView]:
         cfg, lc = self.cfg, self.cfg.layers[self.layer]
         H, pd, eps = cfg.hidden_size, self.param_dtype, cfg.rms_norm_eps
         norm = lambda name: RMSNorm(eps, True, pd, name=name)  # noqa: E731
         norm_weight = lambda name: Weight((H,), pd, nn.initializers.ones, name=name)()  # noqa: E731
 
+        input_norm = norm_weight("input_layernorm")
         residual = x
         attention = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")
-        a, kv = attention(norm("input_layernorm")(x), positions, kv)
+        a, kv = attention(rms_norm(x, eps, input_norm) if normed_x is None else normed_x, positions, kv)
         x, mlp_input = add_normed(a, residual, norm_weight("post_attention_layernorm"), eps=eps,
                                   next_weight=norm_weight("pre_feedforward_layernorm"))
 
@@ -99,12 +108,13 @@ class DecoderLayer(nn.Module):
         # separate multiply would be a kernel of its own.
         layer_scalar = self.param("layer_scalar", nn.initializers.ones, (1,), pd)
         P = cfg.hidden_size_per_layer_input
-        x, _ = add_normed(f, residual, norm_weight("post_feedforward_layernorm"), eps=eps,
-                          scale=None if P else layer_scalar)
+        x, x_next = add_normed(f, residual, norm_weight("post_feedforward_layernorm"), eps=eps,
+                               scale=None if P else layer_scalar, next_weight=None if P else next_norm)
 
         if P:
             gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P, self.split_k))
             g = gelu_gate(gate, *per_layer_input)
             projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H, self.split_k))
-            x, _ = add_normed(projection, x, norm_weight("post_per_layer_input_norm"), eps=eps, scale=layer_scalar)
-        return x, kv
+            x, x_next = add_normed(projection, x, norm_weight("post_per_layer_input_norm"), eps=eps,
+                                   scale=layer_scalar, next_weight=next_norm)
+        return x, x_next, kv

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import TextConfig
+from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.model.attention import DenseKV, KVView
 from gemma4_mtp_jax.model.decoder import DecoderLayer
 from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
@@ -38,12 +39,13 @@ def representative(cfg: TextConfig, i: int) -> int:
 
 
 def _layer_program(cfg: TextConfig, rep: int, param_dtype) -> Callable:
-    """(params, x, positions, kv, per_layer_input) -> (x, kv): decoder layer `rep`, traced once per program."""
+    """(params, x, positions, kv, per_layer_input, normed_x, next_norm) -> (x, next_norm(x), kv): decoder layer
+    `rep`, traced once per program."""
     def build():
         module = DecoderLayer(cfg, rep, param_dtype, parent=None)  # a top-level module of its own
 
-        def decoder_layer(params, x, positions, kv, ple):
-            return module.apply({"params": params}, x, positions, kv, ple)
+        def decoder_layer(params, x, positions, kv, ple, normed_x, next_norm):
+            return module.apply({"params": params}, x, positions, kv, ple, normed_x=normed_x, next_norm=next_norm)
 
         return decoder_layer
 
@@ -51,14 +53,15 @@ def _layer_program(cfg: TextConfig, rep: int, param_dtype) -> Callable:
 
 
 def _run_layer(cfg: TextConfig, i: int, param_dtype, params, x: Array, positions: Array, kv,
-               ple: tuple[Array, Array] | None):
+               ple: tuple[Array, Array] | None, normed_x: Array, next_norm: Array):
     """Decoder layer i on a view that can be narrowed (`only`/`absorb`), run as its kind's representative."""
     rep = representative(cfg, i)
     layers = {cfg.layers[rep].kv_source: cfg.layers[i].kv_source}  # the K/V it attends to
     if cfg.layers[i].kv_mode != "reuse":
         layers[rep] = i  # the K/V it stores (its own)
-    x, view = _layer_program(cfg, rep, param_dtype)(params, x, positions, kv.only(layers), ple)
-    return x, kv.absorb(view, layers)
+    x, x_next, view = _layer_program(cfg, rep, param_dtype)(params, x, positions, kv.only(layers), ple, normed_x,
+                                                            next_norm)
+    return x, x_next, kv.absorb(view, layers)
 
 
 class Gemma4Target(nn.Module):
@@ -94,19 +97,29 @@ class Gemma4Target(nn.Module):
         ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
         if ple is not None:
             ple = layer_major(ple)
+        if self.is_initializing():  # no weights yet to hand from one layer to the one before it
+            for i, layer in enumerate(self.layers):
+                x, _, kv = layer(x, positions, kv, None if ple is None else (ple, jnp.int32(i)))
+            hidden = self.norm(x)
+            return (self.lm_logits(hidden) if logits else None), hidden, kv
+        params = self.variables["params"]
+        # Each layer's last kernel also applies the norm that reads its output (the next layer's input_layernorm,
+        # after the last layer the final norm), so `normed` is always the next layer's input, normed.
+        norms = [params[f"layers_{i}"]["input_layernorm"]["weight"] for i in range(1, cfg.num_layers)]
+        norms.append(params["norm"]["weight"])
+        normed = rms_norm(x, cfg.rms_norm_eps, params["layers_0"]["input_layernorm"]["weight"])
         # Over the paged state every layer runs through a program traced once per kind of layer (`_run_layer`):
         # tracing 60 layers one by one took 2-6 s per step program at 31B, the critical path of start-up.
-        traced_once = hasattr(kv, "only") and not self.is_initializing()
+        traced_once = hasattr(kv, "only")
         for i, layer in enumerate(self.layers):
             # The whole stack and the layer's index: the kernel after per_layer_input_gate reads the layer's slice.
             ple_i = None if ple is None else (ple, jnp.int32(i))
             if traced_once:
-                x, kv = _run_layer(cfg, i, self.param_dtype, self.variables["params"][f"layers_{i}"], x, positions,
-                                   kv, ple_i)
+                x, normed, kv = _run_layer(cfg, i, self.param_dtype, params[f"layers_{i}"], x, positions, kv, ple_i,
+                                           normed, norms[i])
             else:
-                x, kv = layer(x, positions, kv, ple_i)
-        hidden = self.norm(x)
-        return (self.lm_logits(hidden) if logits else None), hidden, kv
+                x, normed, kv = layer(x, positions, kv, ple_i, normed_x=normed, next_norm=norms[i])
+        return (self.lm_logits(normed) if logits else None), normed, kv
 
     def _per_layer_inputs(self, tokens: Array, inputs_embeds: Array) -> Array:
         """PLE: token identity plus a normed projection of the input embedding, one P-vector per layer [B,T,L,P]."""
