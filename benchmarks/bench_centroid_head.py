@@ -4,11 +4,12 @@
     python benchmarks/bench_centroid_head.py --smoke    # tiny shapes on the CPU (Pallas in interpret mode)
 
 Paths timed per T (hn [T, 256] bf16; table [262144, 256] bf16; 2048 centroids; top-32; 128 rows per centroid):
-    xla_full       select_centroids -> top_k -> gather -> dot -> argmax, plain XLA (the reference path)
-    pallas_full    select_centroids (XLA) -> Pallas argmax kernel -> chunk combine
-    pallas_kernel  the Pallas argmax kernel + combine alone (top precomputed)
-    pallas_sparse  the Pallas sparse-logits kernel alone ([T, 4096] logits + ids)
-    select         select_centroids alone (scores matmul + top_k)
+    xla_full       centroid scores -> top_k -> gather -> dot -> argmax, plain XLA (the reference path)
+    pallas_full    centroid scores (XLA) -> Pallas argmax kernel (selection inside) -> chunk combine
+    pallas_kernel  the Pallas argmax kernel + combine alone (scores precomputed)
+    pallas_sparse  the Pallas sparse-logits kernel alone ([T, 4096] logits + ids; scores precomputed)
+    scores         the centroid scores alone (the [T, 256] x [256, 2048] matmul)
+    select         XLA's selection: the scores + lax.top_k (+ the index-order sort)
     dense_full     full-vocab logits [T,256]x[256,262144] + argmax, for comparison
 Correctness first (Pallas vs XLA: token ids equal, logits close), then timing.
 
@@ -65,7 +66,7 @@ def timed(f, arg_sets, reps):
 
 
 def chained(step, n):
-    """jit(prog)(hns: list of n [T,Ha], tops: list of n [T,K]) running step n times, serialized by barriers."""
+    """jit(prog)(hns: list of n [T,Ha], tops: list of n second inputs) running step n times, serialized by barriers."""
 
     def prog(hns, tops):
         outs, prev = [], None
@@ -139,11 +140,15 @@ def main():
         return ch.centroid_head(h, centroids, table, ordering, K, mode="argmax", impl="pallas",
                                 interpret=interpret, **launch)
 
+    # tp: the precomputed centroid scores of h
     def pallas_kernel(h, tp, **launch):
-        return ch.centroid_argmax(h, tp, table, ordering, rows_per_centroid=R, interpret=interpret, **launch)
+        return ch.centroid_argmax(h, tp, table, ordering, top_k=K, interpret=interpret, **launch)
 
     def pallas_sparse(h, tp):
-        return ch.centroid_sparse_logits(h, tp, table, ordering, rows_per_centroid=R, interpret=interpret)
+        return ch.centroid_sparse_logits(h, tp, table, ordering, top_k=K, interpret=interpret)
+
+    def scores(h, tp):
+        return ch.centroid_scores(h, centroids)
 
     def select(h, tp):
         return ch.select_centroids(h, centroids, K)
@@ -154,10 +159,10 @@ def main():
         return ordering[j], jnp.take_along_axis(lg, j[:, None], axis=-1)[:, 0]
 
     def sparse_ref(h, tp):
-        return ch.centroid_sparse_logits_reference(h, tp, table, ordering, rows_per_centroid=R)
+        return ch.centroid_sparse_logits_reference(h, tp, table, ordering, top_k=K)
 
     paths = dict(xla_full=xla_full, pallas_full=pallas_full, pallas_kernel=pallas_kernel,
-                 pallas_sparse=pallas_sparse, select=select, dense_full=dense_full)
+                 pallas_sparse=pallas_sparse, scores=scores, select=select, dense_full=dense_full)
     if args.paths:
         unknown = sorted(set(args.paths) - set(paths))
         if unknown:
@@ -173,7 +178,7 @@ def main():
         kh = jax.random.fold_in(k4, T)
         hn_all = jax.random.normal(kh, (n_sets, T, Ha), dt)
         hns = [hn_all[i] for i in range(n_sets)]
-        tops = [jax.jit(select)(h, None) for h in hns]
+        tops = [jax.jit(scores)(h, None) for h in hns]  # the kernels' precomputed input
         jax.block_until_ready(tops)
         cfg = ch.default_config(T, K, R, Ha, 2)
         res = {"default_config": cfg, "paths": {}, "sweep": [], "check": {}}
@@ -219,7 +224,7 @@ def main():
                 nbytes = V * Ha * 2
             elif name in ("pallas_kernel", "pallas_sparse"):
                 nbytes = T * row_bytes
-            elif name == "select":
+            elif name in ("scores", "select"):
                 nbytes = C * Ha * 2
             else:
                 nbytes = T * row_bytes + C * Ha * 2

@@ -30,22 +30,23 @@ def make_data(T, Ha, V, C, K, *, dtype=jnp.float32, seed=0):
     centroids = jax.random.normal(k[2], (C, Ha), jnp.float32).astype(dtype)
     ordering = jax.random.permutation(k[3], V).astype(jnp.int32)
     ordered = canonical[ordering]  # row r holds token ordering[r]
-    top = ch.select_centroids(hn, centroids, K)
-    return dict(hn=hn, canonical=canonical, centroids=centroids, ordering=ordering, ordered=ordered, top=top,
-                R=V // C, C=C, V=V, K=K)
+    scores = ch.centroid_scores(hn, centroids)
+    top = ch.top_centroids(scores, K)
+    return dict(hn=hn, canonical=canonical, centroids=centroids, ordering=ordering, ordered=ordered, scores=scores,
+                top=top, R=V // C, C=C, V=V, K=K)
 
 
 def _argmax_both(d, suppress=None, **launch):
-    args = (d["hn"], d["top"], d["ordered"], d["ordering"], suppress)
-    ref = ch.centroid_argmax_reference(*args, rows_per_centroid=d["R"])
-    ker = ch.centroid_argmax(*args, rows_per_centroid=d["R"], interpret=INTERPRET, **launch)
+    args = (d["hn"], d["scores"], d["ordered"], d["ordering"], suppress)
+    ref = ch.centroid_argmax_reference(*args, top_k=d["K"])
+    ker = ch.centroid_argmax(*args, top_k=d["K"], interpret=INTERPRET, **launch)
     return ref, ker
 
 
 def _sparse_both(d, suppress=None, **launch):
-    args = (d["hn"], d["top"], d["ordered"], d["ordering"], suppress)
-    ref = ch.centroid_sparse_logits_reference(*args, rows_per_centroid=d["R"])
-    ker = ch.centroid_sparse_logits(*args, rows_per_centroid=d["R"], interpret=INTERPRET, **launch)
+    args = (d["hn"], d["scores"], d["ordered"], d["ordering"], suppress)
+    ref = ch.centroid_sparse_logits_reference(*args, top_k=d["K"])
+    ker = ch.centroid_sparse_logits(*args, top_k=d["K"], interpret=INTERPRET, **launch)
     return ref, ker
 
 
@@ -119,19 +120,19 @@ def test_reference_matches_transformers_semantics():
     hn = np.asarray(d["hn"], np.float64)
     cand = _candidate_ids(d)  # [T, K*R]
     sel = np.einsum("td,tsd->ts", hn, np.asarray(d["canonical"], np.float64)[cand])
-    logits, ids = ch.centroid_sparse_logits_reference(d["hn"], d["top"], d["ordered"], d["ordering"],
-                                                      rows_per_centroid=d["R"])
+    logits, ids = ch.centroid_sparse_logits_reference(d["hn"], d["scores"], d["ordered"], d["ordering"],
+                                                      top_k=d["K"])
     np.testing.assert_array_equal(np.asarray(ids), cand)
     np.testing.assert_allclose(np.asarray(logits), sel, rtol=1e-5, atol=1e-4)
     # transformers' full logits (fill = min(sel) - 1 elsewhere) -> the same argmax token
     fill = sel.min() - 1.0
     full = np.full((hn.shape[0], d["V"]), fill)
     full[np.arange(hn.shape[0])[:, None], cand] = sel
-    tok, _ = ch.centroid_argmax_reference(d["hn"], d["top"], d["ordered"], d["ordering"], rows_per_centroid=d["R"])
+    tok, _ = ch.centroid_argmax_reference(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["K"])
     np.testing.assert_array_equal(np.asarray(tok), full.argmax(-1))
     # the centroid choice is transformers': top-k of hn @ centroids.T
     scores = hn @ np.asarray(d["centroids"], np.float64).T
-    want_top = np.argsort(-scores, axis=-1, kind="stable")[:, : d["K"]]
+    want_top = np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, : d["K"]], axis=-1)  # kept in index order
     np.testing.assert_array_equal(np.asarray(d["top"]), want_top)
 
 
@@ -204,7 +205,8 @@ def test_bf16_inputs(shape):
 
 @pytest.mark.parametrize("block_rows", [None, 8])
 def test_tie_rule_first_candidate_wins(block_rows):
-    """Exact ties: the first candidate in (top order, row order) wins, on both paths, within and across centroids."""
+    """Exact ties: the first candidate (the lowest row: kept centroids in index order, then row order) wins, on both
+    paths, within and across centroids and chunks."""
     T, Ha, V, C, K = SHAPES[0]
     d = make_data(T, Ha, V, C, K, seed=7)
     R = d["R"]
@@ -214,15 +216,15 @@ def test_tie_rule_first_candidate_wins(block_rows):
     expect = []
     for t in range(T):
         win = 3.0 * hn[t] / np.linalg.norm(hn[t]) * np.sqrt(Ha)  # far above every random row's logit
-        # token t: the winning row appears 3 times: top slot 2 row 5, top slot 1 row R-1 (<- first in candidate
-        # order, a LATER row index than slot 2's row when top[t,1] > top[t,2]), top slot 1 row R-2... keep it
-        # simple: slot 1 row R-1 and slot 2 row 0 and slot 2 row 5; expected winner: slot 1 row R-1
-        rows = [top[t, 1] * R + R - 1, top[t, 2] * R + 0, top[t, 2] * R + 5]
-        if t == T - 1:  # within one centroid only: rows 3 and 7 of slot 0 -> row 3 wins
-            rows = [top[t, 0] * R + 7, top[t, 0] * R + 3]
+        # The winning row three times: a late row of the second kept centroid (the first candidate) and two early
+        # rows of the third; within one centroid only (last token): rows 20 and 12 of the first -> row 12. Tokens
+        # share centroids, so each token takes rows (offsets by t) no other token writes.
+        rows = [top[t, 1] * R + R - 1 - t, top[t, 2] * R + t, top[t, 2] * R + 5 + t]
+        if t == T - 1:
+            rows = [top[t, 0] * R + 20, top[t, 0] * R + 12]
         for r in rows:
             ordered[r] = win
-        expect.append(min(rows, key=lambda r: (list(top[t]).index(r // R), r % R)))
+        expect.append(min(rows))
     d["ordered"] = jnp.asarray(ordered)
     ref, ker = _argmax_both(d, block_rows=block_rows)
     want = np.asarray(d["ordering"])[np.array(expect)]
@@ -257,11 +259,13 @@ def test_dispatcher(mode):
 
 def test_rejects_bad_config():
     d = make_data(*SHAPES[0])
-    with pytest.raises(ValueError):
-        ch.centroid_argmax(d["hn"], d["top"], d["ordered"], d["ordering"], rows_per_centroid=d["R"],
-                           interpret=INTERPRET, block_rows=12)
-    with pytest.raises(ValueError):  # V != 262144 and no R given
-        ch.centroid_argmax_reference(d["hn"], d["top"], d["ordered"], d["ordering"])
+    with pytest.raises(ValueError, match="block_rows"):
+        ch.centroid_argmax(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["K"], interpret=INTERPRET,
+                           block_rows=12)
+    with pytest.raises(ValueError, match="top_k"):
+        ch.centroid_argmax_reference(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["C"] + 1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        ch.centroid_argmax_reference(d["hn"], d["scores"][:, :-1], d["ordered"], d["ordering"], top_k=d["K"])
     assert ch.default_config(1, 32, 128, 256, 2)["block_rows"] in (16, 32, 64, 128)
 
 
@@ -297,3 +301,36 @@ def test_dispatcher_falls_back_when_no_tile_fits(monkeypatch, caplog):
             got = ch.centroid_head(*args)
             np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     assert sum("XLA path" in r.getMessage() for r in caplog.records) == 1
+
+
+def _kept_by_kernel(d) -> np.ndarray:
+    """The clusters the sparse kernel served, per token, from the ids it wrote (rows come in whole clusters)."""
+    _, ids = ch.centroid_sparse_logits(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["K"],
+                                       interpret=INTERPRET)
+    row_of = np.argsort(np.asarray(d["ordering"]))  # canonical id -> row
+    rows = row_of[np.asarray(ids)].reshape(ids.shape[0], d["K"], d["R"])
+    assert np.all(rows // d["R"] == rows[..., :1] // d["R"]) and np.all(np.diff(rows, axis=-1) == 1)
+    return rows[..., 0] // d["R"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("levels", [3, 7, 1000])
+def test_kernel_selection_is_top_k_with_ties(dtype, levels):
+    """The kernel's own selection keeps lax.top_k's set, in index order, when many scores tie at the K-th (scores
+    drawn from a few levels, negative and positive, some -0.0), and when none do."""
+    T, Ha, V, C, K = 6, 32, 2048, 64, 8
+    d = make_data(T, Ha, V, C, K, dtype=dtype, seed=10)
+    rng = np.random.default_rng(levels)
+    vals = rng.choice(np.linspace(-2.0, 1.5, levels), size=(T, C))
+    vals[0, :3] = -0.0
+    d["scores"] = jnp.asarray(vals, jnp.float32).astype(dtype)
+    d["top"] = ch.top_centroids(d["scores"], K)
+    np.testing.assert_array_equal(_kept_by_kernel(d), np.asarray(d["top"]))
+    want = np.sort(np.argsort(-np.asarray(d["scores"], np.float64), axis=-1, kind="stable")[:, :K], axis=-1)
+    np.testing.assert_array_equal(np.asarray(d["top"]), want)
+
+
+def test_kernel_selection_keeps_all_when_k_is_c():
+    T, Ha, V, C = 2, 32, 512, 16
+    d = make_data(T, Ha, V, C, C, seed=11)
+    np.testing.assert_array_equal(_kept_by_kernel(d), np.tile(np.arange(C), (T, 1)))

@@ -1,34 +1,45 @@
-"""The centroid-masked LM head of the E2B/E4B assistants: fused sparse gather-dot + argmax / sparse logits.
+"""The centroid-masked LM head of the E2B/E4B assistants: centroid selection, sparse gather-dot and argmax / sparse
+logits, fused into one kernel after the centroid scores.
 
 transformers' `Gemma4AssistantMaskedEmbedder` (reference/gemma4_architecture.md §4.4) scores C token clusters
 ("centroids"), keeps the top-K, and computes logits only for the V/C tokens of each kept cluster. The head's rows
 are stored permuted by `token_ordering` (done once at load time, see model/assistant.py `CentroidHead`), so
 cluster c is the contiguous rows c*R .. (c+1)*R-1 of `ordered_embedding` (R = V/C) and `token_ordering[row]` is the
-canonical token id of a row. A token's candidates are therefore K contiguous [R, Ha] tiles picked by `top`.
+canonical token id of a row. A token's candidates are therefore K contiguous [R, Ha] tiles.
+
+Selection: the K clusters of highest score `hn @ centroids.T` (computed as the assistant's `Linear` computes it, in
+hn's dtype), on equal scores the lower index first: the set `jax.lax.top_k` picks. Only the set matters downstream,
+so the kept clusters are taken in INDEX order, which a kernel can find without sorting.
 
 Candidate order and the tie rule (the reference and the kernels implement it identically):
-    candidate j (0 <= j < K*R) of a token is row  top[t, j // R] * R + j % R  of `ordered_embedding`,
-    i.e. top order first (the order `jax.lax.top_k` returns: descending centroid score, lower centroid index
-    first on equal scores), then row order inside the centroid block. The argmax returns the candidate with the
-    largest float32 logit; among equal logits the FIRST candidate in this order wins. Suppressed rows get -inf
-    (if every candidate is suppressed the first candidate is returned, with logit -inf). NaNs are not handled.
+    candidate j (0 <= j < K*R) of a token is row  top[t, j // R] * R + j % R  of `ordered_embedding`, with top[t]
+    the kept clusters in ascending index order; candidates are therefore in ascending row order. The argmax returns
+    the candidate with the largest float32 logit; among equal logits the FIRST candidate (the lowest row) wins.
+    Suppressed rows get -inf (if every candidate is suppressed the first candidate is returned, with logit -inf).
+    NaNs are not handled.
 
 Numerics: logits are float32 dot products of hn and the row, both upcast to float32 (bf16 x bf16 products are
 exact in float32, so only the summation order differs between the XLA reference and the kernel, ~1e-7 relative).
 
 Functions:
-    select_centroids(hn, centroids, top_k)                                  -> top [T, K] int32 (plain XLA)
-    centroid_argmax_reference / centroid_argmax                             -> (token [T] int32, logit [T] f32)
-    centroid_sparse_logits_reference / centroid_sparse_logits               -> (logits [T, K*R] f32, ids [T, K*R] i32)
+    centroid_scores(hn, centroids)                          -> scores [T, C] (plain XLA, hn's dtype)
+    top_centroids(scores, top_k) / select_centroids(...)    -> top [T, K] int32, index order (plain XLA)
+    centroid_argmax_reference / centroid_argmax             -> (token [T] int32, logit [T] f32), from the scores
+    centroid_sparse_logits_reference / centroid_sparse_logits  -> (logits [T, K*R] f32, ids [T, K*R] i32)
     centroid_head(..., mode="argmax"|"sparse", impl="auto"|"pallas"|"xla")  -> dispatcher
 
 Pallas kernels (Triton lowering, selected by passing `jax.experimental.pallas.triton.CompilerParams`):
     grid (T, NP) with NP = K*R / BP chunks of BP rows (BP = `block_rows`, a power of two dividing R). Program
-    (t, p) reads centroid k = p // (R/BP) of token t (a scalar load of top[t, k]) and its rows
-    r0 = (p % (R/BP)) * BP .. r0+BP-1: ONE contiguous [BP, Ha] tile load (BP*Ha*itemsize bytes, 64 KiB at
-    BP=128/Ha=256/bf16), issued whole, so every thread has all its 16-byte loads in flight at once; plus the BP
-    token ids (and suppress flags) of those rows. Logits are an elementwise f32 multiply by hn and a row sum
-    (a GEMV: tensor cores would need a 16-wide N and buy nothing, the work is bandwidth bound).
+    (t, p) serves the k-th kept cluster of token t, k = p // (R/BP), rows r0 = (p % (R/BP)) * BP .. r0+BP-1.
+    Selection, in every program (the scores of a token are C values, read from L2; no program waits for another):
+    the scores as integers of the same order (the float bits, negatives' magnitude bits flipped); the K-th largest
+    value tau found digit by digit, four bits per round (16 candidate thresholds counted at once); kept = greater
+    than tau, or equal to it among the first K - #greater in index order (a cumulative count); the k-th kept
+    cluster by a second cumulative count. This replaces XLA's sort of the scores (`lax.top_k` sorts for K > 16) and
+    the launch it cost on the draft step's critical path.
+    Then ONE contiguous [BP, Ha] tile load (BP*Ha*itemsize bytes), issued whole, plus the BP token ids (and
+    suppress flags) of those rows. Logits are an elementwise f32 multiply by hn and a row sum (a GEMV: tensor cores
+    would need a 16-wide N and buy nothing, the work is bandwidth bound).
     argmax kernel: each program writes its chunk's max logit and the canonical token id of the chunk's FIRST max
     row (partials [T, NP]); chunks are in candidate order, so a first-occurrence argmax over NP in XLA (one tiny
     fusion) gives exactly the tie rule above.
@@ -55,6 +66,8 @@ except Exception:  # pragma: no cover - a JAX without the Triton backend
     _pl_triton = None
 
 __all__ = [
+    "centroid_scores",
+    "top_centroids",
     "select_centroids",
     "centroid_argmax_reference",
     "centroid_argmax",
@@ -69,30 +82,45 @@ _NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Shared: centroid selection (plain XLA)
+# Shared: centroid scores and selection (plain XLA)
 # --------------------------------------------------------------------------------------------------------------
 
 
+def centroid_scores(hn: Array, centroids: Array) -> Array:
+    """scores [T, C] = hn @ centroids.T (`centroids` [C, Ha], PyTorch layout), computed as the assistant's `Linear`
+    does (weight cast to hn's dtype, default precision, result in hn's dtype), so the selection is the model's."""
+    return jnp.einsum("th,ch->tc", hn, centroids.astype(hn.dtype))
+
+
+def top_centroids(scores: Array, top_k: int) -> Array:
+    """top [T, K] int32: the K clusters `jax.lax.top_k` keeps (descending score, lower index first on ties), in
+    ascending index order."""
+    return jnp.sort(jax.lax.top_k(scores, top_k)[1].astype(jnp.int32), axis=-1)
+
+
 def select_centroids(hn: Array, centroids: Array, top_k: int) -> Array:
-    """top [T, K] int32: the K best clusters by the raw score hn @ centroids.T (`centroids` is [C, Ha], PyTorch
-    layout). Computed as the assistant's `Linear` does (weight cast to hn's dtype, default precision), so this
-    equals `CentroidHead`'s selection; `jax.lax.top_k` order (descending score, lower index first on ties)."""
-    scores = jnp.einsum("th,ch->tc", hn, centroids.astype(hn.dtype))
-    return jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
+    """top [T, K] int32: the K best clusters of hn, in index order (`centroid_scores`, `top_centroids`)."""
+    return top_centroids(centroid_scores(hn, centroids), top_k)
 
 
-def _check_shapes(hn, top, ordered_embedding, token_ordering, suppress):
-    if hn.ndim != 2 or top.ndim != 2 or ordered_embedding.ndim != 2:
-        raise ValueError(f"expected hn [T, Ha], top [T, K], ordered_embedding [V, Ha]; got {hn.shape}, {top.shape}, "
-                         f"{ordered_embedding.shape}")
+def _check_shapes(hn, scores, top_k, ordered_embedding, token_ordering, suppress):
+    if hn.ndim != 2 or scores.ndim != 2 or ordered_embedding.ndim != 2:
+        raise ValueError(f"expected hn [T, Ha], scores [T, C], ordered_embedding [V, Ha]; got {hn.shape}, "
+                         f"{scores.shape}, {ordered_embedding.shape}")
     T, Ha = hn.shape
-    V = ordered_embedding.shape[0]
-    if ordered_embedding.shape[1] != Ha or top.shape[0] != T:
-        raise ValueError(f"shape mismatch: hn {hn.shape}, top {top.shape}, ordered_embedding {ordered_embedding.shape}")
+    (V, Hv), C = ordered_embedding.shape, scores.shape[1]
+    if Hv != Ha or scores.shape[0] != T:
+        raise ValueError(f"shape mismatch: hn {hn.shape}, scores {scores.shape}, ordered_embedding "
+                         f"{ordered_embedding.shape}")
+    if V % C:
+        raise ValueError(f"ordered_embedding's {V} rows are not a multiple of the {C} centroids of the scores")
+    if not 1 <= top_k <= C:
+        raise ValueError(f"top_k={top_k} must be in 1..{C} (the number of centroids)")
     if token_ordering.shape != (V,):
         raise ValueError(f"token_ordering must be [V={V}], got {token_ordering.shape}")
     if suppress is not None and suppress.shape != (V,):
         raise ValueError(f"suppress must be [V={V}] (row order), got {suppress.shape}")
+    return V // C
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -120,47 +148,25 @@ def _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, 
     return logits.reshape(T, K * R), ids.reshape(T, K * R)
 
 
-GEMMA4_VOCAB = 262144
-GEMMA4_ROWS_PER_CENTROID = 128  # E2B/E4B assistants: 262144 tokens in 2048 centroids
-
-
-def _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids):
-    V = ordered_embedding.shape[0]
-    if rows_per_centroid is None:
-        if num_centroids is not None:
-            rows_per_centroid = V // num_centroids
-        elif V == GEMMA4_VOCAB:
-            rows_per_centroid = GEMMA4_ROWS_PER_CENTROID
-        else:
-            raise ValueError(f"V={V}: pass rows_per_centroid (V/C) or num_centroids")
-    if V % rows_per_centroid:
-        raise ValueError(f"V={V} is not a multiple of rows_per_centroid={rows_per_centroid}")
-    return rows_per_centroid
-
-
-def centroid_argmax_reference(hn, top, ordered_embedding, token_ordering, suppress=None, *,
-                              rows_per_centroid=None, num_centroids=None):
+def centroid_argmax_reference(hn, scores, ordered_embedding, token_ordering, suppress=None, *, top_k: int):
     """(token [T] int32, logit [T] float32): the greedy draft token of the centroid head, plain XLA.
 
-    `top` [T, K] are centroid indices (from `select_centroids`). R = V/C rows per centroid comes from
-    `rows_per_centroid` or `num_centroids`; left out, it is Gemma 4's 128 when V = 262144, an error otherwise
-    (`centroid_head` passes it from the centroid table). Tie rule: see the module docstring."""
-    _check_shapes(hn, top, ordered_embedding, token_ordering, suppress)
-    R = _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids)
-    logits, ids = _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, R)
+    `scores` [T, C] are the centroid scores (`centroid_scores`), of which the `top_k` best clusters are kept;
+    R = V/C rows per centroid. Tie rule: see the module docstring."""
+    R = _check_shapes(hn, scores, top_k, ordered_embedding, token_ordering, suppress)
+    logits, ids = _candidate_logits_xla(hn, top_centroids(scores, top_k), ordered_embedding, token_ordering,
+                                        suppress, R)
     j = jnp.argmax(logits, axis=-1)  # first occurrence of the max = the tie rule
     tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0]
     logit = jnp.take_along_axis(logits, j[:, None], axis=-1)[:, 0]
     return tok.astype(jnp.int32), logit
 
 
-def centroid_sparse_logits_reference(hn, top, ordered_embedding, token_ordering, suppress=None, *,
-                                     rows_per_centroid=None, num_centroids=None):
-    """(logits [T, K*R] float32, ids [T, K*R] int32) in candidate order (top order, then row order), plain XLA.
-    Suppressed rows have logit -inf."""
-    _check_shapes(hn, top, ordered_embedding, token_ordering, suppress)
-    R = _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids)
-    return _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, R)
+def centroid_sparse_logits_reference(hn, scores, ordered_embedding, token_ordering, suppress=None, *, top_k: int):
+    """(logits [T, K*R] float32, ids [T, K*R] int32) in candidate order (kept clusters in index order, then row
+    order), plain XLA. Suppressed rows have logit -inf."""
+    R = _check_shapes(hn, scores, top_k, ordered_embedding, token_ordering, suppress)
+    return _candidate_logits_xla(hn, top_centroids(scores, top_k), ordered_embedding, token_ordering, suppress, R)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,6 +180,8 @@ def _is_pow2(n: int) -> bool:
 
 _F32_PER_THREAD = 128  # float32 values of the upcast row tile per thread: more would spill registers
 _MAX_WARPS = 8
+_DIGIT_BITS = 4  # bits of the K-th largest score found per selection round: 16 thresholds counted at once
+_INT_MIN = -(2**31)
 
 
 def default_config(T: int, K: int, R: int, Ha: int, itemsize: int, budget: GpuBudget | None = None) -> dict | None:
@@ -203,23 +211,54 @@ def default_config(T: int, K: int, R: int, Ha: int, itemsize: int, budget: GpuBu
     return dict(block_rows=bp, num_warps=num_warps, num_stages=1)
 
 
-def pallas_supported(hn, ordered_embedding, rows_per_centroid, block_rows=None) -> bool:
-    """Whether the Pallas kernels take these shapes (Triton needs power-of-two tiles)."""
-    Ha = hn.shape[-1]
-    R = rows_per_centroid
+def _low_zero_bits(dtype) -> int:
+    """Low bits of a float32 that are zero in every value of `dtype` (bfloat16: 16): the selection skips them."""
+    return 23 - jnp.finfo(dtype).nmant
+
+
+def pallas_supported(hn, scores, ordered_embedding, block_rows=None) -> bool:
+    """Whether the Pallas kernels take these shapes and dtypes (Triton needs power-of-two tiles; the selection
+    reads scores of float32 or a narrower float whose float32 bits it walks in whole digits)."""
+    Ha, C = hn.shape[-1], scores.shape[-1]
+    R = ordered_embedding.shape[0] // C
     bp = R if block_rows is None else block_rows
-    return _is_pow2(Ha) and _is_pow2(R) and _is_pow2(bp) and bp <= R and R % bp == 0
+    dt = jnp.dtype(scores.dtype)
+    return (_is_pow2(Ha) and _is_pow2(R) and _is_pow2(C) and _is_pow2(bp) and bp <= R and R % bp == 0
+            and jnp.issubdtype(dt, jnp.floating) and dt.itemsize <= 4
+            and (32 - _low_zero_bits(dt)) % _DIGIT_BITS == 0)
 
 
-def _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, *, R, BP):
+def _kth_kept_centroid(scores_ref, k, *, K: int, C: int, low: int):
+    """The k-th (0-based, index order) of the K clusters `top_centroids` keeps for this program's token."""
+    x = scores_ref[...].astype(jnp.float32)  # [C]
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    # Same order as the floats: a negative's magnitude bits flipped; bits that are zero in every value of the
+    # scores' dtype cleared (a negative bfloat16 would otherwise carry ones there).
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) & jnp.int32(-(1 << low))
+    # tau, the K-th largest key, digit by digit from the top in offset binary (unsigned order): the largest
+    # threshold with at least K keys at or above it.
+    digits = jax.lax.broadcasted_iota(jnp.int32, (1 << _DIGIT_BITS, 1), 0)
+    prefix = jnp.int32(0)
+    for shift in range(32 - _DIGIT_BITS, low - 1, -_DIGIT_BITS):
+        thresholds = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)  # [16, 1], back in key order
+        counts = jnp.sum((key[None, :] >= thresholds).astype(jnp.int32), axis=1)  # [16], non-increasing
+        prefix = prefix | ((jnp.sum((counts >= K).astype(jnp.int32)) - 1) << shift)
+    tau = prefix ^ jnp.int32(_INT_MIN)
+    above = key > tau
+    at = key == tau
+    need = K - jnp.sum(above.astype(jnp.int32))  # of the clusters at tau, the lowest indices are kept
+    kept = above | (at & (jnp.cumsum(at.astype(jnp.int32)) <= need))
+    rank = jnp.cumsum(kept.astype(jnp.int32))  # 1-based, index order
+    iota = jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
+    return jnp.sum(jnp.where(kept & (rank == k + 1), iota, 0))
+
+
+def _chunk(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, *, R, BP, K, C, low):
     """Shared body: (logits [BP] f32, ids [BP] i32) of program (t, p)'s chunk."""
-    t = pl.program_id(0)
     p = pl.program_id(1)
     chunks_per_centroid = R // BP
-    k = p // chunks_per_centroid
-    r0 = (p % chunks_per_centroid) * BP
-    c = top_ref[t, k]  # scalar load: the centroid of this chunk
-    base = c * R + r0  # first row of the chunk in ordered_embedding
+    c = _kth_kept_centroid(scores_ref, p // chunks_per_centroid, K=K, C=C, low=low)
+    base = c * R + (p % chunks_per_centroid) * BP  # first row of the chunk in ordered_embedding
     rows = emb_ref[pl.ds(base, BP), :].astype(jnp.float32)  # [BP, Ha]: one contiguous tile load
     ids = ord_ref[pl.ds(base, BP)]  # [BP]
     h = hn_ref[...].astype(jnp.float32)  # [Ha]
@@ -230,13 +269,14 @@ def _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, *, R, BP):
     return logits, ids
 
 
-def _argmax_kernel(hn_ref, top_ref, emb_ref, ord_ref, *rest, R, BP, has_suppress):
+def _argmax_kernel(hn_ref, scores_ref, emb_ref, ord_ref, *rest, has_suppress, **dims):
     if has_suppress:
         sup_ref, m_ref, tok_ref = rest
     else:
         sup_ref = None
         m_ref, tok_ref = rest
-    logits, ids = _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, R=R, BP=BP)
+    logits, ids = _chunk(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, **dims)
+    BP = dims["BP"]
     m = jnp.max(logits)
     iota = jax.lax.broadcasted_iota(jnp.int32, (BP,), 0)
     first = jnp.min(jnp.where(logits == m, iota, BP))  # first row of the chunk holding the max
@@ -245,13 +285,13 @@ def _argmax_kernel(hn_ref, top_ref, emb_ref, ord_ref, *rest, R, BP, has_suppress
     tok_ref[...] = tok
 
 
-def _sparse_kernel(hn_ref, top_ref, emb_ref, ord_ref, *rest, R, BP, has_suppress):
+def _sparse_kernel(hn_ref, scores_ref, emb_ref, ord_ref, *rest, has_suppress, **dims):
     if has_suppress:
         sup_ref, lg_ref, id_ref = rest
     else:
         sup_ref = None
         lg_ref, id_ref = rest
-    logits, ids = _chunk(hn_ref, top_ref, emb_ref, ord_ref, sup_ref, R=R, BP=BP)
+    logits, ids = _chunk(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, **dims)
     lg_ref[...] = logits
     id_ref[...] = ids
 
@@ -262,49 +302,49 @@ def _compiler_params(num_warps, num_stages):
     return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid, num_centroids,
-                   block_rows, num_warps, num_stages):
-    _check_shapes(hn, top, ordered_embedding, token_ordering, suppress)
-    R = _resolve_R(ordered_embedding, top, rows_per_centroid, num_centroids)
+def _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, block_rows, num_warps, num_stages):
+    R = _check_shapes(hn, scores, top_k, ordered_embedding, token_ordering, suppress)
     T, Ha = hn.shape
-    K = top.shape[1]
-    cfg = default_config(T, K, R, Ha, jnp.dtype(ordered_embedding.dtype).itemsize)
+    C = scores.shape[1]
+    cfg = default_config(T, top_k, R, Ha, jnp.dtype(ordered_embedding.dtype).itemsize)
     if cfg is None and None in (block_rows, num_warps, num_stages):
         raise ValueError(f"no centroid-head tile fits Ha={Ha} ({ordered_embedding.dtype}) on "
                          f"{default_budget().name or 'this device'}; use impl='xla'")
     BP = cfg["block_rows"] if block_rows is None else block_rows
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
-    if not pallas_supported(hn, ordered_embedding, R, BP):
-        raise ValueError(f"Pallas centroid head needs power-of-two Ha ({Ha}), R=V/C ({R}) and block_rows ({BP}) "
-                         f"with block_rows | R; use impl='xla'")
-    NP = K * (R // BP)
+    if not pallas_supported(hn, scores, ordered_embedding, BP):
+        raise ValueError(f"Pallas centroid head needs power-of-two Ha ({Ha}), C ({C}), R=V/C ({R}) and block_rows "
+                         f"({BP}) with block_rows | R, and float scores of at most 32 bits ({scores.dtype}); "
+                         f"use impl='xla'")
+    NP = top_k * (R // BP)
     in_specs = [
         pl.BlockSpec((None, Ha), lambda t, p: (t, 0)),  # hn row t
-        pl.BlockSpec(top.shape, lambda t, p: (0, 0)),  # top: whole [T, K] (scalar reads)
+        pl.BlockSpec((None, C), lambda t, p: (t, 0)),  # the scores of token t
         pl.BlockSpec(ordered_embedding.shape, lambda t, p: (0, 0)),  # whole table (dynamic row slices)
         pl.BlockSpec(token_ordering.shape, lambda t, p: (0,)),
     ]
-    args = [hn, top.astype(jnp.int32), ordered_embedding, token_ordering.astype(jnp.int32)]
+    args = [hn, scores, ordered_embedding, token_ordering.astype(jnp.int32)]
     if suppress is not None:
         in_specs.append(pl.BlockSpec(suppress.shape, lambda t, p: (0,)))
         args.append(suppress)
-    return dict(T=T, K=K, R=R, BP=BP, NP=NP, in_specs=in_specs, args=args,
+    dims = dict(R=R, BP=BP, K=top_k, C=C, low=_low_zero_bits(scores.dtype))
+    return dict(T=T, NP=NP, dims=dims, in_specs=in_specs, args=args,
                 compiler_params=_compiler_params(num_warps, num_stages))
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_centroid", "num_centroids", "interpret", "block_rows",
-                                             "num_warps", "num_stages"))
-def centroid_argmax(hn, top, ordered_embedding, token_ordering, suppress=None, *, rows_per_centroid=None,
-                    num_centroids=None, interpret=False, block_rows=None, num_warps=None, num_stages=None):
-    """(token [T] int32, logit [T] float32): Pallas version of `centroid_argmax_reference` (same tie rule).
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "block_rows", "num_warps", "num_stages"))
+def centroid_argmax(hn, scores, ordered_embedding, token_ordering, suppress=None, *, top_k: int, interpret=False,
+                    block_rows=None, num_warps=None, num_stages=None):
+    """(token [T] int32, logit [T] float32): Pallas version of `centroid_argmax_reference` (same selection, same
+    tie rule).
 
     Partial argmaxes per (token, chunk of `block_rows` rows) from the kernel, combined by a first-occurrence
     argmax over chunks (XLA). Launch knobs default to `default_config`."""
-    c = _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid, num_centroids,
-                       block_rows, num_warps, num_stages)
+    c = _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, block_rows, num_warps,
+                       num_stages)
     T, NP = c["T"], c["NP"]
-    kernel = functools.partial(_argmax_kernel, R=c["R"], BP=c["BP"], has_suppress=suppress is not None)
+    kernel = functools.partial(_argmax_kernel, has_suppress=suppress is not None, **c["dims"])
     m, tok = pl.pallas_call(
         kernel,
         grid=(T, NP),
@@ -322,23 +362,22 @@ def centroid_argmax(hn, top, ordered_embedding, token_ordering, suppress=None, *
     return token, logit
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_centroid", "num_centroids", "interpret", "block_rows",
-                                             "num_warps", "num_stages"))
-def centroid_sparse_logits(hn, top, ordered_embedding, token_ordering, suppress=None, *, rows_per_centroid=None,
-                           num_centroids=None, interpret=False, block_rows=None, num_warps=None, num_stages=None):
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "block_rows", "num_warps", "num_stages"))
+def centroid_sparse_logits(hn, scores, ordered_embedding, token_ordering, suppress=None, *, top_k: int,
+                           interpret=False, block_rows=None, num_warps=None, num_stages=None):
     """(logits [T, K*R] float32, ids [T, K*R] int32) in candidate order: Pallas version of
     `centroid_sparse_logits_reference`."""
-    c = _pallas_common(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid, num_centroids,
-                       block_rows, num_warps, num_stages)
-    T, K, R, BP, NP = c["T"], c["K"], c["R"], c["BP"], c["NP"]
-    kernel = functools.partial(_sparse_kernel, R=R, BP=BP, has_suppress=suppress is not None)
+    c = _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, block_rows, num_warps,
+                       num_stages)
+    T, NP, BP = c["T"], c["NP"], c["dims"]["BP"]
+    kernel = functools.partial(_sparse_kernel, has_suppress=suppress is not None, **c["dims"])
     logits, ids = pl.pallas_call(
         kernel,
         grid=(T, NP),
         in_specs=c["in_specs"],
         out_specs=[pl.BlockSpec((None, BP), lambda t, p: (t, p)),
                    pl.BlockSpec((None, BP), lambda t, p: (t, p))],
-        out_shape=[jax.ShapeDtypeStruct((T, K * R), jnp.float32), jax.ShapeDtypeStruct((T, K * R), jnp.int32)],
+        out_shape=[jax.ShapeDtypeStruct((T, NP * BP), jnp.float32), jax.ShapeDtypeStruct((T, NP * BP), jnp.int32)],
         compiler_params=c["compiler_params"],
         interpret=interpret,
         name="centroid_sparse_logits",
@@ -367,7 +406,8 @@ def _log_fallback(hn_shape, table_shape, dtype_name: str) -> None:
 
 def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppress=None, *, mode="argmax",
                   impl="auto", interpret=False, **launch):
-    """The whole centroid head: select_centroids -> argmax (greedy drafting) or sparse logits (sampled drafting).
+    """The whole centroid head: the centroid scores (XLA), then the selection with the argmax (greedy drafting) or
+    the sparse logits (sampled drafting).
 
     hn [T, Ha]; centroids [C, Ha]; ordered_embedding [V, Ha] (rows permuted by token_ordering); token_ordering [V];
     suppress: optional [V] bool in row order. mode "argmax" -> (token [T] i32, logit [T] f32);
@@ -380,12 +420,11 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
         raise ValueError(f"mode must be 'argmax' or 'sparse', got {mode!r}")
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
-    C = centroids.shape[0]
-    R = ordered_embedding.shape[0] // C
-    top = select_centroids(hn, centroids, top_k)
+    scores = centroid_scores(hn, centroids)
     if impl == "auto":
-        use_pallas = (interpret or _on_gpu(hn)) and pallas_supported(hn, ordered_embedding, R,
+        use_pallas = (interpret or _on_gpu(hn)) and pallas_supported(hn, scores, ordered_embedding,
                                                                        launch.get("block_rows"))
+        R = ordered_embedding.shape[0] // scores.shape[1]
         if use_pallas and "block_rows" not in launch and default_config(
                 hn.shape[0], top_k, R, hn.shape[1], jnp.dtype(ordered_embedding.dtype).itemsize) is None:
             use_pallas = False
@@ -394,7 +433,6 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
         use_pallas = impl == "pallas"
     if use_pallas:
         fn = centroid_argmax if mode == "argmax" else centroid_sparse_logits
-        return fn(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid=R, interpret=interpret,
-                  **launch)
+        return fn(hn, scores, ordered_embedding, token_ordering, suppress, top_k=top_k, interpret=interpret, **launch)
     fn = centroid_argmax_reference if mode == "argmax" else centroid_sparse_logits_reference
-    return fn(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid=R)
+    return fn(hn, scores, ordered_embedding, token_ordering, suppress, top_k=top_k)
