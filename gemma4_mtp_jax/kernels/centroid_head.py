@@ -33,7 +33,7 @@ Pallas kernels (Triton lowering, selected by passing `jax.experimental.pallas.tr
     (t, p) serves the k-th kept cluster of token t, k = p // (R/BP), rows r0 = (p % (R/BP)) * BP .. r0+BP-1.
     Selection, in every program (the scores of a token are C values, read from L2; no program waits for another):
     the scores as integers of the same order (the float bits, negatives' magnitude bits flipped); the K-th largest
-    value tau found digit by digit, four bits per round (16 candidate thresholds counted at once); kept = greater
+    value tau found digit by digit, two bits per round (4 candidate thresholds counted at once); kept = greater
     than tau, or equal to it among the first K - #greater in index order (a cumulative count); the k-th kept
     cluster by a second cumulative count. This replaces XLA's sort of the scores (`lax.top_k` sorts for K > 16) and
     the launch it cost on the draft step's critical path.
@@ -180,7 +180,7 @@ def _is_pow2(n: int) -> bool:
 
 _F32_PER_THREAD = 128  # float32 values of the upcast row tile per thread: more would spill registers
 _MAX_WARPS = 8
-_DIGIT_BITS = 4  # bits of the K-th largest score found per selection round: 16 thresholds counted at once
+_DIGIT_BITS = 2  # bits of the K-th largest score found per selection round (2^bits thresholds counted at once)
 _INT_MIN = -(2**31)
 
 
@@ -240,8 +240,8 @@ def _kth_kept_centroid(scores_ref, k, *, K: int, C: int, low: int):
     digits = jax.lax.broadcasted_iota(jnp.int32, (1 << _DIGIT_BITS, 1), 0)
     prefix = jnp.int32(0)
     for shift in range(32 - _DIGIT_BITS, low - 1, -_DIGIT_BITS):
-        thresholds = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)  # [16, 1], back in key order
-        counts = jnp.sum((key[None, :] >= thresholds).astype(jnp.int32), axis=1)  # [16], non-increasing
+        thresholds = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)  # [2^digit, 1], back in key order
+        counts = jnp.sum((key[None, :] >= thresholds).astype(jnp.int32), axis=1)  # non-increasing
         prefix = prefix | ((jnp.sum((counts >= K).astype(jnp.int32)) - 1) << shift)
     tau = prefix ^ jnp.int32(_INT_MIN)
     above = key > tau
