@@ -11,6 +11,7 @@ Paths timed per T (hn [T, 256] bf16; table [262144, 256] bf16; 2048 centroids; t
     scores         the centroid scores alone (the [T, 256] x [256, 2048] matmul)
     select         XLA's selection: the scores + lax.top_k (+ the index-order sort)
     dense_full     full-vocab logits [T,256]x[256,262144] + argmax, for comparison
+    floor          one elementwise kernel on hn: what a link of the chain costs with almost no work in it
 Correctness first (Pallas vs XLA: token ids equal, logits close), then timing.
 
 Timing method: a jitted program runs CHAIN calls back to back, each on a different input set, chained by
@@ -158,11 +159,14 @@ def main():
         j = jnp.argmax(lg, axis=-1)
         return ordering[j], jnp.take_along_axis(lg, j[:, None], axis=-1)[:, 0]
 
+    def floor(h, tp):
+        return h * jnp.asarray(2, h.dtype)
+
     def sparse_ref(h, tp):
         return ch.centroid_sparse_logits_reference(h, tp, table, ordering, top_k=K)
 
     paths = dict(xla_full=xla_full, pallas_full=pallas_full, pallas_kernel=pallas_kernel,
-                 pallas_sparse=pallas_sparse, scores=scores, select=select, dense_full=dense_full)
+                 pallas_sparse=pallas_sparse, scores=scores, select=select, dense_full=dense_full, floor=floor)
     if args.paths:
         unknown = sorted(set(args.paths) - set(paths))
         if unknown:
@@ -226,6 +230,8 @@ def main():
                 nbytes = T * row_bytes
             elif name in ("scores", "select"):
                 nbytes = C * Ha * 2
+            elif name == "floor":
+                nbytes = 2 * T * Ha * 2
             else:
                 nbytes = T * row_bytes + C * Ha * 2
             gbs = nbytes / (dev_us * 1e-6) / 1e9 if dev_us > 0.05 else None  # below timer noise
