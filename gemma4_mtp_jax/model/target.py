@@ -97,29 +97,32 @@ class Gemma4Target(nn.Module):
         ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None
         if ple is not None:
             ple = layer_major(ple)
-        if self.is_initializing():  # no weights yet to hand from one layer to the one before it
-            for i, layer in enumerate(self.layers):
-                x, _, kv = layer(x, positions, kv, None if ple is None else (ple, jnp.int32(i)))
-            hidden = self.norm(x)
-            return (self.lm_logits(hidden) if logits else None), hidden, kv
-        params = self.variables["params"]
         # Each layer's last kernel also applies the norm that reads its output (the next layer's input_layernorm,
-        # after the last layer the final norm), so `normed` is always the next layer's input, normed.
-        norms = [params[f"layers_{i}"]["input_layernorm"]["weight"] for i in range(1, cfg.num_layers)]
-        norms.append(params["norm"]["weight"])
-        normed = rms_norm(x, cfg.rms_norm_eps, params["layers_0"]["input_layernorm"]["weight"])
+        # after the last layer the final norm), so `normed` is the next layer's input, normed. At init there are no
+        # weights to hand over yet: each layer norms its own input.
+        norms = None if self.is_initializing() else self._input_norms()
+        normed = None if norms is None else rms_norm(x, cfg.rms_norm_eps, norms[0])
         # Over the paged state every layer runs through a program traced once per kind of layer (`_run_layer`):
         # tracing 60 layers one by one took 2-6 s per step program at 31B, the critical path of start-up.
-        traced_once = hasattr(kv, "only")
+        traced_once = hasattr(kv, "only") and norms is not None
         for i, layer in enumerate(self.layers):
             # The whole stack and the layer's index: the kernel after per_layer_input_gate reads the layer's slice.
             ple_i = None if ple is None else (ple, jnp.int32(i))
+            next_norm = None if norms is None else norms[i + 1]
             if traced_once:
-                x, normed, kv = _run_layer(cfg, i, self.param_dtype, params[f"layers_{i}"], x, positions, kv, ple_i,
-                                           normed, norms[i])
+                x, normed, kv = _run_layer(cfg, i, self.param_dtype, self.variables["params"][f"layers_{i}"], x,
+                                           positions, kv, ple_i, normed, next_norm)
             else:
-                x, normed, kv = layer(x, positions, kv, ple_i, normed_x=normed, next_norm=norms[i])
-        return (self.lm_logits(normed) if logits else None), normed, kv
+                x, normed, kv = layer(x, positions, kv, ple_i, normed_x=normed, next_norm=next_norm)
+        hidden = self.norm(x) if normed is None else normed
+        return (self.lm_logits(hidden) if logits else None), hidden, kv
+
+    def _input_norms(self) -> list[Array]:
+        """The weights of the norms that read the residual stream: every layer's input_layernorm, then the final
+        norm's ([L + 1] of [H])."""
+        params = self.variables["params"]
+        return [params[f"layers_{i}"]["input_layernorm"]["weight"] for i in range(self.cfg.num_layers)] + [
+            params["norm"]["weight"]]
 
     def _per_layer_inputs(self, tokens: Array, inputs_embeds: Array) -> Array:
         """PLE: token identity plus a normed projection of the input embedding, one P-vector per layer [B,T,L,P]."""
