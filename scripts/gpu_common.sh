@@ -60,6 +60,14 @@ host_overhead() {
     mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
   done
 }
+# gpu_tests LIMIT FILES...: those test files compiled on the GPU (8 workers, autotuning off), within LIMIT seconds
+# and the deadline; the log to $res/tests.log, its tail printed.
+gpu_tests() {
+  local limit=$1; shift
+  run env GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim "$limit") python3 -m pytest \
+      -q -n 8 -p no:cacheprovider "$@" > "$res/tests.log" 2>&1
+  tail -5 "$res/tests.log"
+}
 # Two trees in one call: main's carried as .baseline (without the demo pair's weights, over the carry limit; the
 # same files in both trees, copied in here), this tree the branch. root_of main|branch: a tree's root.
 use_baseline() {

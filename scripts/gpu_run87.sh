@@ -14,9 +14,7 @@ end=${END:-585}
 use_baseline
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
-  run env GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim 120) python3 -m pytest \
-      -q -n 8 -p no:cacheprovider tests/test_centroid_head.py > "$res/tests.log" 2>&1
-  tail -5 "$res/tests.log"
+  gpu_tests 120 tests/test_centroid_head.py
   both 105 centroid bench_centroid_head.py --tokens 1 16 --no-sweep --reps 30 --paths pallas_full pallas_kernel scores select
   both 80 spec bench_spec.py --models e2b --batch 2 16
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
