@@ -110,14 +110,17 @@ def main():
         Ha, V, C, K = 64, 8192, 64, 8
         Ts = args.tokens or [1, 8]
         chain, reps, n_sets, bw_bytes = args.chain or 4, args.reps or 5, 8, 16 << 20
-        sweep_cfgs = {t: [(32, 4), (128, 8)] for t in Ts}
+        sweep_cfgs = {t: [(32, 1, 4), (8, 4, 4)] for t in Ts}
     else:
         Ha, V, C, K = 256, 262144, 2048, 32
         Ts = args.tokens or [1, 8, 64]
         chain, reps, n_sets, bw_bytes = args.chain or 16, args.reps or 60, 128, 1 << 30
-        sweep_cfgs = {1: [(16, 4), (32, 4), (64, 4), (64, 8), (128, 8)],
-                      8: [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)],
-                      64: [(64, 4), (128, 4), (128, 8)]}
+        # (block_rows, chunks_per_program, num_warps)
+        sweep_cfgs = {1: [(16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 2, 4), (128, 1, 8)],
+                      2: [(32, 1, 4), (64, 1, 4), (64, 2, 4), (128, 1, 8)],
+                      8: [(128, 1, 8), (128, 2, 8), (64, 4, 4), (128, 4, 8)],
+                      16: [(128, 1, 8), (128, 2, 8), (128, 4, 8), (128, 8, 8), (64, 4, 4), (64, 8, 4)],
+                      64: [(128, 4, 8), (128, 16, 8), (128, 32, 8)]}
     R = V // C
     dt = jnp.bfloat16
     dev = jax.devices()[0]
@@ -245,29 +248,32 @@ def main():
             log("sweep: skipped (it is timed against pallas_kernel, which --paths left out)")
         elif not args.no_sweep:
             t1 = res["paths"]["pallas_kernel"]["single_call_us"] * 1e-6
-            for bp, nw in sweep_cfgs.get(T, []):
+            for bp, g, nw in sweep_cfgs.get(T, []):
                 if bp > R:
                     continue
                 if time.perf_counter() - T0 > args.budget_s:
                     log("sweep: time budget spent, skipping the rest")
                     break
-                step = lambda h, tp, bp=bp, nw=nw: pallas_kernel(h, tp, block_rows=bp, num_warps=nw)
+                step = lambda h, tp, bp=bp, g=g, nw=nw: pallas_kernel(h, tp, block_rows=bp, chunks_per_program=g,
+                                                                      num_warps=nw)
+                tag = f"block_rows={bp:4d} chunks_per_program={g:2d} num_warps={nw}"
                 try:
                     tn, cs = run("sweep", step, chain)
                 except Exception as e:  # a config the lowering rejects: report and go on
-                    log(f"sweep block_rows={bp} num_warps={nw}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                    res["sweep"].append(dict(block_rows=bp, num_warps=nw, error=str(e)[:500]))
+                    log(f"sweep {tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    res["sweep"].append(dict(block_rows=bp, chunks_per_program=g, num_warps=nw, error=str(e)[:500]))
                     continue
                 dev_us = max((tn - t1) / (chain - 1), 1e-9) * 1e6
                 gbs = T * row_bytes / (dev_us * 1e-6) / 1e9
-                res["sweep"].append(dict(block_rows=bp, num_warps=nw, device_us=dev_us, gbs=gbs))
-                log(f"sweep block_rows={bp:4d} num_warps={nw}: {dev_us:8.2f} us/call {gbs:8.0f} GB/s "
+                res["sweep"].append(dict(block_rows=bp, chunks_per_program=g, num_warps=nw, device_us=dev_us, gbs=gbs))
+                log(f"sweep {tag}: {dev_us:8.2f} us/call {gbs:8.0f} GB/s "
                     f"(compile {cs:.1f}s)")
             good = [s for s in res["sweep"] if "device_us" in s]
             if good:
                 best = min(good, key=lambda s: s["device_us"])
                 res["best_config"] = best
-                log(f"best: block_rows={best['block_rows']} num_warps={best['num_warps']} "
+                log(f"best: block_rows={best['block_rows']} chunks_per_program={best['chunks_per_program']} "
+                    f"num_warps={best['num_warps']} "
                     f"{best['device_us']:.2f} us (default {cfg})")
         results["per_T"][str(T)] = res
 
@@ -286,7 +292,8 @@ def main():
     for T in Ts:
         b = results["per_T"][str(T)].get("best_config")
         if b:
-            print(f"T={T}: best argmax-kernel config block_rows={b['block_rows']} num_warps={b['num_warps']} "
+            print(f"T={T}: best argmax-kernel config block_rows={b['block_rows']} "
+                  f"chunks_per_program={b['chunks_per_program']} num_warps={b['num_warps']} "
                   f"-> {b['device_us']:.2f} us")
     print(f"(single-dispatch wall us, incl. host overhead: " + "; ".join(
         f"T={T}: " + ", ".join(f"{n} {results['per_T'][str(T)]['paths'][n]['single_call_us']:.0f}" for n in names)

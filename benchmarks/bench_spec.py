@@ -86,6 +86,21 @@ def timed(fn, state, rest, repeats, warmup=3):
     return statistics.median(times), pipelined_time(call, repeats), box[0]
 
 
+def profiled(fn, state, rest, label: str, step_s: float):
+    """Trace a few calls of fn(*state, *rest) -> (*state, out) (kernel_profile.py), the donated state threaded
+    through as in `timed`; prints the kernels. Returns (profile, state)."""
+    box = [state]
+
+    def call():
+        res = fn(*box[0], *rest)
+        box[0] = res[:-1]
+        return res[-1]
+
+    prof = profile_calls(call)
+    print_profile(label, prof, step_s * 1e6, top=25)
+    return prof, box[0]
+
+
 def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     """Rows of the decode step at each batch size, and of the verify and speculative steps at each batch size and
     k, all of one model in this process: the weights made once, every program compiled before the first is timed
@@ -156,10 +171,13 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     for B in args.batch:
         tokens, P, tables = cases[B]
         dec, t_compile = compiled[("decode", B, 0)]
-        t, tp, (state,) = timed(lambda s, *r: dec(plain.program_params, s, *r), (plain.init_state(pages),),
-                                (fresh_inputs(tokens, P, tables, plain.num_slots, sampling),), args.repeats)
-        pages = state.pages
+        dec_fn = lambda s, *r: dec(plain.program_params, s, *r)  # noqa: E731
+        dec_in = (fresh_inputs(tokens, P, tables, plain.num_slots, sampling),)
+        t, tp, (state,) = timed(dec_fn, (plain.init_state(pages),), dec_in, args.repeats)
         decode = {"compile_decode_s": t_compile, "decode_ms": t * 1e3, "decode_pipelined_ms": tp * 1e3}
+        if args.profile:
+            decode["decode_profile"], (state,) = profiled(dec_fn, (state,), dec_in, f"{name} B={B} decode", t)
+        pages = state.pages
         touched = None
         if tcfg.enable_moe_block:  # MoE: the roofline counts the experts this step's routing actually read
             touched = decode["experts_touched"] = experts_touched(target, tokens, int(P[0]))
@@ -173,25 +191,21 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
             vt = np.tile(tokens[:, None], (1, k + 1))
             vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
             ver, row["compile_verify_s"] = compiled[("verify", B, k)]
-            t, tp, (pages,) = timed(lambda p, *r: ver(params, p, *r), (pages,), (vt, vp, tables), args.repeats)
+            ver_fn = lambda p, *r: ver(params, p, *r)  # noqa: E731
+            t, tp, (pages,) = timed(ver_fn, (pages,), (vt, vp, tables), args.repeats)
             row["verify_ms"], row["verify_pipelined_ms"] = t * 1e3, tp * 1e3
+            if args.profile:
+                row["verify_profile"], (pages,) = profiled(ver_fn, (pages,), (vt, vp, tables),
+                                                           f"{name} B={B} k={k} verify", t)
 
             st = steps[k]
             spec, row["compile_spec_s"] = compiled[("speculative", B, k)]
-            t, tp, (state,) = timed(lambda s, *r: spec(st.program_params, st.draft_params, s, *r),
-                                    (st.init_state(pages, hidden),),
-                                    (fresh_inputs(tokens, P, tables, st.num_slots, sampling),), args.repeats)
+            spec_fn = lambda s, *r: spec(st.program_params, st.draft_params, s, *r)  # noqa: E731
+            spec_in = (fresh_inputs(tokens, P, tables, st.num_slots, sampling),)
+            t, tp, (state,) = timed(spec_fn, (st.init_state(pages, hidden),), spec_in, args.repeats)
             if args.profile:
-                box = [state]
-
-                def one_spec():
-                    box[0], out = spec(st.program_params, st.draft_params, box[0],
-                                       fresh_inputs(tokens, P, tables, st.num_slots, sampling))
-                    return out
-
-                row["spec_profile"] = profile_calls(one_spec)
-                state = box[0]
-                print_profile(f"{name} B={B} k={k} speculative", row["spec_profile"], t * 1e6, top=25)
+                row["spec_profile"], (state,) = profiled(spec_fn, (state,), spec_in,
+                                                         f"{name} B={B} k={k} speculative", t)
             pages, hidden = state.pages, state.hidden
             row["spec_ms"], row["spec_pipelined_ms"] = t * 1e3, tp * 1e3
             row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
@@ -217,7 +231,8 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the target over the first N devices (sharding.py)")
     ap.add_argument("--profile", action="store_true",
-                    help="also trace the speculative step and list its kernels (kernel_profile.py)")
+                    help="also trace the decode, verify and speculative steps and list their kernels "
+                         "(kernel_profile.py)")
     ap.add_argument("--sampled", action="store_true",
                     help="the programs' sampling variants, every row at temperature 1, top-p 0.95 (the verify "
                          "column stays the greedy forward)")

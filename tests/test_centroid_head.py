@@ -76,18 +76,24 @@ def _dense_restricted_logits(d):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+# (block_rows, chunks_per_program): the default; 8-row tiles one per program, two per program (inside a cluster),
+# two clusters' worth per program, and one program for all of a token's candidates (SHAPES[0]: 4 tiles per cluster)
+LAUNCHES = [(None, None), (8, 1), (8, 2), (8, 8), (8, 16)]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("block_rows", [None, 8])
-def test_argmax_kernel_matches_reference(shape, block_rows):
+@pytest.mark.parametrize("block_rows,chunks", LAUNCHES)
+def test_argmax_kernel_matches_reference(shape, block_rows, chunks):
     d = make_data(*shape)
-    ref, ker = _argmax_both(d, block_rows=block_rows)
+    ref, ker = _argmax_both(d, block_rows=block_rows, chunks_per_program=chunks)
     _assert_argmax_equal(ref, ker)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_sparse_kernel_matches_reference(shape):
+@pytest.mark.parametrize("block_rows,chunks", LAUNCHES)
+def test_sparse_kernel_matches_reference(shape, block_rows, chunks):
     d = make_data(*shape)
-    (rl, ri), (kl, ki) = _sparse_both(d)
+    (rl, ri), (kl, ki) = _sparse_both(d, block_rows=block_rows, chunks_per_program=chunks)
     T, K, R = d["hn"].shape[0], d["K"], d["R"]
     assert kl.shape == (T, K * R) and ki.shape == (T, K * R)
     assert kl.dtype == jnp.float32 and ki.dtype == jnp.int32
@@ -179,10 +185,11 @@ def test_suppress_honoured(shape, sup_dtype):
     assert hit.any() and np.all(np.isneginf(np.asarray(kl)[hit])) and np.all(np.isfinite(np.asarray(kl)[~hit]))
 
 
-def test_all_candidates_suppressed():
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_all_candidates_suppressed(chunks):
     d = make_data(*SHAPES[0], seed=5)
     sup = jnp.ones(d["V"], bool)
-    ref, ker = _argmax_both(d, sup, block_rows=8)
+    ref, ker = _argmax_both(d, sup, block_rows=8, chunks_per_program=chunks)
     first = _candidate_ids(d)[:, 0]  # the tie rule: first candidate
     for tok, logit in (ref, ker):
         np.testing.assert_array_equal(np.asarray(tok), first)
@@ -203,10 +210,10 @@ def test_bf16_inputs(shape):
     _assert_argmax_equal(ref, ker, atol=1e-4)
 
 
-@pytest.mark.parametrize("block_rows", [None, 8])
-def test_tie_rule_first_candidate_wins(block_rows):
+@pytest.mark.parametrize("block_rows,chunks", LAUNCHES)
+def test_tie_rule_first_candidate_wins(block_rows, chunks):
     """Exact ties: the first candidate (the lowest row: kept centroids in index order, then row order) wins, on both
-    paths, within and across centroids and chunks."""
+    paths, within and across centroids, tiles and programs."""
     T, Ha, V, C, K = SHAPES[0]
     d = make_data(T, Ha, V, C, K, seed=7)
     R = d["R"]
@@ -226,7 +233,7 @@ def test_tie_rule_first_candidate_wins(block_rows):
             ordered[r] = win
         expect.append(min(rows))
     d["ordered"] = jnp.asarray(ordered)
-    ref, ker = _argmax_both(d, block_rows=block_rows)
+    ref, ker = _argmax_both(d, block_rows=block_rows, chunks_per_program=chunks)
     want = np.asarray(d["ordering"])[np.array(expect)]
     np.testing.assert_array_equal(np.asarray(ref[0]), want)
     np.testing.assert_array_equal(np.asarray(ker[0]), want)
@@ -262,6 +269,10 @@ def test_rejects_bad_config():
     with pytest.raises(ValueError, match="block_rows"):
         ch.centroid_argmax(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["K"], interpret=INTERPRET,
                            block_rows=12)
+    for chunks in (3, 32):  # not a power of two; more than the 16 tiles of 8 rows a token has
+        with pytest.raises(ValueError, match="chunks_per_program"):
+            ch.centroid_argmax(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["K"], interpret=INTERPRET,
+                               block_rows=8, chunks_per_program=chunks)
     with pytest.raises(ValueError, match="top_k"):
         ch.centroid_argmax_reference(d["hn"], d["scores"], d["ordered"], d["ordering"], top_k=d["C"] + 1)
     with pytest.raises(ValueError, match="not a multiple"):
@@ -274,15 +285,26 @@ def test_rejects_bad_config():
 def test_launch_config_fits_budget(budget, itemsize):
     """Every token count and head width the drafters use (E2B/E4B: Ha 256, R 128, top 32; the demo: Ha 32, R 32,
     top 4), and widths up to 2048: the tile fits the registers and shared memory, with >= 2 programs per SM once
-    there are enough rows."""
-    for T, K, R, Ha in itertools.product([1, 2, 5, 16, 64, 128], [4, 32], [32, 128], [32, 64, 256, 1024, 2048]):
+    tokens' programs in one wave (at most one per SM) unless a token's candidates need a program each, and tiles no
+    smaller than that needs."""
+    for T, K, R, Ha in itertools.product([1, 2, 5, 16, 64, 128, 256], [4, 5, 32], [32, 128],
+                                         [32, 64, 256, 1024, 2048]):
         cfg = ch.default_config(T, K, R, Ha, itemsize, budget)
         assert cfg is not None, (T, K, R, Ha)
-        bp, w = cfg["block_rows"], cfg["num_warps"]
-        assert R % bp == 0 and bp & (bp - 1) == 0 and w in (4, 8)
+        bp, g, w = cfg["block_rows"], cfg["chunks_per_program"], cfg["num_warps"]
+        units = K * (R // bp)
+        assert R % bp == 0 and bp & (bp - 1) == 0 and w in (4, 8) and g & (g - 1) == 0 and units % g == 0
         assert bp * Ha <= 128 * 32 * w and bp * Ha * itemsize <= budget.smem_per_block
-        if bp > 16 and bp * Ha <= 128 * 32 * 8:
-            assert T * K * (R // bp) >= 2 * budget.num_sms
+        programs = T * units // g
+        assert programs <= budget.num_sms or g == units or units % (2 * g), (T, K, R, Ha, cfg)
+        if g > 1:  # no fewer programs than one wave needs
+            assert T * units // (g // 2) > budget.num_sms
+        if bp > 16:  # tiles as small as one wave can hold, down to 16 rows
+            assert T * K * (R // (bp // 2)) > budget.num_sms
+    hopper = ch.default_config(1, 32, 128, 256, 2, HOPPER)  # E2B's drafter at B = 1: 128 programs of 32 rows
+    assert (hopper["block_rows"], hopper["chunks_per_program"]) == (32, 1)
+    hopper = ch.default_config(16, 32, 128, 256, 2, HOPPER)  # at B = 16: 128 programs of 4 x 128 rows
+    assert (hopper["block_rows"], hopper["chunks_per_program"]) == (128, 4)
     assert ch.default_config(1, 32, 128, 256, 2, budget)["block_rows"] >= 16
     assert ch.default_config(1, 1, 4, 1 << 16, 4, GpuBudget(16 * 1024, 1)) is None  # a row wider than any tile
 

@@ -29,21 +29,24 @@ Functions:
     centroid_head(..., mode="argmax"|"sparse", impl="auto"|"pallas"|"xla")  -> dispatcher
 
 Pallas kernels (Triton lowering, selected by passing `jax.experimental.pallas.triton.CompilerParams`):
-    grid (T, NP) with NP = K*R / BP chunks of BP rows (BP = `block_rows`, a power of two dividing R). Program
-    (t, p) serves the k-th kept cluster of token t, k = p // (R/BP), rows r0 = (p % (R/BP)) * BP .. r0+BP-1.
-    Selection, in every program (the scores of a token are C values, read from L2; no program waits for another):
+    a token's K*R candidates are U = K*R/BP units of BP rows (BP = `block_rows`, a power of two dividing R), unit j
+    being rows (j % (R/BP))*BP .. +BP-1 of its k-th kept cluster, k = j // (R/BP). Grid (T, U/G): program (t, q)
+    serves the G = `chunks_per_program` consecutive units q*G .. q*G+G-1 of token t (G and R/BP powers of two, so
+    a program's units lie in one cluster or cover whole clusters).
+    Selection, once per program (the scores of a token are C values, read from L2; no program waits for another):
     the scores as integers of the same order (the float bits, negatives' magnitude bits flipped); the K-th largest
     value tau found digit by digit, two bits per round (4 candidate thresholds counted at once); kept = greater
     than tau, or equal to it among the first K - #greater in index order (a cumulative count); the k-th kept
     cluster by a second cumulative count. This replaces XLA's sort of the scores (`lax.top_k` sorts for K > 16) and
-    the launch it cost on the draft step's critical path.
-    Then ONE contiguous [BP, Ha] tile load (BP*Ha*itemsize bytes), issued whole, plus the BP token ids (and
-    suppress flags) of those rows. Logits are an elementwise f32 multiply by hn and a row sum (a GEMV: tensor cores
-    would need a 16-wide N and buy nothing, the work is bandwidth bound).
-    argmax kernel: each program writes its chunk's max logit and the canonical token id of the chunk's FIRST max
-    row (partials [T, NP]); chunks are in candidate order, so a first-occurrence argmax over NP in XLA (one tiny
-    fusion) gives exactly the tie rule above.
-    sparse kernel: each program writes its BP logits and ids into [T, K*R] (candidate order).
+    the launch it cost on the draft step's critical path. The selection is a chain of dependent reductions, the
+    program's latency, so the default G makes one wave of programs (about one per SM) cover the candidates.
+    Then per unit ONE contiguous [BP, Ha] tile load (BP*Ha*itemsize bytes), issued whole, plus the BP token ids
+    (and suppress flags) of those rows. Logits are an elementwise f32 multiply by hn and a row sum (a GEMV: tensor
+    cores would need a 16-wide N and buy nothing, the work is bandwidth bound).
+    argmax kernel: each program writes the max logit over its G*BP rows and the canonical token id of the FIRST row
+    holding it (partials [T, U/G]); programs are in candidate order, so a first-occurrence argmax over them in XLA
+    (one tiny fusion) gives exactly the tie rule above.
+    sparse kernel: each program writes its G*BP logits and ids into [T, K*R] (candidate order).
 """
 
 from __future__ import annotations
@@ -185,17 +188,16 @@ _INT_MIN = -(2**31)
 
 
 def default_config(T: int, K: int, R: int, Ha: int, itemsize: int, budget: GpuBudget | None = None) -> dict | None:
-    """Launch config {block_rows, num_warps, num_stages} for T tokens, or None when no tile fits the device.
+    """Launch config {block_rows, chunks_per_program, num_warps, num_stages} for T tokens, or None when no tile fits
+    the device.
 
-    Aim for >= ~2 programs per SM (the device's SM count) so that enough loads are in flight, but keep tiles >= 16
-    rows. The [block_rows, Ha] tile is upcast to float32 in registers: the warps are chosen so that each thread
-    holds at most 128 of its values, and the tile shrinks when 8 warps are not enough; its bytes must also fit the
-    shared memory per block, should the compiler stage it there. Tuned by benchmarks/bench_centroid_head.py."""
+    Every program first selects its token's clusters, a chain of dependent reductions that is the kernel's latency,
+    so the grid aims at one wave: at most one program per SM (the device's SM count), each with as many rows as
+    that needs, but at least 16. The rows of a program are G tiles of block_rows; the [block_rows, Ha] tile is
+    upcast to float32 in registers, so the warps are chosen so that each thread holds at most 128 of its values,
+    and the tile shrinks when 8 warps are not enough; its bytes must also fit the shared memory per block, should
+    the compiler stage it there. Tuned by benchmarks/bench_centroid_head.py."""
     budget = budget or default_budget()
-    target_programs = 2 * budget.num_sms
-    bp = R
-    while bp > 16 and T * K * (R // bp) < target_programs:
-        bp //= 2
 
     def warps(bp: int) -> int | None:
         for w in (4, _MAX_WARPS):
@@ -203,12 +205,27 @@ def default_config(T: int, K: int, R: int, Ha: int, itemsize: int, budget: GpuBu
                 return w
         return None
 
-    while bp > 1 and (warps(bp) is None or bp * Ha * itemsize > budget.smem_per_block):
+    def fits(bp: int) -> bool:
+        return warps(bp) is not None and bp * Ha * itemsize <= budget.smem_per_block
+
+    bp = R
+    while bp > 1 and not fits(bp):
         bp //= 2
-    num_warps = warps(bp)
-    if num_warps is None or bp * Ha * itemsize > budget.smem_per_block:
+    if not fits(bp):
         return None
-    return dict(block_rows=bp, num_warps=num_warps, num_stages=1)
+    while bp > 16 and T * K * (R // (bp // 2)) <= budget.num_sms:  # smaller tiles while one wave still holds them
+        bp //= 2
+    return dict(block_rows=bp, chunks_per_program=_one_wave(T, K * (R // bp), budget), num_warps=warps(bp),
+                num_stages=1)
+
+
+def _one_wave(T: int, units: int, budget: GpuBudget) -> int:
+    """The fewest units per program (a power of two dividing `units`, a token's) that put T tokens' programs in one
+    wave of at most one per SM, or all of a token's units when T alone fills the SMs."""
+    g = 1
+    while T * units // g > budget.num_sms and units % (2 * g) == 0:
+        g *= 2
+    return g
 
 
 def _low_zero_bits(dtype) -> int:
@@ -228,8 +245,9 @@ def pallas_supported(hn, scores, ordered_embedding, block_rows=None) -> bool:
             and (32 - _low_zero_bits(dt)) % _DIGIT_BITS == 0)
 
 
-def _kth_kept_centroid(scores_ref, k, *, K: int, C: int, low: int):
-    """The k-th (0-based, index order) of the K clusters `top_centroids` keeps for this program's token."""
+def _kept_clusters(scores_ref, *, K: int, C: int, low: int):
+    """(kept [C] bool, rank [C] int32): the K clusters `top_centroids` keeps for this program's token, and each
+    cluster's 1-based rank among the kept ones in index order."""
     x = scores_ref[...].astype(jnp.float32)  # [C]
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     # Same order as the floats: a negative's magnitude bits flipped; bits that are zero in every value of the
@@ -248,25 +266,32 @@ def _kth_kept_centroid(scores_ref, k, *, K: int, C: int, low: int):
     at = key == tau
     need = K - jnp.sum(above.astype(jnp.int32))  # of the clusters at tau, the lowest indices are kept
     kept = above | (at & (jnp.cumsum(at.astype(jnp.int32)) <= need))
-    rank = jnp.cumsum(kept.astype(jnp.int32))  # 1-based, index order
+    return kept, jnp.cumsum(kept.astype(jnp.int32))
+
+
+def _program_chunks(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, *, R, BP, G, K, C, low):
+    """The (logits [BP] f32, ids [BP] i32) of each of program (t, q)'s G units, in candidate order."""
+    kept, rank = _kept_clusters(scores_ref, K=K, C=C, low=low)
     iota = jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
-    return jnp.sum(jnp.where(kept & (rank == k + 1), iota, 0))
-
-
-def _chunk(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, *, R, BP, K, C, low):
-    """Shared body: (logits [BP] f32, ids [BP] i32) of program (t, p)'s chunk."""
-    p = pl.program_id(1)
-    chunks_per_centroid = R // BP
-    c = _kth_kept_centroid(scores_ref, p // chunks_per_centroid, K=K, C=C, low=low)
-    base = c * R + (p % chunks_per_centroid) * BP  # first row of the chunk in ordered_embedding
-    rows = emb_ref[pl.ds(base, BP), :].astype(jnp.float32)  # [BP, Ha]: one contiguous tile load
-    ids = ord_ref[pl.ds(base, BP)]  # [BP]
     h = hn_ref[...].astype(jnp.float32)  # [Ha]
-    logits = jnp.sum(rows * h[None, :], axis=1)  # [BP] f32
-    if sup_ref is not None:
-        sup = sup_ref[pl.ds(base, BP)]
-        logits = jnp.where(sup != 0, _NEG_INF, logits)
-    return logits, ids
+    chunks_per_centroid = R // BP
+    first = pl.program_id(1) * G  # the program's first unit
+    k0, chunk0 = first // chunks_per_centroid, first % chunks_per_centroid
+    out, c = [], None
+    for u in range(G):
+        # Units u and u+1 share a cluster unless a cluster boundary falls between them (known statically: G and
+        # R/BP are powers of two, so a program starts at chunk 0 of a cluster whenever it spans several).
+        if c is None or (G > chunks_per_centroid and u % chunks_per_centroid == 0):
+            k = k0 + u // chunks_per_centroid
+            c = jnp.sum(jnp.where(kept & (rank == k + 1), iota, 0))
+        base = c * R + (chunk0 + u % chunks_per_centroid) * BP  # first row of the unit in ordered_embedding
+        rows = emb_ref[pl.ds(base, BP), :].astype(jnp.float32)  # [BP, Ha]: one contiguous tile load
+        ids = ord_ref[pl.ds(base, BP)]  # [BP]
+        logits = jnp.sum(rows * h[None, :], axis=1)  # [BP] f32
+        if sup_ref is not None:
+            logits = jnp.where(sup_ref[pl.ds(base, BP)] != 0, _NEG_INF, logits)
+        out.append((logits, ids))
+    return out
 
 
 def _argmax_kernel(hn_ref, scores_ref, emb_ref, ord_ref, *rest, has_suppress, **dims):
@@ -275,14 +300,20 @@ def _argmax_kernel(hn_ref, scores_ref, emb_ref, ord_ref, *rest, has_suppress, **
     else:
         sup_ref = None
         m_ref, tok_ref = rest
-    logits, ids = _chunk(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, **dims)
     BP = dims["BP"]
-    m = jnp.max(logits)
     iota = jax.lax.broadcasted_iota(jnp.int32, (BP,), 0)
-    first = jnp.min(jnp.where(logits == m, iota, BP))  # first row of the chunk holding the max
-    tok = jnp.max(jnp.where(iota == first, ids, jnp.iinfo(jnp.int32).min))
-    m_ref[...] = m
-    tok_ref[...] = tok
+    best_m = best_tok = None
+    for logits, ids in _program_chunks(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, **dims):
+        m = jnp.max(logits)
+        first = jnp.min(jnp.where(logits == m, iota, BP))  # first row of the unit holding the max
+        tok = jnp.max(jnp.where(iota == first, ids, jnp.iinfo(jnp.int32).min))
+        if best_m is None:  # the first unit always counts, so all -inf returns its first candidate
+            best_m, best_tok = m, tok
+        else:  # a later unit only on a strictly larger max: the first candidate wins ties
+            better = m > best_m
+            best_m, best_tok = jnp.where(better, m, best_m), jnp.where(better, tok, best_tok)
+    m_ref[...] = best_m
+    tok_ref[...] = best_tok
 
 
 def _sparse_kernel(hn_ref, scores_ref, emb_ref, ord_ref, *rest, has_suppress, **dims):
@@ -291,9 +322,10 @@ def _sparse_kernel(hn_ref, scores_ref, emb_ref, ord_ref, *rest, has_suppress, **
     else:
         sup_ref = None
         lg_ref, id_ref = rest
-    logits, ids = _chunk(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, **dims)
-    lg_ref[...] = logits
-    id_ref[...] = ids
+    BP = dims["BP"]
+    for u, (logits, ids) in enumerate(_program_chunks(hn_ref, scores_ref, emb_ref, ord_ref, sup_ref, **dims)):
+        lg_ref[pl.ds(u * BP, BP)] = logits
+        id_ref[pl.ds(u * BP, BP)] = ids
 
 
 def _compiler_params(num_warps, num_stages):
@@ -302,82 +334,98 @@ def _compiler_params(num_warps, num_stages):
     return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, block_rows, num_warps, num_stages):
+_LAUNCH_KNOBS = ("block_rows", "chunks_per_program", "num_warps", "num_stages")
+
+
+def _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, launch: dict):
     R = _check_shapes(hn, scores, top_k, ordered_embedding, token_ordering, suppress)
     T, Ha = hn.shape
     C = scores.shape[1]
     cfg = default_config(T, top_k, R, Ha, jnp.dtype(ordered_embedding.dtype).itemsize)
-    if cfg is None and None in (block_rows, num_warps, num_stages):
+    if cfg is None and any(launch[n] is None for n in _LAUNCH_KNOBS):
         raise ValueError(f"no centroid-head tile fits Ha={Ha} ({ordered_embedding.dtype}) on "
                          f"{default_budget().name or 'this device'}; use impl='xla'")
-    BP = cfg["block_rows"] if block_rows is None else block_rows
-    num_warps = cfg["num_warps"] if num_warps is None else num_warps
-    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    BP = cfg["block_rows"] if launch["block_rows"] is None else launch["block_rows"]
     if not pallas_supported(hn, scores, ordered_embedding, BP):
         raise ValueError(f"Pallas centroid head needs power-of-two Ha ({Ha}), C ({C}), R=V/C ({R}) and block_rows "
                          f"({BP}) with block_rows | R, and float scores of at most 32 bits ({scores.dtype}); "
                          f"use impl='xla'")
-    NP = top_k * (R // BP)
+    units = top_k * (R // BP)  # per token
+    G = launch["chunks_per_program"]
+    if G is None:  # the default's G, or for a tile given without one the same rule at that tile
+        G = cfg["chunks_per_program"] if launch["block_rows"] is None else _one_wave(T, units, default_budget())
+    if not (_is_pow2(G) and units % G == 0):
+        raise ValueError(f"chunks_per_program={G} must be a power of two dividing the {units} units of "
+                         f"block_rows={BP} rows per token (top_k={top_k} x R/block_rows={R // BP})")
+    num_warps, num_stages = (cfg[n] if launch[n] is None else launch[n] for n in ("num_warps", "num_stages"))
     in_specs = [
-        pl.BlockSpec((None, Ha), lambda t, p: (t, 0)),  # hn row t
-        pl.BlockSpec((None, C), lambda t, p: (t, 0)),  # the scores of token t
-        pl.BlockSpec(ordered_embedding.shape, lambda t, p: (0, 0)),  # whole table (dynamic row slices)
-        pl.BlockSpec(token_ordering.shape, lambda t, p: (0,)),
+        pl.BlockSpec((None, Ha), lambda t, q: (t, 0)),  # hn row t
+        pl.BlockSpec((None, C), lambda t, q: (t, 0)),  # the scores of token t
+        pl.BlockSpec(ordered_embedding.shape, lambda t, q: (0, 0)),  # whole table (dynamic row slices)
+        pl.BlockSpec(token_ordering.shape, lambda t, q: (0,)),
     ]
     args = [hn, scores, ordered_embedding, token_ordering.astype(jnp.int32)]
     if suppress is not None:
-        in_specs.append(pl.BlockSpec(suppress.shape, lambda t, p: (0,)))
+        in_specs.append(pl.BlockSpec(suppress.shape, lambda t, q: (0,)))
         args.append(suppress)
-    dims = dict(R=R, BP=BP, K=top_k, C=C, low=_low_zero_bits(scores.dtype))
-    return dict(T=T, NP=NP, dims=dims, in_specs=in_specs, args=args,
+    dims = dict(R=R, BP=BP, G=G, K=top_k, C=C, low=_low_zero_bits(scores.dtype))
+    return dict(T=T, NP=units // G, dims=dims, in_specs=in_specs, args=args,
                 compiler_params=_compiler_params(num_warps, num_stages))
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "block_rows", "num_warps", "num_stages"))
+_STATIC = ("top_k", "interpret") + _LAUNCH_KNOBS
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def centroid_argmax(hn, scores, ordered_embedding, token_ordering, suppress=None, *, top_k: int, interpret=False,
-                    block_rows=None, num_warps=None, num_stages=None):
+                    block_rows=None, chunks_per_program=None, num_warps=None, num_stages=None):
     """(token [T] int32, logit [T] float32): Pallas version of `centroid_argmax_reference` (same selection, same
     tie rule).
 
-    Partial argmaxes per (token, chunk of `block_rows` rows) from the kernel, combined by a first-occurrence
-    argmax over chunks (XLA). Launch knobs default to `default_config`."""
-    c = _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, block_rows, num_warps,
-                       num_stages)
+    Partial argmaxes per (token, program) from the kernel, combined by a first-occurrence argmax over programs
+    (XLA). Launch knobs default to `default_config`."""
+    c = _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress,
+                       dict(block_rows=block_rows, chunks_per_program=chunks_per_program, num_warps=num_warps,
+                            num_stages=num_stages))
     T, NP = c["T"], c["NP"]
     kernel = functools.partial(_argmax_kernel, has_suppress=suppress is not None, **c["dims"])
     m, tok = pl.pallas_call(
         kernel,
         grid=(T, NP),
         in_specs=c["in_specs"],
-        out_specs=[pl.BlockSpec((None, None), lambda t, p: (t, p)),
-                   pl.BlockSpec((None, None), lambda t, p: (t, p))],
+        out_specs=[pl.BlockSpec((None, None), lambda t, q: (t, q)),
+                   pl.BlockSpec((None, None), lambda t, q: (t, q))],
         out_shape=[jax.ShapeDtypeStruct((T, NP), jnp.float32), jax.ShapeDtypeStruct((T, NP), jnp.int32)],
         compiler_params=c["compiler_params"],
         interpret=interpret,
         name="centroid_argmax",
     )(*c["args"])
-    j = jnp.argmax(m, axis=-1)  # first chunk holding the max = first candidate (chunks are in candidate order)
+    j = jnp.argmax(m, axis=-1)  # first program holding the max = first candidate (programs in candidate order)
     token = jnp.take_along_axis(tok, j[:, None], axis=-1)[:, 0]
     logit = jnp.take_along_axis(m, j[:, None], axis=-1)[:, 0]
     return token, logit
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "block_rows", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def centroid_sparse_logits(hn, scores, ordered_embedding, token_ordering, suppress=None, *, top_k: int,
-                           interpret=False, block_rows=None, num_warps=None, num_stages=None):
+                           interpret=False, block_rows=None, chunks_per_program=None, num_warps=None,
+                           num_stages=None):
     """(logits [T, K*R] float32, ids [T, K*R] int32) in candidate order: Pallas version of
     `centroid_sparse_logits_reference`."""
-    c = _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress, block_rows, num_warps,
-                       num_stages)
-    T, NP, BP = c["T"], c["NP"], c["dims"]["BP"]
+    c = _pallas_common(hn, scores, top_k, ordered_embedding, token_ordering, suppress,
+                       dict(block_rows=block_rows, chunks_per_program=chunks_per_program, num_warps=num_warps,
+                            num_stages=num_stages))
+    T, NP = c["T"], c["NP"]
+    width = c["dims"]["BP"] * c["dims"]["G"]  # rows per program
     kernel = functools.partial(_sparse_kernel, has_suppress=suppress is not None, **c["dims"])
     logits, ids = pl.pallas_call(
         kernel,
         grid=(T, NP),
         in_specs=c["in_specs"],
-        out_specs=[pl.BlockSpec((None, BP), lambda t, p: (t, p)),
-                   pl.BlockSpec((None, BP), lambda t, p: (t, p))],
-        out_shape=[jax.ShapeDtypeStruct((T, NP * BP), jnp.float32), jax.ShapeDtypeStruct((T, NP * BP), jnp.int32)],
+        out_specs=[pl.BlockSpec((None, width), lambda t, q: (t, q)),
+                   pl.BlockSpec((None, width), lambda t, q: (t, q))],
+        out_shape=[jax.ShapeDtypeStruct((T, NP * width), jnp.float32),
+                   jax.ShapeDtypeStruct((T, NP * width), jnp.int32)],
         compiler_params=c["compiler_params"],
         interpret=interpret,
         name="centroid_sparse_logits",
@@ -414,8 +462,8 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
     mode "sparse" -> (logits [T, top_k*V/C] f32, ids [T, top_k*V/C] i32).
     impl "auto": Pallas on GPU (when the shapes suit Triton and a tile fits the device's budget; otherwise XLA,
     with one log line), XLA elsewhere; "pallas" forces the kernel
-    (with `interpret=True` it runs anywhere); "xla" the reference. `launch` (block_rows, num_warps, num_stages)
-    goes to the kernel."""
+    (with `interpret=True` it runs anywhere); "xla" the reference. `launch` (block_rows, chunks_per_program,
+    num_warps, num_stages) goes to the kernel."""
     if mode not in ("argmax", "sparse"):
         raise ValueError(f"mode must be 'argmax' or 'sparse', got {mode!r}")
     if impl not in ("auto", "pallas", "xla"):
