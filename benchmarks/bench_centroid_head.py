@@ -14,11 +14,17 @@ Paths timed per T (hn [T, 256] bf16; table [262144, 256] bf16; 2048 centroids; t
     floor          one elementwise kernel on hn: what a link of the chain costs with almost no work in it
 Correctness first (Pallas vs XLA: token ids equal, logits close), then timing.
 
-Timing method: a jitted program runs CHAIN calls back to back, each on a different input set, chained by
-`lax.optimization_barrier` (call i+1's inputs wait for call i's outputs; no extra kernels); inputs are separate
-arguments (no slicing ops). Device time per call = (median t(CHAIN calls) - median t(1 call)) / (CHAIN - 1), which
-removes the fixed host dispatch cost; `single` is the median wall time of one dispatched call. Input sets rotate
-(>= 128 random hn per T, so the rows read do not sit in the 50 MB L2 from a previous call). GB/s = bytes that must
+Timing, two ways:
+- kernels (the figure to trust): one call traced by jax.profiler (benchmarks/kernel_profile.py), the sum of its
+  kernels' own durations (`kernel_us`) and their number. In a step's CUDA graph each kernel adds a launch gap of
+  about 1 us on top. The launch sweep is timed this way.
+- chain: a jitted program runs CHAIN calls back to back, each on a different input set, chained by
+  `lax.optimization_barrier` (call i+1's inputs wait for call i's outputs). Device time per call = (median
+  t(CHAIN calls) - median t(1 call)) / (CHAIN - 1). The input sets are two stacked arrays, sliced inside the
+  program (the `floor` path shows what a link costs with almost no work); until run 88 they were 2*CHAIN separate
+  arguments, and the host's per-argument dispatch cost, not the device, set the time of a link (~7-28 us for the
+  floor). `single` is the median wall time of one dispatched call.
+Input sets rotate (>= 128 random hn per T, so the rows read do not sit in the 50 MB L2 from a previous call). GB/s = bytes that must
 be read (T*K*V/C*Ha*2 [+ C*Ha*2 centroids for the full paths]; the whole table for dense) / device time, next to a
 device copy bandwidth (x*2 over 1 GiB, read+write) and a read bandwidth (max over 1 GiB) measured in the same run.
 
@@ -44,6 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.kernel_profile import profile_calls  # noqa: E402
 from gemma4_mtp_jax.kernels import centroid_head as ch  # noqa: E402
 
 T0 = time.perf_counter()
@@ -67,7 +74,7 @@ def timed(f, arg_sets, reps):
 
 
 def chained(step, n):
-    """jit(prog)(hns: list of n [T,Ha], tops: list of n second inputs) running step n times, serialized by barriers."""
+    """jit(prog)(hns [n, T, Ha], tops [n, ...] second inputs) running step n times, serialized by barriers."""
 
     def prog(hns, tops):
         outs, prev = [], None
@@ -99,6 +106,7 @@ def main():
     ap.add_argument("--chain", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep of the argmax kernel")
+    ap.add_argument("--no-chain", action="store_true", help="time the traced kernels only (no chain programs)")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop sweeping after this many seconds")
     ap.add_argument("--paths", nargs="+", default=None, help="time only these paths (default: all; see above)")
     args = ap.parse_args()
@@ -116,10 +124,10 @@ def main():
         Ts = args.tokens or [1, 8, 64]
         chain, reps, n_sets, bw_bytes = args.chain or 16, args.reps or 60, 128, 1 << 30
         # (block_rows, chunks_per_program, num_warps)
-        sweep_cfgs = {1: [(16, 1, 4), (32, 1, 4), (64, 1, 4), (32, 2, 4), (128, 1, 8)],
+        sweep_cfgs = {1: [(16, 1, 4), (16, 2, 4), (32, 1, 4), (64, 1, 4), (32, 2, 4), (128, 1, 8)],
                       2: [(32, 1, 4), (64, 1, 4), (64, 2, 4), (128, 1, 8)],
                       8: [(128, 1, 8), (128, 2, 8), (64, 4, 4), (128, 4, 8)],
-                      16: [(128, 1, 8), (128, 2, 8), (128, 4, 8), (128, 8, 8), (64, 4, 4), (64, 8, 4)],
+                      16: [(128, 1, 8), (128, 2, 8), (128, 4, 8), (128, 8, 8), (64, 4, 4), (64, 8, 4), (32, 16, 4)],
                       64: [(128, 4, 8), (128, 16, 8), (128, 32, 8)]}
     R = V // C
     dt = jnp.bfloat16
@@ -186,7 +194,8 @@ def main():
         hn_all = jax.random.normal(kh, (n_sets, T, Ha), dt)
         hns = [hn_all[i] for i in range(n_sets)]
         tops = [jax.jit(scores)(h, None) for h in hns]  # the kernels' precomputed input
-        jax.block_until_ready(tops)
+        tops_all = jnp.stack(tops)
+        jax.block_until_ready(tops_all)
         cfg = ch.default_config(T, K, R, Ha, 2)
         res = {"default_config": cfg, "paths": {}, "sweep": [], "check": {}}
 
@@ -218,15 +227,30 @@ def main():
         def run(name, step, n):
             t_c = time.perf_counter()
             f = chained(step, n)
-            groups = [(hns[g * n:(g + 1) * n], tops[g * n:(g + 1) * n]) for g in range(n_sets // n)]
+            groups = [(hn_all[g * n:(g + 1) * n], tops_all[g * n:(g + 1) * n]) for g in range(n_sets // n)]
             jax.block_until_ready(f(*groups[0]))
             compile_s = time.perf_counter() - t_c
             return timed(f, groups, reps), compile_s
 
+        def kernels(step):
+            """(kernel µs, kernels) of one call, from a trace; the call's input set rotates like the chain's."""
+            f, i = jax.jit(step), [0]
+
+            def call():
+                i[0] += 1
+                return f(hns[i[0] % n_sets], tops[i[0] % n_sets])
+
+            prof = profile_calls(call, calls=5)
+            return prof["busy_us"], prof["kernels"]
+
         for name, step in paths.items():
-            t1, c1 = run(name, step, 1)
-            tn, cn = run(name, step, chain)
-            dev_us = max((tn - t1) / (chain - 1), 1e-9) * 1e6
+            if args.no_chain:
+                (t1, c1), (tn, cn) = (0.0, 0.0), (0.0, 0.0)
+            else:
+                t1, c1 = run(name, step, 1)
+                tn, cn = run(name, step, chain)
+            k_us, k_n = kernels(step)
+            dev_us = (tn - t1) / (chain - 1) * 1e6
             if name == "dense_full":
                 nbytes = V * Ha * 2
             elif name in ("pallas_kernel", "pallas_sparse"):
@@ -237,44 +261,36 @@ def main():
                 nbytes = 2 * T * Ha * 2
             else:
                 nbytes = T * row_bytes + C * Ha * 2
-            gbs = nbytes / (dev_us * 1e-6) / 1e9 if dev_us > 0.05 else None  # below timer noise
-            res["paths"][name] = dict(device_us=dev_us, single_call_us=t1 * 1e6, bytes=nbytes, gbs=gbs,
-                                      compile_s=c1 + cn)
-            log(f"{name:14s} device {dev_us:9.2f} us/call  single-dispatch {t1 * 1e6:9.1f} us  "
-                f"{gbs or 0:8.0f} GB/s ({nbytes / 2**20:.2f} MiB)  compile {c1 + cn:.1f}s")
+            gbs = nbytes / (k_us * 1e-6) / 1e9 if k_us > 0.05 else None  # no trace (CPU) or below timer noise
+            res["paths"][name] = dict(kernel_us=k_us, kernels=k_n, chain_us=dev_us, single_call_us=t1 * 1e6,
+                                      bytes=nbytes, gbs=gbs, compile_s=c1 + cn)
+            log(f"{name:14s} kernels {k_us:8.2f} us ({k_n:.0f})  chain {dev_us:8.2f} us/call  single-dispatch "
+                f"{t1 * 1e6:8.1f} us  {gbs or 0:7.0f} GB/s ({nbytes / 2**20:.2f} MiB)  compile {c1 + cn:.1f}s")
 
-        # ---- launch-config sweep of the argmax kernel alone
-        if not args.no_sweep and "pallas_kernel" not in res["paths"]:
-            log("sweep: skipped (it is timed against pallas_kernel, which --paths left out)")
-        elif not args.no_sweep:
-            t1 = res["paths"]["pallas_kernel"]["single_call_us"] * 1e-6
-            for bp, g, nw in sweep_cfgs.get(T, []):
-                if bp > R:
-                    continue
-                if time.perf_counter() - T0 > args.budget_s:
-                    log("sweep: time budget spent, skipping the rest")
-                    break
-                step = lambda h, tp, bp=bp, g=g, nw=nw: pallas_kernel(h, tp, block_rows=bp, chunks_per_program=g,
-                                                                      num_warps=nw)
-                tag = f"block_rows={bp:4d} chunks_per_program={g:2d} num_warps={nw}"
-                try:
-                    tn, cs = run("sweep", step, chain)
-                except Exception as e:  # a config the lowering rejects: report and go on
-                    log(f"sweep {tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                    res["sweep"].append(dict(block_rows=bp, chunks_per_program=g, num_warps=nw, error=str(e)[:500]))
-                    continue
-                dev_us = max((tn - t1) / (chain - 1), 1e-9) * 1e6
-                gbs = T * row_bytes / (dev_us * 1e-6) / 1e9
-                res["sweep"].append(dict(block_rows=bp, chunks_per_program=g, num_warps=nw, device_us=dev_us, gbs=gbs))
-                log(f"sweep {tag}: {dev_us:8.2f} us/call {gbs:8.0f} GB/s "
-                    f"(compile {cs:.1f}s)")
-            good = [s for s in res["sweep"] if "device_us" in s]
-            if good:
-                best = min(good, key=lambda s: s["device_us"])
-                res["best_config"] = best
-                log(f"best: block_rows={best['block_rows']} chunks_per_program={best['chunks_per_program']} "
-                    f"num_warps={best['num_warps']} "
-                    f"{best['device_us']:.2f} us (default {cfg})")
+        # ---- launch-config sweep of the argmax kernel alone, by its traced kernel time
+        for bp, g, nw in [] if args.no_sweep else sweep_cfgs.get(T, []):
+            if bp > R:
+                continue
+            if time.perf_counter() - T0 > args.budget_s:
+                log("sweep: time budget spent, skipping the rest")
+                break
+            step = lambda h, tp, bp=bp, g=g, nw=nw: pallas_kernel(h, tp, block_rows=bp, chunks_per_program=g,
+                                                                  num_warps=nw)
+            cfg_s = dict(block_rows=bp, chunks_per_program=g, num_warps=nw)
+            tag = f"block_rows={bp:4d} chunks_per_program={g:2d} num_warps={nw}"
+            try:
+                k_us, k_n = kernels(step)
+            except Exception as e:  # a config the lowering rejects: report and go on
+                log(f"sweep {tag}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                res["sweep"].append(dict(cfg_s, error=str(e)[:500]))
+                continue
+            res["sweep"].append(dict(cfg_s, kernel_us=k_us, kernels=k_n))
+            log(f"sweep {tag}: kernels {k_us:8.2f} us ({k_n:.0f})")
+        good = [s for s in res["sweep"] if s.get("kernel_us", 0) > 0]  # no trace off the GPU
+        if good:
+            best = res["best_config"] = min(good, key=lambda s: s["kernel_us"])
+            log(f"best: block_rows={best['block_rows']} chunks_per_program={best['chunks_per_program']} "
+                f"num_warps={best['num_warps']} {best['kernel_us']:.2f} us (default {cfg})")
         results["per_T"][str(T)] = res
 
     # ---- compact table
@@ -282,19 +298,19 @@ def main():
     print(f"centroid head, bf16, Ha={Ha} V={V} C={C} top-{K}; device: {results['device']}; "
           f"copy {copy_gbs:.0f} GB/s (r+w), read {read_gbs:.0f} GB/s")
     names = list(paths)
-    print(f"{'T':>3} {'check':>5} | " + " | ".join(f"{n:>18s}" for n in names))
-    print(f"{'':>3} {'':>5} | " + " | ".join(f"{'us':>8s} {'GB/s':>9s}" for _ in names))
+    print(f"{'T':>3} {'check':>5} | " + " | ".join(f"{n:>22s}" for n in names))
+    print(f"{'':>3} {'':>5} | " + " | ".join(f"{'kernel us (n)':>14s} {'chain':>7s}" for _ in names))
     for T in Ts:
         r = results["per_T"][str(T)]
-        cells = [f"{r['paths'][n]['device_us']:8.2f} " + (f"{r['paths'][n]['gbs']:9.0f}" if r["paths"][n]["gbs"]
-                                                          else f"{'n/a':>9s}") for n in names]
+        cells = [f"{r['paths'][n]['kernel_us']:9.2f} ({r['paths'][n]['kernels']:2.0f}) {r['paths'][n]['chain_us']:7.2f}"
+                 for n in names]
         print(f"{T:>3} {'ok' if r['check']['ok'] else 'BAD':>5} | " + " | ".join(cells))
     for T in Ts:
         b = results["per_T"][str(T)].get("best_config")
         if b:
             print(f"T={T}: best argmax-kernel config block_rows={b['block_rows']} "
                   f"chunks_per_program={b['chunks_per_program']} num_warps={b['num_warps']} "
-                  f"-> {b['device_us']:.2f} us")
+                  f"-> {b['kernel_us']:.2f} us")
     print(f"(single-dispatch wall us, incl. host overhead: " + "; ".join(
         f"T={T}: " + ", ".join(f"{n} {results['per_T'][str(T)]['paths'][n]['single_call_us']:.0f}" for n in names)
         for T in Ts) + ")")
