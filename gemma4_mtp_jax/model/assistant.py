@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import AssistantConfig
+from gemma4_mtp_jax.kernels.centroid_head import centroid_head
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.decoder import DecoderLayer
 from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm, Weight
@@ -30,8 +31,6 @@ class CentroidHead(nn.Module):
     @nn.compact
     def __call__(self, hn: Array) -> tuple[Array, Array]:
         """hn [B, Ha] -> (sparse logits [B, K*V/C], their canonical token ids [B, K*V/C] int32)."""
-        from gemma4_mtp_jax.kernels.centroid_head import centroid_head
-
         C, V = self.num_centroids, self.vocab_size
         Ha = hn.shape[-1]
         centroids = Weight((C, Ha), self.param_dtype, name="centroids")()
