@@ -19,7 +19,7 @@ cp benchmarks/bench_centroid_head.py .baseline/benchmarks/
       "$(root_of main)/benchmarks/bench_centroid_head.py" $both_args --tokens 16 1 --no-sweep \
       --paths pallas_full pallas_kernel
   run env OUT=$res/centroid_branch timeout $(lim 130) python3 benchmarks/bench_centroid_head.py $both_args \
-      --tokens 16 1 2 8 --budget-s 120 --paths pallas_full pallas_kernel scores select xla_full floor
+      --tokens 16 1 2 8 --budget-s 110 --paths pallas_full pallas_kernel scores select floor
   run env OUT=$res/suite1 GEMMA4_TEST_WORKERS=16 timeout $(lim 600) bash scripts/gpu_suite.sh \
       tests/test_train_demo.py tests/test_train_assistant.py \
       tests/test_paged_attention.py tests/test_attention_inputs.py tests/test_split_k.py tests/test_grouped_matmul.py \
