@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run 90 (issue 10), one call under 590 s, right after run 89 on the same tree. Carry `.whl`. Set GIT_COMMIT.
+# Run 90 (issue 10), one call under 590 s (END: the device time left), right after run 89 on the same tree. Carry
+# `.whl`. Set GIT_COMMIT.
 # 1. The second of BUILD.md's two suite calls.
 # 2. In the time left: where E2B's decode, verify and speculative steps spend their kernel time at B = 2 and 16
 #    (bench_spec --profile: op by op, so only the kernels' own durations mean anything).
