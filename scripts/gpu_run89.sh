@@ -2,7 +2,8 @@
 # Run 89 (issue 10), one call under 590 s. Carry `.whl`. Set GIT_COMMIT to this tree's commit.
 # 1. The centroid head's kernels by their traced durations (run 88 showed the chain timing of small kernels was the
 #    host's per-argument dispatch cost) at T = 16, 1 and 8, with the launch sweep. Main's grid (7238ca9) is in the
-#    sweep: one program per 128-row tile at T = 16 and per 16-row tile at T = 1, each with its own selection.
+#    sweep: one program per 128-row tile at T = 16, per 64-row tile at T = 8 and per 16-row tile at T = 1, each with
+#    its own selection.
 # 2. The first of BUILD.md's two suite calls, in the time left (the log has a line per test).
 set -uo pipefail
 cd "$(dirname "$0")/.."
