@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD:/tmp/site XLA_PYTHON_CLIENT_PREALLOCATE=false GEMMA4_TEST
 # hundreds of small programs once each, so tuning costs more than it could save. It changes which kernel runs,
 # never what is computed at the requested precision.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
-out=${OUT:-/tmp}
+out=${OUT:-/tmp}; mkdir -p "$out"
 python3 -m pytest -v -n ${GEMMA4_TEST_WORKERS:-14} -p no:cacheprovider --durations=25 -rf --junitxml="$out/junit.xml" "${@:-tests}" \
     > "$out/pytest.log" 2>&1
 rc=$?
