@@ -14,13 +14,7 @@ end=${END:-585}
   mkdir -p "$res/centroid"
   run env OUT=$res/centroid timeout $(lim 120) python3 benchmarks/bench_centroid_head.py --no-chain --reps 30 \
       --tokens 16 1 8 --budget-s 110 --paths pallas_full pallas_kernel scores select floor
-  run env OUT=$res/suite1 GEMMA4_TEST_WORKERS=16 timeout $(lim 600) bash scripts/gpu_suite.sh \
-      tests/test_train_demo.py tests/test_train_assistant.py \
-      tests/test_paged_attention.py tests/test_attention_inputs.py tests/test_split_k.py tests/test_grouped_matmul.py \
-      tests/test_centroid_head.py tests/test_param_pack.py tests/test_parity_target.py tests/test_parity_assistant.py \
-      tests/test_speculative.py tests/test_layering.py tests/test_loading.py tests/test_convert.py \
-      tests/test_orbax_io.py tests/test_safetensors_io.py tests/test_corpus.py tests/test_xla_env.py \
-      tests/test_input_pack.py tests/test_executable_cache.py
+  run env OUT=$res/suite1 GEMMA4_TEST_WORKERS=16 timeout $(lim 600) bash scripts/gpu_suite.sh --part 1
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
 } > "$out/run89.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^E12\|^{'\|^{\"" "$out/run89.log" | grep -v "PASSED" | tail -n 70

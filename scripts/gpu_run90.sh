@@ -10,9 +10,7 @@ cd "$(dirname "$0")/.."
 end=${END:-585}
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
-  run env OUT=$res/suite2 GEMMA4_TEST_WORKERS=16 timeout $(lim 470) bash scripts/gpu_suite.sh \
-      tests/test_engine.py tests/test_prefix_cache.py tests/test_tensor_parallel.py tests/test_server_units.py \
-      tests/test_server_support.py tests/test_server.py tests/test_server_process.py
+  run env OUT=$res/suite2 GEMMA4_TEST_WORKERS=16 timeout $(lim 470) bash scripts/gpu_suite.sh --part 2
   run env OUT=$res/profile timeout $(lim 200) python3 benchmarks/bench_spec.py --models e2b --batch 2 16 \
       --repeats 10 --profile
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
