@@ -1,6 +1,6 @@
 """A matmul with few rows split over its contraction, its partial sums added by the kernel that consumes them.
 
-At decode a projection has a handful of rows (the batch; a verify step, batch x (k + 1)) and thousands of columns: to keep every SM busy, XLA
+At decode a projection has a handful of rows (the batch) and thousands of columns: to keep every SM busy, XLA
 splits the contraction K into S parts (split K), one GEMM kernel writes S partial products, and a second kernel
 adds them. The norm after the projection is a third. Gemma 4's sandwich norms put such a pair after o_proj,
 down_proj and (E2B / E4B) per_layer_input_gate in every layer: at E2B decode that is 3 of a layer's ~19 kernels,
@@ -43,11 +43,7 @@ Array = jax.Array
 __all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "add_normed", "add_normed_reference", "gelu_gate",
            "gelu_gate_reference"]
 
-# The most rows split: a verify step of 16 sequences at k <= 7 (80 rows at k = 4). Past it (prefill chunks) XLA's
-# own GEMM plan is left alone. At 80 rows XLA's plan left each sandwich norm as ~1.5 fusions of its own: 4.9 us
-# each against 3.6 for this kernel at 16 rows (benchmarks/RESULTS.md, run 91).
-MAX_ROWS = 128
-_ROW_TILE = 64  # the row tile a GEMM of more rows takes, for counting its programs
+MAX_ROWS = 16  # more rows than a decode batch: XLA's own GEMM plan is left alone (verify, prefill)
 # Larger weights keep XLA's autotuned plan: measured only at E2B (at most 36 MiB, down_proj of its 12288-wide
 # layers), and a matmul that streams for tens of microseconds gains little from one kernel less (31B: 88-231 MB).
 MAX_WEIGHT_BYTES = 40 << 20
@@ -66,16 +62,13 @@ class SplitSum(NamedTuple):
 def plan_splits(rows: int, K: int, N: int, itemsize: int = 2, budget: GpuBudget | None = None) -> int:
     """S for a matmul of `rows` rows, contraction K and N columns (weights of `itemsize` bytes): the fewest
     power-of-two parts (each at least MIN_SPLIT_K long) that give the GEMM about one program per SM, at most
-    MAX_SPLITS, and few enough that the float32 partials (S x rows x N) stay within half the weights' bytes (the
-    cap only binds past a decode batch's rows: a verify step's 80); 1 past MAX_ROWS rows or MAX_WEIGHT_BYTES of
-    weights."""
+    MAX_SPLITS; 1 past MAX_ROWS rows or MAX_WEIGHT_BYTES of weights."""
     if rows > MAX_ROWS or K * N * itemsize > MAX_WEIGHT_BYTES:
         return 1
     sms = (budget or default_budget()).num_sms
-    tiles = -(-N // _COLUMN_TILE) * -(-rows // _ROW_TILE)
+    tiles = -(-N // _COLUMN_TILE)
     s = 1
-    while (s < MAX_SPLITS and tiles * s < sms and K % (2 * s) == 0 and K // (2 * s) >= MIN_SPLIT_K
-           and 2 * s * rows * N * 4 <= K * N * itemsize // 2):
+    while s < MAX_SPLITS and tiles * s < sms and K % (2 * s) == 0 and K // (2 * s) >= MIN_SPLIT_K:
         s *= 2
     return s
 
