@@ -26,20 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import environment, median_time, write_json  # noqa: E402
+from benchmarks.common import TARGETS, environment, median_time, write_json  # noqa: E402
 from benchmarks.kernel_profile import kind_of, profile_calls  # noqa: E402
+from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
 
-# name -> (K, N) at E2B (hidden 1536; 8 heads of 256 on sliding layers, 512 on full ones; MLP 6144 or, on the 20
-# layers that reuse another layer's K/V, 12288; gate|up as one matmul, as XLA merges them)
-PROJECTIONS = {
-    "q_proj_sliding": (1536, 2048),
-    "o_proj_sliding": (2048, 1536),
-    "gate_up_narrow": (1536, 2 * 6144),
-    "gate_up_wide": (1536, 2 * 12288),
-    "down_narrow": (6144, 1536),
-    "down_wide": (12288, 1536),
-}
 SMOKE = {"tiny_up": (64, 256), "tiny_down": (256, 64)}
+
+
+def e2b_projections() -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of E2B's projections, from its config: q_proj and o_proj of a sliding layer, and gate|up (one
+    matmul, as XLA merges the two) and down_proj of the narrow MLPs and of the wide ones (the layers that reuse
+    another layer's K/V)."""
+    cfg = parse_target_config(TARGETS["e2b"])
+    H, nH = cfg.hidden_size, cfg.num_heads
+    D = next(lc.head_dim for lc in cfg.layers if lc.layer_type == SLIDING)
+    narrow, wide = min(lc.intermediate_size for lc in cfg.layers), max(lc.intermediate_size for lc in cfg.layers)
+    return {"q_proj_sliding": (H, nH * D), "o_proj_sliding": (nH * D, H),
+            "gate_up_narrow": (H, 2 * narrow), "gate_up_wide": (H, 2 * wide),
+            "down_narrow": (narrow, H), "down_wide": (wide, H)}
 
 
 def program(layers: int):
@@ -70,10 +74,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 80, 96, 128])
     ap.add_argument("--layers", type=int, default=20)
-    ap.add_argument("--projections", nargs="+", default=None, help=f"a subset of {list(PROJECTIONS)}")
+    ap.add_argument("--projections", nargs="+", default=None,
+                    help="a subset of q_proj_sliding o_proj_sliding gate_up_narrow gate_up_wide down_narrow down_wide")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    shapes = SMOKE if args.smoke else PROJECTIONS
+    shapes = SMOKE if args.smoke else e2b_projections()
     names = args.projections or list(shapes)
     unknown = sorted(set(names) - set(shapes))
     if unknown:
