@@ -2,7 +2,8 @@
 # Run 94 (issue 10), one call under 590 s (END: the device time left). Carry `.whl`. Set GIT_COMMIT. Measurements
 # only (no package code changes): the two costs of E2B's verify at B = 16 that run 91 found and run 92 did not fix.
 # 1. Each E2B weight matmul at 16, 64, 80, 96 and 128 rows, by trace: XLA's autotuned plan, then XLA's cuBLAS path
-#    (triton GEMM off). Which row counts and which path stream the weights at the decode's rate?
+#    (triton GEMM off; should this XLA no longer know the flag, it aborts that step alone). Which row counts and
+#    which path stream the weights at the decode's rate?
 # 2. The split-K matmuls written out at 80 rows against XLA's (probe_split_k), per layer.
 # 3. The full-attention layer's verify tiling (B = 16, 5 queries, 4096 keys, 16-token pages): 16-, 32- and 64-row
 #    blocks over key splits, beside kernel_config's choice (40 rows per KV head: the 16-row blocks re-read the keys).
