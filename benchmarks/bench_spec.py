@@ -130,13 +130,14 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(tcfg, args.tensor_parallel_size)
         placement = Placement.over(jax.devices()[:args.tensor_parallel_size])
-    plain = CompiledSteps(target, layout, dtype, "auto", placement=placement, max_batch=max_b)
+    plain = CompiledSteps(target, layout, dtype, "auto", placement=placement, max_batch=max_b,
+                          pack_params=args.pack_params)
     params = plain.params  # on the programs' devices (split under tensor parallelism)
     # The speculative programs take the same placed parameters (not a second copy), and the whole weights made on
     # the first device go: under tensor parallelism they and two sets of shards would not fit one GPU (31B, TP=2).
     target = plain.target = dataclasses.replace(target, params=params)
     steps = {k: CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k,
-                              num_slots=max_b, placement=placement) for k in ks}
+                              num_slots=max_b, placement=placement, pack_params=args.pack_params) for k in ks}
     pages = random_pages(tcfg, layout, dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
     rng = np.random.default_rng(0)
@@ -230,6 +231,8 @@ def main() -> None:
                     help="mean tokens per round for the projected speedup (vLLM's 31B figure at k=4)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the target over the first N devices (sharding.py)")
+    ap.add_argument("--pack-params", action="store_true",
+                    help="the step programs take the target's weights packed, as `serve --pack-params` runs them")
     ap.add_argument("--profile", action="store_true",
                     help="also trace the decode, verify and speculative steps and list their kernels "
                          "(kernel_profile.py)")
