@@ -55,22 +55,6 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     return (math.prod(shape) // width if width else 0), width
 
 
-def _module_runs(leaves: list[tuple[Any, Any]]) -> list[int]:
-    """For each leaf (path, array) in order: the rows of the run of leaves it starts, 0 if it continues one. A run:
-    the leaves of one module (path less its last two keys: `['layers_0']['mlp']` of `...['gate_proj']['weight']`)
-    of one dtype and row width, each the next of that dtype and width in order."""
-    rows = [0] * len(leaves)
-    last: dict[tuple, tuple[Any, int]] = {}  # (dtype, width) -> (module of its last leaf, index of its run)
-    for i, (path, leaf) in enumerate(leaves):
-        n, width = _rows(tuple(leaf.shape))
-        key, module = (jnp.dtype(leaf.dtype), width), tuple(path[:-2])
-        prev = last.get(key)
-        start = prev[1] if prev is not None and prev[0] == module and module else i
-        rows[start] += n
-        last[key] = (module, start)
-    return rows
-
-
 @dataclasses.dataclass(frozen=True)
 class ParamPack:
     """Where each leaf of a parameter tree lives in its `PackedParams` (built from shapes: works on abstract
@@ -83,26 +67,18 @@ class ParamPack:
     @staticmethod
     def plan(tree: Any, packable: Callable[[str, Any], bool] | None = None, enabled: bool = True) -> "ParamPack":
         """Pack every leaf of at most MAX_LEAF_ELEMENTS elements for which `packable(path, leaf)` holds (all of
-        them without it); `enabled=False` keeps every leaf as it is.
-
-        Leaves go in tree order, and the leaves of one module that share a dtype and row width (a layer's gate_proj
-        and up_proj; k_proj, q_proj and v_proj) stay in one packed array, adjacent: model/layers.projections runs
-        them as one matmul over their rows, a slice of that array read in place."""
+        them without it); `enabled=False` keeps every leaf as it is."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        packed = [enabled and 0 < math.prod(leaf.shape) <= MAX_LEAF_ELEMENTS
-                  and (packable is None or packable(jax.tree_util.keystr(path), leaf)) for path, leaf in leaves]
-        runs = _module_runs([(path, leaf) for (path, leaf), p in zip(leaves, packed) if p])
         groups: list[list] = []  # [dtype, rows, width]
         slots = []
         kept = 0
-        for (path, leaf), p in zip(leaves, packed):
+        for path, leaf in leaves:
             rows, width = _rows(tuple(leaf.shape))
-            if p:
+            if enabled and 0 < rows * width <= MAX_LEAF_ELEMENTS and (
+                    packable is None or packable(jax.tree_util.keystr(path), leaf)):
                 dt = jnp.dtype(leaf.dtype)
-                run = runs.pop(0)  # rows of the module's run this leaf starts, 0 for a later leaf of a run
-                need = run if run * width <= GROUP_ELEMENTS else rows
                 g = max((i for i, (d, _, w) in enumerate(groups) if d == dt and w == width), default=-1)
-                if g < 0 or (groups[g][1] + max(need, rows)) * width > GROUP_ELEMENTS:
+                if g < 0 or (groups[g][1] + rows) * width > GROUP_ELEMENTS:
                     groups.append([dt, 0, width])
                     g = len(groups) - 1
                 slots.append(_Slot(g, groups[g][1], tuple(leaf.shape)))

@@ -24,7 +24,6 @@ import numpy as np
 
 from gemma4_mtp_jax.executable_cache import ExecutableCache, program_key, user_cache_dir
 from gemma4_mtp_jax.forward import decode_step, prefill_step
-from gemma4_mtp_jax.kernels import split_k
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
 from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
@@ -62,16 +61,6 @@ def compiler_options() -> dict[str, str]:
     if jax.default_backend() != "gpu" or update_mode_in_flags():
         return {}
     return {UPDATE_MODE_OPTION: STABLE_TEMPORARIES}
-
-
-def verify_options(rows: int) -> dict[str, Any]:
-    """XLA options of a speculative program whose verify runs `rows` = B x (k + 1) rows through the target's
-    matmuls. Past the split-K plan's rows (split_k.MAX_ROWS), cuBLAS's GEMMs rather than XLA's Triton ones: at E2B
-    and 80 rows, XLA's autotuned Triton GEMMs stream gate|up at 2.0-2.9 TB/s, cuBLAS's at 2.9-3.4 (benchmarks/
-    RESULTS.md, run 94). Decode and prefill programs keep XLA's choice."""
-    if jax.default_backend() != "gpu" or rows <= split_k.MAX_ROWS:
-        return {}
-    return {"xla_gpu_enable_triton_gemm": False}
 
 
 # JAX settings that change what a traced program computes (the executable cache's key holds their values).
@@ -220,12 +209,10 @@ class CompiledSteps:
     def _i32(self, *shape: int) -> jax.ShapeDtypeStruct:
         return self._sds(shape, jnp.int32)
 
-    def _jit(self, fn, donate: tuple[int, ...], out: Any, options: dict[str, Any] | None = None):
-        options = options or None  # the program's own XLA options; compile_lowered adds every program's
+    def _jit(self, fn, donate: tuple[int, ...], out: Any):
         if self.placement is None:
-            return jax.jit(fn, donate_argnums=donate, compiler_options=options)
-        return _MeshJit(jax.jit(fn, donate_argnums=donate, out_shardings=out, compiler_options=options),
-                        self.placement)
+            return jax.jit(fn, donate_argnums=donate)
+        return _MeshJit(jax.jit(fn, donate_argnums=donate, out_shardings=out), self.placement)
 
     def state_shardings(self) -> Any:
         """The DeviceState's shardings (None without a placement): pages by KV head, the rest replicated."""
@@ -350,7 +337,7 @@ class CompiledSteps:
         params, state = self._abstract()
         rep = None if self.placement is None else self.placement.replicate(self.draft_params)
         fn = functools.partial(self._speculative_fn, sampled=sampled)
-        return (self._jit(fn, (2, 3), (self.state_shardings(), self._rep), verify_options(batch * (self.k + 1))),
+        return (self._jit(fn, (2, 3), (self.state_shardings(), self._rep)),
                 (params, _shapes(self.draft_params, rep), state, self._abstract_packed(batch)))
 
     def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:

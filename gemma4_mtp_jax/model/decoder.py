@@ -12,7 +12,7 @@ from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
-from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, projections, rope_inv_freq
+from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
 from gemma4_mtp_jax.sharding import tensor_parallel_size
 
 Array = jax.Array
@@ -44,18 +44,13 @@ class Attention(nn.Module):
         D, nH, nKV = lc.head_dim, cfg.num_heads, lc.num_kv_heads
         norm_weight = lambda name: Weight((D,), self.param_dtype, nn.initializers.ones, name=name)()  # noqa: E731
 
-        weight = lambda name, n: Weight((n * D, x.shape[-1]), self.param_dtype, name=name)()  # noqa: E731
+        q = Linear(nH * D, self.param_dtype, name="q_proj")(x).reshape(B, T, nH, D)
         k = v = k_norm = None
-        if lc.kv_mode == "reuse":
-            q = projections(x, [weight("q_proj", nH)])[0]
-        elif lc.k_eq_v:  # attention_k_eq_v full layers use the un-normed, un-roped K projection as V (v None)
-            k, q = projections(x, [weight("k_proj", nKV), weight("q_proj", nH)])
-        else:  # k, q, v: the parameter tree's order (see `projections`)
-            k, q, v = projections(x, [weight("k_proj", nKV), weight("q_proj", nH), weight("v_proj", nKV)])
-        q = q.reshape(B, T, nH, D)
-        if k is not None:
-            k, k_norm = k.reshape(B, T, nKV, D), norm_weight("k_norm")
-            v = None if v is None else v.reshape(B, T, nKV, D)
+        if lc.kv_mode != "reuse":
+            k = Linear(nKV * D, self.param_dtype, name="k_proj")(x).reshape(B, T, nKV, D)
+            # attention_k_eq_v full layers use the un-normed, un-roped K projection as V (v None).
+            v = None if lc.k_eq_v else Linear(nKV * D, self.param_dtype, name="v_proj")(x).reshape(B, T, nKV, D)
+            k_norm = norm_weight("k_norm")
         p = Projections(q, k, v, norm_weight("q_norm"), k_norm, positions,
                         rope_inv_freq(cfg.rope[lc.layer_type], D), cfg.rms_norm_eps)
         q, kv = kv.prepare(self.layer, p)

@@ -12,13 +12,12 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
-from gemma4_mtp_jax.sharding import expert_parallel, tensor_parallel_size
+from gemma4_mtp_jax.sharding import expert_parallel
 
 Array = jax.Array
 
@@ -80,21 +79,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Array:
     return jnp.concatenate([inv, jnp.zeros((head_dim // 2 - n_rot,), jnp.float32)])
 
 
-def projections(x: Array, weights: list[Array]) -> list[Array]:
-    """x @ w.T for each `[out, in]` weight, as one matmul over the weights stacked along `out` when there are
-    several (and no tensor parallelism, which shards each along `out`).
-
-    One matmul rather than XLA's own merge of the projections: XLA's dot merger stacks the weights in an order of
-    its own, a copy of them on every call unless the GEMM fuses it (its Triton GEMMs do, cuBLAS does not: 35 us per
-    E2B layer, benchmarks/RESULTS.md run 96). Stacked in the order of the parameter tree, which param_pack.py keeps
-    as the rows of one packed array, the weights are one row slice of it, read in place."""
-    if len(weights) == 1 or tensor_parallel_size() > 1:
-        return [jnp.einsum("...i,oi->...o", x, w.astype(x.dtype)) for w in weights]
-    y = jnp.einsum("...i,oi->...o", x, jnp.concatenate([w.astype(x.dtype) for w in weights]))
-    bounds = np.cumsum([w.shape[0] for w in weights])[:-1]
-    return jnp.split(y, bounds, axis=-1)
-
-
 class MLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)); down_proj split in `splits` parts (see `Linear`)."""
 
@@ -104,8 +88,8 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
-        shape = (self.intermediate_size, x.shape[-1])
-        gate, up = projections(x, [Weight(shape, self.param_dtype, name=n)() for n in ("gate_proj", "up_proj")])
+        gate = Linear(self.intermediate_size, self.param_dtype, name="gate_proj")(x)
+        up = Linear(self.intermediate_size, self.param_dtype, name="up_proj")(x)
         return Linear(self.hidden_size, self.param_dtype, name="down_proj")(gelu_tanh(gate) * up, splits)
 
 
