@@ -95,3 +95,14 @@ both() {
         "$root/benchmarks/$script" "$@"
   done
 }
+# faster_at B: 1 when the branch's speculative step at batch B ran >= 3 % faster pipelined than main's in `both ...
+# spec bench_spec.py` ($res/spec_{main,branch}/bench_spec.json), else 0 (a missing or cut run counts as not faster).
+faster_at() {
+  python3 - "$res" "$1" <<'PY' 2>/dev/null || echo 0
+import json, sys
+res, batch = sys.argv[1], int(sys.argv[2])
+t = {tree: {r["batch"]: r["spec_pipelined_ms"] for r in json.load(open(f"{res}/spec_{tree}/bench_spec.json"))["rows"]}
+     for tree in ("main", "branch")}
+print(int(t["branch"][batch] < 0.97 * t["main"][batch]))
+PY
+}

@@ -15,13 +15,7 @@ use_baseline
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
   both 100 spec bench_spec.py --models e2b --batch 2 16
-  faster=$(python3 - "$res" <<'PY'
-import json, sys
-t = {tree: {r["batch"]: r["spec_pipelined_ms"] for r in json.load(open(f"{sys.argv[1]}/spec_{tree}/bench_spec.json"))["rows"]}
-     for tree in ("main", "branch")}
-print(int(t["branch"][16] < 0.97 * t["main"][16]))
-PY
-)
+  faster=$(faster_at 16)
   echo "== branch faster at B = 16: ${faster:-?}"
   [ "${faster:-0}" = 1 ] && run env OUT=$res/suite2 GEMMA4_TEST_WORKERS=16 timeout $(lim 400) bash scripts/gpu_suite.sh --part 2
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
