@@ -2,6 +2,8 @@
 # Run 101 (issue 10), one call under 590 s (END: the device time left). Carry `.whl` and `.baseline` = main
 # (0b79998: rm -rf .baseline && mkdir .baseline && git archive 0b79998 | tar -x -C .baseline
 # && rm .baseline/gemma4_mtp_jax/demo_pair/*/model.safetensors). Set GIT_COMMIT to this tree's commit.
+# Ran at a39527d, a local branch not kept (withdrawn, benchmarks/RESULTS.md run 101 says what it changed):
+# on main the branch's code is absent, so this script is the record of the run, not a way to repeat it.
 # The branch: a speculative program whose verify has more than 16 rows compiles with cuBLAS's GEMMs and without
 # XLA's dot-merger (step.verify_options), so that nothing stacks gate|up or q|k|v and cuBLAS copies no weights
 # (run 96: ~1 ms of copies a step at B = 16, the cuBLAS GEMMs themselves ~480 us faster than Triton's).

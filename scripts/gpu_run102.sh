@@ -2,6 +2,8 @@
 # Run 102 (issue 10), one call under 590 s (END: the device time left). Carry `.whl` and `.baseline` = main
 # (0b79998: rm -rf .baseline && mkdir .baseline && git archive 0b79998 | tar -x -C .baseline
 # && rm .baseline/gemma4_mtp_jax/demo_pair/*/model.safetensors). Set GIT_COMMIT to this tree's commit.
+# Ran at eb0410e, a local branch not kept (withdrawn, benchmarks/RESULTS.md run 102 says what it changed):
+# on main the branch's code is absent, so this script is the record of the run, not a way to repeat it.
 # The branch: the paged kernel's value splits (programs sharing a block's V columns), and kernel_config's plan for
 # a full-attention layer's verify rows (D 512, 17-64 rows): one block of all the rows, two value splits, instead
 # of 16-row blocks that each re-read the keys (run 91: 81 us a layer at B = 16 against decode's 40).
