@@ -58,7 +58,9 @@ def _device_events(xplane_path: str) -> list[tuple[str, float]]:
 
 def profile_calls(call: Callable[[], object], calls: int = 5) -> dict:
     """Trace `calls` calls of call() (each waited for; call() returns something to wait on) after one untraced
-    warm-up call. Returns per-call figures: kernels, busy_us, by_kind {kind: us}, top [(name, count, us)]."""
+    warm-up call. Returns per-call figures: kernels, busy_us, by_kind {kind: us}, top [(name, count, us)] (every
+    kernel, costliest first), and sequence [(name, us)]: the first traced call's kernels in launch order, which
+    shows where each part of a step (a draft step, the verify) starts and ends."""
     jax.block_until_ready(call())
     log_dir = tempfile.mkdtemp(prefix="kernel_profile_")
     with jax.profiler.trace(log_dir):
@@ -80,7 +82,8 @@ def profile_calls(call: Callable[[], object], calls: int = 5) -> dict:
     top = sorted(((n, c / calls, us / calls) for n, (c, us) in per_name.items()), key=lambda r: -r[2])
     return {"calls": calls, "kernels": len(events) / calls, "busy_us": sum(us for _, us in events) / calls,
             "by_kind": {k: v / calls for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "by_kind_count": dict(collections.Counter(kind_of(n) for n, _ in events)), "top": top[:40]}
+            "by_kind_count": dict(collections.Counter(kind_of(n) for n, _ in events)), "top": top,
+            "sequence": events[:len(events) // calls]}
 
 
 def print_profile(label: str, prof: dict, step_us: float | None = None, top: int = 15) -> None:
