@@ -234,7 +234,7 @@ def _gelu_gate_pallas(partials, multiplier, index, *, dtype, interpret: bool):
     return g.reshape(*lead, N)
 
 
-def _with_reference_vjp(kernel, reference):
+def with_reference_vjp(kernel, reference):
     """`kernel`'s values, `reference`'s gradients: a Pallas call has no JVP rule, and training differentiates
     through the layers (the assistant's trainer, on the GPU)."""
     f = jax.custom_vjp(kernel)
@@ -274,7 +274,7 @@ def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: floa
         return add_normed_reference(SplitSum(partials, dtype), residual, weight, eps=eps, next_weight=next_weight,
                                     scale=scale)
 
-    return _with_reference_vjp(kernel, reference)(y.partials, residual.astype(dtype), weight, next_weight, scale)
+    return with_reference_vjp(kernel, reference)(y.partials, residual.astype(dtype), weight, next_weight, scale)
 
 
 def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str = "auto",
@@ -291,4 +291,4 @@ def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str
     def reference(partials, multiplier, index):
         return gelu_gate_reference(SplitSum(partials, dtype), multiplier, index)
 
-    return _with_reference_vjp(kernel, reference)(y.partials, multiplier.astype(dtype), index)
+    return with_reference_vjp(kernel, reference)(y.partials, multiplier.astype(dtype), index)

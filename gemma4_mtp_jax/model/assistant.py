@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import AssistantConfig
+from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
 from gemma4_mtp_jax.model.attention import DraftKV
-from gemma4_mtp_jax.model.decoder import DecoderLayer
+from gemma4_mtp_jax.model.decoder import DecoderLayer, residual_norms
 from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm, Weight
 
 Array = jax.Array
@@ -79,9 +80,14 @@ class Gemma4Assistant(nn.Module):
         """token_embedding, h: [B, Hb] -> hn [B, Ha], h_next [B, Hb]."""
         x = self.pre_projection(jnp.concatenate([token_embedding, h.astype(token_embedding.dtype)], -1))[:, None]
         positions = kv.lengths[:, None]  # docs/DESIGN.md convention 1: the bonus position, constant within a round
-        for layer in self.layers:
-            x, _, _ = layer(x, positions, kv)
-        hn = self.norm(x)[:, 0]
+        # As in the target, each layer's last kernel applies the norm that reads its output (the next layer's
+        # input_layernorm, after the last layer the final norm); at init each layer norms its own input.
+        eps = self.cfg.text.rms_norm_eps
+        norms = None if self.is_initializing() else residual_norms(self.variables["params"], len(self.layers))
+        normed = None if norms is None else rms_norm(x, eps, norms[0])
+        for i, layer in enumerate(self.layers):
+            x, normed, _ = layer(x, positions, kv, normed_x=normed, next_norm=None if norms is None else norms[i + 1])
+        hn = (self.norm(x) if normed is None else normed)[:, 0]
         return hn, self.post_projection(hn)
 
     def logits(self, hn: Array) -> Array:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
+from gemma4_mtp_jax.kernels.feed_forward import plan_block
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
@@ -25,6 +26,12 @@ def splits_for(x: Array, K: int, N: int, split_k: bool = True) -> int:
     if not split_k or tensor_parallel_size() > 1:
         return 1
     return plan_splits(math.prod(x.shape[:-1]), K, N, jnp.dtype(x.dtype).itemsize)
+
+
+def residual_norms(params: dict, num_layers: int) -> list[Array]:
+    """The weights of the norms that read a decoder's residual stream: every layer's input_layernorm, then the
+    final norm's ([L + 1] of [H]), for each layer's last kernel to apply the next one (`next_norm`)."""
+    return [params[f"layers_{i}"]["input_layernorm"]["weight"] for i in range(num_layers)] + [params["norm"]["weight"]]
 
 
 class Attention(nn.Module):
@@ -92,12 +99,18 @@ class DecoderLayer(nn.Module):
         residual = x
         attention = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")
         a, kv = attention(rms_norm(x, eps, input_norm) if normed_x is None else normed_x, positions, kv)
-        x, mlp_input = add_normed(a, residual, norm_weight("post_attention_layernorm"), eps=eps,
-                                  next_weight=norm_weight("pre_feedforward_layernorm"))
-
+        post_attention = norm_weight("post_attention_layernorm")
+        pre_feedforward = norm_weight("pre_feedforward_layernorm")
+        mlp = MLP(H, lc.intermediate_size, pd, name="mlp")
+        block_splits = None if cfg.enable_moe_block or tensor_parallel_size() > 1 else plan_block(
+            math.prod(x.shape[:-1]), H, lc.intermediate_size, a.dtype)
+        if block_splits is not None:  # the attention block's residual add, its norms and the MLP in one kernel
+            x, f = mlp.block(a, residual, post_attention, pre_feedforward, eps=eps, splits=block_splits)
+        else:
+            x, mlp_input = add_normed(a, residual, post_attention, eps=eps, next_weight=pre_feedforward)
+            splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H, self.split_k)
+            f = mlp(mlp_input, splits)
         residual = x
-        splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H, self.split_k)
-        f = MLP(H, lc.intermediate_size, pd, name="mlp")(mlp_input, splits)
         if cfg.enable_moe_block:
             weights, idx = Router(cfg.num_experts, cfg.top_k_experts, eps, pd, name="router")(residual)
             e = Experts(cfg.num_experts, cfg.moe_intermediate_size, pd, name="experts")(

@@ -15,15 +15,12 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
+from gemma4_mtp_jax.kernels.feed_forward import feed_forward_block, mlp
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
 from gemma4_mtp_jax.sharding import expert_parallel
 
 Array = jax.Array
-
-
-def gelu_tanh(x: Array) -> Array:
-    return jax.nn.gelu(x, approximate=True)
 
 
 class RMSNorm(nn.Module):
@@ -80,17 +77,28 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Array:
 
 
 class MLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)); down_proj split in `splits` parts (see `Linear`)."""
+    """down(gelu_tanh(gate(x)) * up(x)); down_proj split in `splits` parts (see `Linear`). `block` is the whole
+    feed-forward block after attention (the residual add and both norms, then this) in one kernel
+    (kernels/feed_forward.py), where `plan_block` gives it a plan."""
 
     hidden_size: int
     intermediate_size: int
     param_dtype: jnp.dtype = jnp.float32
 
-    @nn.compact
+    def setup(self):
+        H, I, pd = self.hidden_size, self.intermediate_size, self.param_dtype
+        self.gate_proj, self.up_proj = Weight((I, H), pd), Weight((I, H), pd)
+        self.down_proj = Weight((H, I), pd)
+
     def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
-        gate = Linear(self.intermediate_size, self.param_dtype, name="gate_proj")(x)
-        up = Linear(self.intermediate_size, self.param_dtype, name="up_proj")(x)
-        return Linear(self.hidden_size, self.param_dtype, name="down_proj")(gelu_tanh(gate) * up, splits)
+        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits)
+
+    def block(self, a: Array | SplitSum, residual: Array, post_attention_norm: Array, pre_feedforward_norm: Array,
+              *, eps: float, splits: int) -> tuple[Array, SplitSum]:
+        """(residual + rms_norm(a, post_attention_norm), this MLP of its pre_feedforward norm as `splits`
+        partials), through the kernel."""
+        return feed_forward_block(a, residual, post_attention_norm, pre_feedforward_norm, self.gate_proj(),
+                                  self.up_proj(), self.down_proj(), eps=eps, splits=splits)
 
 
 class Router(nn.Module):

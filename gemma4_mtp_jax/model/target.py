@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.model.attention import DenseKV, KVView
-from gemma4_mtp_jax.model.decoder import DecoderLayer
+from gemma4_mtp_jax.model.decoder import DecoderLayer, residual_norms
 from gemma4_mtp_jax.model.layers import Embedding, Linear, RMSNorm
 from gemma4_mtp_jax.model.traced import traced_once
 
@@ -100,7 +100,7 @@ class Gemma4Target(nn.Module):
         # Each layer's last kernel also applies the norm that reads its output (the next layer's input_layernorm,
         # after the last layer the final norm), so `normed` is the next layer's input, normed. At init there are no
         # weights to hand over yet: each layer norms its own input.
-        norms = None if self.is_initializing() else self._input_norms()
+        norms = None if self.is_initializing() else residual_norms(self.variables["params"], cfg.num_layers)
         normed = None if norms is None else rms_norm(x, cfg.rms_norm_eps, norms[0])
         # Over the paged state every layer runs through a program traced once per kind of layer (`_run_layer`):
         # tracing 60 layers one by one took 2-6 s per step program at 31B, the critical path of start-up.
@@ -116,13 +116,6 @@ class Gemma4Target(nn.Module):
                 x, normed, kv = layer(x, positions, kv, ple_i, normed_x=normed, next_norm=next_norm)
         hidden = self.norm(x) if normed is None else normed
         return (self.lm_logits(hidden) if logits else None), hidden, kv
-
-    def _input_norms(self) -> list[Array]:
-        """The weights of the norms that read the residual stream: every layer's input_layernorm, then the final
-        norm's ([L + 1] of [H])."""
-        params = self.variables["params"]
-        return [params[f"layers_{i}"]["input_layernorm"]["weight"] for i in range(self.cfg.num_layers)] + [
-            params["norm"]["weight"]]
 
     def _per_layer_inputs(self, tokens: Array, inputs_embeds: Array) -> Array:
         """PLE: token identity plus a normed projection of the input embedding, one P-vector per layer [B,T,L,P]."""
