@@ -127,6 +127,8 @@ def _kernel(a_ref, res_ref, wpa_ref, wpf_ref, gate_ref, up_ref, down_ref, x_ref,
     x_ref [M, H], gate_ref / up_ref [CHUNK, H] and down_ref [H, CHUNK] (the chunk's blocks), p_ref [S, M, H]."""
     s = pl.program_id(0)
     dtype = x_ref.dtype
+    # The chunk's weights first: their loads are in flight while the norms run.
+    gate, up, down = (ref[...].astype(dtype) for ref in (gate_ref, up_ref, down_ref))
     rows = lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0)
     cols = lax.broadcasted_iota(jnp.int32, (H,), 0)
     live = jnp.broadcast_to((rows < M)[:, None], (BLOCK_ROWS, H))
@@ -144,10 +146,10 @@ def _kernel(a_ref, res_ref, wpa_ref, wpf_ref, gate_ref, up_ref, down_ref, x_ref,
         _store(x_ref.at[at], x, live)
 
     m = _normed(x.astype(jnp.float32), wpf_ref[...], eps, dtype)  # [16, H]
-    g = _dot_t(m, gate_ref[...].astype(dtype)).astype(dtype)  # [16, CHUNK]
-    u = _dot_t(m, up_ref[...].astype(dtype)).astype(dtype)
+    g = _dot_t(m, gate).astype(dtype)  # [16, CHUNK]
+    u = _dot_t(m, up).astype(dtype)
     h = (_gelu_tanh(g.astype(jnp.float32)).astype(dtype).astype(jnp.float32) * u.astype(jnp.float32)).astype(dtype)
-    _store(p_ref.at[(s, *at)], _dot_t(h, down_ref[...].astype(dtype)), live)
+    _store(p_ref.at[(s, *at)], _dot_t(h, down), live)
 
 
 def _compiler_params(interpret: bool, num_warps: int):
