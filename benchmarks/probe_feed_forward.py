@@ -1,13 +1,14 @@
 """Probe: the feed-forward block kernel (kernels/feed_forward.py) at the E2B assistant's shapes, per tiling, against
 XLA's kernels for the same math. NOT a test.
 
-    python benchmarks/probe_feed_forward.py [--rows 2 16] [--layers 16] [--splits 8 16 32 64] [--warps 4 8]
+    python benchmarks/probe_feed_forward.py [--rows 2 16] [--layers 16] [--tilings 32,8,1 32,8,4 ...]
 
-A program of `--layers` layers (their own weights and attention outputs, chained through the residual) runs the
-block after attention and the layer's last residual add (`add_normed` summing the partials, with the next norm):
-`xla` is the model's plain path (the reference: XLA fuses and runs its own kernels), `sS_wW` the kernel with S
-programs and W warps. Printed per variant: kernels per layer (optimized HLO), pipelined device time per layer
-(median), the kernels' own microseconds per layer from a trace, and the largest difference from `xla`.
+A program of `--layers` layers (their own weights and attention outputs, chained through the residual) runs what
+follows a sliding layer's attention: o_proj (1024 -> 256), the block, and the layer's last residual add
+(`add_normed` summing the partials, with the next norm). `xla` is the model's plain path (the reference: XLA fuses
+and runs its own kernels); `sS_wW_oO` the kernel with S programs and W warps after o_proj split in O parts (1: one
+matmul) whose partials the kernel adds. Printed per variant: kernels per layer (optimized HLO), pipelined device
+time per layer (median), the kernels' own microseconds per layer from a trace, and the largest difference from `xla`.
 Writes $OUT/probe_feed_forward.json when $OUT is set.
 """
 
@@ -30,15 +31,17 @@ from gemma4_mtp_jax.kernels import feed_forward as ff  # noqa: E402
 from gemma4_mtp_jax.kernels import split_k  # noqa: E402
 
 EPS = 1e-6
-H, I = 256, 2048  # the E2B / E4B assistants' hidden and MLP widths
+H, I, Q = 256, 2048, 1024  # the E2B / E4B assistants' hidden and MLP widths, sliding heads x head dim
 
 
-def program(splits: int, warps: int, L: int):
-    """jit(fn)(layers, x): L layers; layers[i] = (o, norms [4, H], gate, up, down); splits 0 = the plain path."""
+def program(splits: int, warps: int, o_splits: int, L: int):
+    """jit(fn)(layers, x): L layers; layers[i] = (attention output, o_proj, norms [4, H], gate, up, down); splits
+    0 = the plain path."""
 
     def fn(layers, x):
         n = None
-        for o, norms, gate, up, down in layers:
+        for attn, wo, norms, gate, up, down in layers:
+            o = split_k.split_matmul(attn, wo, o_splits if splits else 1)
             if splits:
                 h, f = ff.feed_forward_block(o, x, norms[0], norms[1], gate, up, down, eps=EPS, splits=splits,
                                              num_warps=warps)
@@ -54,8 +57,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[2, 16])
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--splits", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--tilings", nargs="+", default=["16,8,1", "32,8,1", "64,4,1", "32,8,4", "32,8,16", "64,4,4"],
+                    help="S,W,O: the kernel's programs, its warps, o_proj's parts")
     args = ap.parse_args()
     L = args.layers
     key = jax.random.PRNGKey(0)
@@ -63,17 +66,18 @@ def main() -> None:
                                        ).astype(jnp.bfloat16)
     results = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "layers": L, "rows": {}}
     for M in args.rows:
-        layers = [(rnd(10 * i + M * 1000, (M, H)), 1.0 + 0.1 * rnd(10 * i + 1, (4, H)), rnd(10 * i + 2, (I, H), H**-0.5),
-                   rnd(10 * i + 3, (I, H), H**-0.5), rnd(10 * i + 4, (H, I), I**-0.5)) for i in range(L)]
+        layers = [(rnd(10 * i + M * 1000, (M, Q)), rnd(10 * i + 5, (H, Q), Q**-0.5), 1.0 + 0.1 * rnd(10 * i + 1, (4, H)),
+                   rnd(10 * i + 2, (I, H), H**-0.5), rnd(10 * i + 3, (I, H), H**-0.5), rnd(10 * i + 4, (H, I), I**-0.5))
+                  for i in range(L)]
         x = rnd(7 + M, (M, H))
         ref = None
-        for splits, warps in [(0, 0)] + [(s, w) for s in args.splits for w in args.warps]:
-            name = "xla" if splits == 0 else f"s{splits}_w{warps}"
-            f = program(splits, warps, L)
+        for splits, warps, o_splits in [(0, 0, 1)] + [tuple(map(int, t.split(","))) for t in args.tilings]:
+            name = "xla" if splits == 0 else f"s{splits}_w{warps}_o{o_splits}"
+            f = program(splits, warps, o_splits, L)
             try:
                 compiled = f.lower(layers, x).compile()
             except Exception as e:  # a tiling Triton cannot build: say so, go on
-                print(f"M={M:3d} {name:8s} failed to compile: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"M={M:3d} {name:11s} failed to compile: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             info = summarize(compiled.as_text())
             out = jax.block_until_ready(f(layers, x))
@@ -88,7 +92,7 @@ def main() -> None:
                        busy_us_per_layer=prof["busy_us"] / L, max_abs_diff=diff,
                        top=[(n, c, us) for n, c, us in prof["top"][:6]])
             results["rows"].setdefault(str(M), {})[name] = row
-            print(f"M={M:3d} {name:8s} kernels/layer {row['kernels_per_layer']:5.2f}  pipelined "
+            print(f"M={M:3d} {name:11s} kernels/layer {row['kernels_per_layer']:5.2f}  pipelined "
                   f"{row['pipelined_us_per_layer']:6.2f} us/layer  busy {row['busy_us_per_layer']:6.2f}  "
                   f"|diff| {diff:.3g}  " + "  ".join(f"{n[:28]} {us / L:.2f}" for n, _, us in row["top"][:3]),
                   flush=True)

@@ -45,7 +45,11 @@ MAX_ROWS = BLOCK_ROWS
 # Every program recomputes the block's input and reads 1/S of the weights: measured only at the assistants' sizes
 # (E2B / E4B: 3 MiB). The targets' MLPs (E2B: 54 MiB) stream for tens of microseconds and keep XLA's GEMMs.
 MAX_WEIGHT_BYTES = 8 << 20
-CHUNK = 128  # columns of I per program: 16 programs at I = 2048
+# Columns of I per program, and warps: 32 programs of 8 warps at I = 2048. A program's time grows with the weights it
+# reads (run 106, the kernel alone at B = 2: 16 programs 8.2 us, 32 programs 5.6, 64 programs 4.6), and the residual
+# kernel after it with the partials it adds (16: 1.8 us, 32: 2.3, 64: 3.2).
+CHUNK = 64
+NUM_WARPS = 8
 MAX_HIDDEN = 1024  # a [16, H] row block and a [CHUNK, H] weight tile per operand stay in registers / shared memory
 
 
@@ -186,7 +190,7 @@ def _block_pallas(a_parts, residual, wpa, wpf, gate, up, down, *, dtype, eps: fl
 
 
 def feed_forward_block(a: Array | SplitSum, residual: Array, post_attention_norm: Array, pre_feedforward_norm: Array,
-                       gate: Array, up: Array, down: Array, *, eps: float, splits: int, num_warps: int = 4,
+                       gate: Array, up: Array, down: Array, *, eps: float, splits: int, num_warps: int = NUM_WARPS,
                        interpret: bool = False) -> tuple[Array, SplitSum]:
     """The Pallas kernel; same contract as `feed_forward_block_reference` (splits: the kernel's programs, each
     I / splits columns of gate / up; `plan_block`). Differentiates through the reference."""
