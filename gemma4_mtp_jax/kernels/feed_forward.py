@@ -38,7 +38,7 @@ from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split
 
 Array = jax.Array
 
-__all__ = ["mlp", "plan_block", "feed_forward_block", "feed_forward_block_reference"]
+__all__ = ["mlp", "plan_block", "input_parts", "feed_forward_block", "feed_forward_block_reference"]
 
 BLOCK_ROWS = 16
 MAX_ROWS = BLOCK_ROWS
@@ -50,6 +50,9 @@ MAX_WEIGHT_BYTES = 8 << 20
 # kernel after it with the partials it adds (16: 1.8 us, 32: 2.3, 64: 3.2).
 CHUNK = 64
 NUM_WARPS = 8
+# o_proj's partial products the kernel adds itself: the assistant's 1024-wide o_proj ran as one GEMM in 4.1 us, in
+# 4 parts in 2.5 us for 0.3-0.7 us more in the kernel; 16 parts cost the kernel 2.5 us more at 16 rows (run 107).
+INPUT_PARTS = 4
 MAX_HIDDEN = 1024  # a [16, H] row block and a [CHUNK, H] weight tile per operand stay in registers / shared memory
 
 
@@ -79,6 +82,11 @@ def plan_block(rows: int, H: int, I: int, dtype, *, backend: str | None = None) 
     if not _pow2(H) or H > MAX_HIDDEN or chunk < 16:
         return None
     return I // chunk
+
+
+def input_parts(K: int) -> int:
+    """How many parts the projection feeding the block (o_proj, contraction K) is split in, for the kernel to add."""
+    return INPUT_PARTS if K % INPUT_PARTS == 0 and K // INPUT_PARTS >= 64 else 1
 
 
 # ----------------------------------------------------------------------------------------------------------

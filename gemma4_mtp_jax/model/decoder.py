@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
-from gemma4_mtp_jax.kernels.feed_forward import plan_block
+from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
@@ -45,7 +45,9 @@ class Attention(nn.Module):
     split_k: bool = True
 
     @nn.compact
-    def __call__(self, x: Array, positions: Array, kv: KVView) -> tuple[Array | SplitSum, KVView]:
+    def __call__(self, x: Array, positions: Array, kv: KVView, out_parts: int | None = None
+                 ) -> tuple[Array | SplitSum, KVView]:
+        """`out_parts`: o_proj split in that many parts for the kernel after it to add (None: `splits_for`)."""
         cfg, lc = self.cfg, self.cfg.layers[self.layer]
         B, T, _ = x.shape
         D, nH, nKV = lc.head_dim, cfg.num_heads, lc.num_kv_heads
@@ -64,7 +66,8 @@ class Attention(nn.Module):
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
         out = kv.attend(lc.kv_source, q, positions, window).reshape(B, T, nH * D)
         o_proj = Linear(cfg.hidden_size, self.param_dtype, name="o_proj")
-        return o_proj(out, splits_for(out, nH * D, cfg.hidden_size, self.split_k)), kv
+        parts = splits_for(out, nH * D, cfg.hidden_size, self.split_k) if out_parts is None else out_parts
+        return o_proj(out, parts), kv
 
 
 class DecoderLayer(nn.Module):
@@ -97,13 +100,14 @@ class DecoderLayer(nn.Module):
 
         input_norm = norm_weight("input_layernorm")
         residual = x
+        block_splits = None if cfg.enable_moe_block or tensor_parallel_size() > 1 else plan_block(
+            math.prod(x.shape[:-1]), H, lc.intermediate_size, x.dtype)
         attention = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")
-        a, kv = attention(rms_norm(x, eps, input_norm) if normed_x is None else normed_x, positions, kv)
+        a, kv = attention(rms_norm(x, eps, input_norm) if normed_x is None else normed_x, positions, kv,
+                          None if block_splits is None else input_parts(cfg.num_heads * lc.head_dim))
         post_attention = norm_weight("post_attention_layernorm")
         pre_feedforward = norm_weight("pre_feedforward_layernorm")
         mlp = MLP(H, lc.intermediate_size, pd, name="mlp")
-        block_splits = None if cfg.enable_moe_block or tensor_parallel_size() > 1 else plan_block(
-            math.prod(x.shape[:-1]), H, lc.intermediate_size, a.dtype)
         if block_splits is not None:  # the attention block's residual add, its norms and the MLP in one kernel
             x, f = mlp.block(a, residual, post_attention, pre_feedforward, eps=eps, splits=block_splits)
         else:
