@@ -97,7 +97,7 @@ def main() -> None:
                   f"|diff| {diff:.3g}  " + "  ".join(f"{n[:28]} {us / L:.2f}" for n, _, us in row["top"][:3]),
                   flush=True)
     if os.environ.get("OUT"):
-        write_json("probe_feed_forward", results)
+        write_json("probe_feed_forward.json", results)
 
 
 if __name__ == "__main__":
