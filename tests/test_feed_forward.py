@@ -87,16 +87,18 @@ def test_kernel_differentiates_through_the_reference():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
-def test_plan():
+def test_plan(monkeypatch):
     # The E2B assistant: 32 programs of 64 columns, on the GPU only.
-    assert ff.plan_block(2, 256, 2048, jnp.bfloat16, backend="gpu") == 32
-    assert ff.plan_block(16, 256, 2048, jnp.bfloat16, backend="gpu") == 32
-    assert ff.plan_block(2, 256, 2048, jnp.bfloat16, backend="cpu") is None
-    assert ff.plan_block(17, 256, 2048, jnp.bfloat16, backend="gpu") is None  # past MAX_ROWS
-    assert ff.plan_block(2, 256, 2048, jnp.float32, backend="gpu") is None  # float32 keeps XLA's exact path
-    assert ff.plan_block(2, 1536, 6144, jnp.bfloat16, backend="gpu") is None  # E2B's target: 54 MiB of weights
-    assert ff.plan_block(2, 96, 256, jnp.bfloat16, backend="gpu") is None  # H not a power of two
-    assert ff.plan_block(2, 64, 48, jnp.bfloat16, backend="gpu") == 3  # 16-column chunks
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert ff.plan_block(2, 256, 2048, jnp.bfloat16) is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert ff.plan_block(2, 256, 2048, jnp.bfloat16) == 32
+    assert ff.plan_block(16, 256, 2048, jnp.bfloat16) == 32
+    assert ff.plan_block(17, 256, 2048, jnp.bfloat16) is None  # past MAX_ROWS
+    assert ff.plan_block(2, 256, 2048, jnp.float32) is None  # float32 keeps XLA's exact path
+    assert ff.plan_block(2, 1536, 6144, jnp.bfloat16) is None  # E2B's target: 54 MiB of weights
+    assert ff.plan_block(2, 96, 256, jnp.bfloat16) is None  # H not a power of two
+    assert ff.plan_block(2, 64, 48, jnp.bfloat16) == 3  # 16-column chunks
 
 
 def test_bad_shapes_are_named():

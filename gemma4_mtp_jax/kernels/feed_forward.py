@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split_matmul, total, with_reference_vjp
+from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split_matmul, with_reference_vjp
 
 Array = jax.Array
 
@@ -71,9 +71,9 @@ def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def plan_block(rows: int, H: int, I: int, dtype, *, backend: str | None = None) -> int | None:
+def plan_block(rows: int, H: int, I: int, dtype) -> int | None:
     """S (programs, each CHUNK columns of I) for a block of `rows` tokens, or None to keep XLA's kernels."""
-    if (backend or jax.default_backend()) != "gpu":
+    if jax.default_backend() != "gpu":
         return None
     itemsize = jnp.dtype(dtype).itemsize
     if rows > MAX_ROWS or itemsize != 2 or 3 * H * I * itemsize > MAX_WEIGHT_BYTES:
@@ -193,7 +193,7 @@ def _block_pallas(a_parts, residual, wpa, wpf, gate, up, down, *, dtype, eps: fl
         compiler_params=_compiler_params(interpret, num_warps),
         interpret=interpret,
         name=f"feed_forward_block_h{H}_s{splits}",
-    )(a, residual.reshape(M, H).astype(dtype), wpa, wpf, gate, up, down)
+    )(a, residual.reshape(M, H), wpa, wpf, gate, up, down)
     return x.reshape(*lead, H), p.reshape(splits, *lead, H)
 
 
@@ -218,8 +218,8 @@ def feed_forward_block(a: Array | SplitSum, residual: Array, post_attention_norm
                                interpret=interpret)
 
     def reference(parts, residual, wpa, wpf, gate, up, down):
-        y = total(SplitSum(parts, dtype)) if parts.shape[0] > 1 else parts[0]
-        x, f = feed_forward_block_reference(y, residual, wpa, wpf, gate, up, down, eps=eps, splits=splits)
+        x, f = feed_forward_block_reference(SplitSum(parts, dtype), residual, wpa, wpf, gate, up, down, eps=eps,
+                                            splits=splits)
         return x, (f.partials if isinstance(f, SplitSum) else f[None].astype(jnp.float32))
 
     x, p = with_reference_vjp(kernel, reference)(parts, residual.astype(dtype), post_attention_norm,
