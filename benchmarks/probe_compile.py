@@ -7,6 +7,10 @@ Run it with XLA's scoped timers on to see the compiler's passes and phases (they
     grep -aE " time: [0-9.]+ (s|min)" compile.log      # each phase and pass, with its seconds
 
     python benchmarks/probe_compile.py --program 'decode[2]' --engine plain   # any program of `--list`
+    python benchmarks/probe_compile.py --family e2b --program 'prefill[1x256]'  # real shapes, no weights
+
+One process per program, all started at once, times what compiling the programs in separate processes would take
+(scripts/gpu_run110.sh).
 """
 
 from __future__ import annotations
@@ -18,10 +22,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma4_mtp_jax.api import load_assistant, load_target  # noqa: E402
-from gemma4_mtp_jax.demo import demo_pair  # noqa: E402
+from benchmarks.compile_all import FAMILIES, load_family  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
-from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, _max_position_embeddings, build_parser  # noqa: E402
+from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, build_parser  # noqa: E402
 from gemma4_mtp_jax.step import compile_lowered  # noqa: E402
 
 
@@ -29,16 +32,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--program", default=None, help="a program's name (default: the largest step program)")
     ap.add_argument("--engine", choices=["speculative", "plain"], default="speculative")
+    ap.add_argument("--family", choices=FAMILIES, default="demo",
+                    help="the demo pair (its weights) or a real family's shapes (no weights)")
     ap.add_argument("--list", action="store_true", help="list the engine's programs and exit")
     args = ap.parse_args()
 
+    t_start = time.perf_counter()
     d = build_parser().parse_args([])
-    tdir, adir = demo_pair()
-    target = load_target(tdir)
+    target, assistant, max_positions = load_family(args.family)
     config = EngineConfig(max_num_seqs=d.max_num_seqs, page_size=d.page_size, prefill_chunk=d.prefill_chunk,
-                          max_model_len=min(_max_position_embeddings(tdir), DEFAULT_MAX_MODEL_LEN_CAP),
-                          compile_at_start=False)
-    engine = Engine(target, config, assistant=load_assistant(adir) if args.engine == "speculative" else None)
+                          max_model_len=min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP), compile_at_start=False)
+    engine = Engine(target, config, assistant=assistant if args.engine == "speculative" else None)
     progs = engine.steps.programs(config.batch_buckets(), config.prefill_buckets())
     names = [name for name, _, _ in progs]
     if args.list:
@@ -53,8 +57,9 @@ def main() -> int:
     compiled = compile_lowered(lowered)
     t2 = time.perf_counter()
     text = compiled.as_text()
-    print(f"{name}: traced and lowered in {t1 - t0:.2f} s, compiled in {t2 - t1:.2f} s; optimized HLO "
-          f"{text.count('fusion(')} fusions, {text.count('custom-call(')} custom calls", flush=True)
+    print(f"{name}: process ready in {t0 - t_start:.2f} s, traced and lowered in {t1 - t0:.2f} s, compiled in "
+          f"{t2 - t1:.2f} s; optimized HLO {text.count('fusion(')} fusions, {text.count('custom-call(')} custom calls",
+          flush=True)
     return 0
 
 
