@@ -25,17 +25,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.compile_all import FAMILIES, load_family  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, build_parser  # noqa: E402
-from gemma4_mtp_jax.step import compile_lowered  # noqa: E402
+from gemma4_mtp_jax.step import compile_lowered, enable_compilation_cache  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--program", default=None, help="a program's name (default: the largest step program)")
+    ap.add_argument("--program", nargs="+", default=None,
+                    help="programs' names, compiled one after another in this process (default: the largest step "
+                         "program)")
     ap.add_argument("--engine", choices=["speculative", "plain"], default="speculative")
     ap.add_argument("--family", choices=FAMILIES, default="demo",
                     help="the demo pair (its weights) or a real family's shapes (no weights)")
     ap.add_argument("--list", action="store_true", help="list the engine's programs and exit")
+    ap.add_argument("--compilation-cache-dir", default="none",
+                    help="JAX's persistent compilation cache (and with it XLA's per-fusion autotuning cache) in this "
+                         "directory; 'none' (default): off")
     args = ap.parse_args()
+    enable_compilation_cache(args.compilation_cache_dir)
 
     t_start = time.perf_counter()
     d = build_parser().parse_args([])
@@ -48,18 +54,18 @@ def main() -> int:
     if args.list:
         print("\n".join(names))
         return 0
-    name = args.program or [n for n in names if not n.startswith("prefill")][-1]
-    build = dict((n, b) for n, b, _ in progs)[name]
-    t0 = time.perf_counter()
-    jitted, abstract = build()
-    lowered = jitted.lower(*abstract)
-    t1 = time.perf_counter()
-    compiled = compile_lowered(lowered)
-    t2 = time.perf_counter()
-    text = compiled.as_text()
-    print(f"{name}: process ready in {t0 - t_start:.2f} s, traced and lowered in {t1 - t0:.2f} s, compiled in "
-          f"{t2 - t1:.2f} s; optimized HLO {text.count('fusion(')} fusions, {text.count('custom-call(')} custom calls",
-          flush=True)
+    builds = dict((n, b) for n, b, _ in progs)
+    for name in args.program or [[n for n in names if not n.startswith("prefill")][-1]]:
+        t0 = time.perf_counter()
+        jitted, abstract = builds[name]()
+        lowered = jitted.lower(*abstract)
+        t1 = time.perf_counter()
+        compiled = compile_lowered(lowered)
+        t2 = time.perf_counter()
+        text = compiled.as_text()
+        print(f"{name}: process ready in {t0 - t_start:.2f} s, traced and lowered in {t1 - t0:.2f} s, compiled in "
+              f"{t2 - t1:.2f} s; optimized HLO {text.count('fusion(')} fusions, {text.count('custom-call(')} custom "
+              f"calls", flush=True)
     return 0
 
 
