@@ -26,7 +26,7 @@ end=${END:-560}
   run env OUT="$res/serve_e2b" timeout $(lim 120) python3 benchmarks/serve_check.py --runs cold -- --ckpt "$tdir" \
       --assistant "$adir" --load-format dummy
   grep -ah "compiled \|ready in\|compiling all\|loaded\|load" "$res/serve_e2b/serve_cold.log" | tail -18
-  gpu_tests 150 tests/test_executable_cache.py tests/test_engine.py -k "compile or programs or cache"
+  gpu_tests 150 tests/test_executable_cache.py tests/test_engine.py -k "compile or program or cache or entries"
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
 } > "$out/run112.log" 2>&1
 grep -v "cuda_timer\|^W12\|^I12\|^E12\|^{'\|^{\"" "$out/run112.log" | tail -n 90
