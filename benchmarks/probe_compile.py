@@ -31,8 +31,8 @@ from gemma4_mtp_jax.step import compile_lowered, enable_compilation_cache  # noq
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--program", nargs="+", default=None,
-                    help="programs' names, compiled one after another in this process (default: the largest "
-                         "bucket's sampled step program)")
+                    help="programs' names, compiled one after another in this process (default: the largest step "
+                         "program)")
     ap.add_argument("--engine", choices=["speculative", "plain"], default="speculative")
     ap.add_argument("--family", choices=FAMILIES, default="demo",
                     help="the demo pair (its weights) or a real family's shapes (no weights)")
@@ -50,12 +50,12 @@ def main() -> int:
                           max_model_len=min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP), compile_at_start=False)
     engine = Engine(target, config, assistant=assistant if args.engine == "speculative" else None)
     progs = engine.steps.programs(config.batch_buckets(), config.prefill_buckets())
-    names = [prog.name for prog in progs]
+    names = [name for name, _, _ in progs]
     if args.list:
         print("\n".join(names))
         return 0
-    builds = {prog.name: prog.build for prog in progs}
-    for name in args.program or [next(n for n in names if n.endswith(",sampled]"))]:
+    builds = dict((n, b) for n, b, _ in progs)
+    for name in args.program or [[n for n in names if not n.startswith("prefill")][-1]]:
         t0 = time.perf_counter()
         jitted, abstract = builds[name]()
         lowered = jitted.lower(*abstract)

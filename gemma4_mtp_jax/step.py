@@ -110,20 +110,6 @@ class _MeshJit:
             return self.jitted(*args)
 
 
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """One program of an engine: build() gives the jitted function and the abstract arguments to lower it for, and
-    store(compiled) keeps the compiled program. `after` names the program whose compilation this one waits for: a
-    sampled step program waits for its greedy twin, whose GEMMs it shares, so that XLA reuses the twin's GEMM
-    autotuning instead of repeating it (benchmarks/RESULTS.md, run 111: E2B's speculative[2x4,sampled] compiles in
-    9.3 s alone, 4.8 s after its twin)."""
-
-    name: str
-    build: Callable[[], tuple[Any, tuple]]
-    store: Callable[[Any], None]
-    after: str | None = None
-
-
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
@@ -409,42 +395,38 @@ class CompiledSteps:
             self.speculative[(batch, sampled)] = compile_lowered(self._lower_speculative(batch, sampled))
         return self.speculative[(batch, sampled)]
 
-    def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[Program]:
-        """Every program the engine runs with these buckets, in the order compile_all lowers them: the greedy step
-        programs (larger buckets first), prefill (longer chunks first), then the sampled step programs, each after
-        its greedy twin (`Program.after`)."""
+    def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
+        """Every program the engine runs with these buckets: (name, build, store), where build() gives the jitted
+        function and the abstract arguments to lower it for, and store(compiled) keeps the compiled program."""
         def put(table, key):
             return lambda compiled: table.__setitem__(key, compiled)
 
+        # Costliest first, so that compile_all starts them first: larger buckets, and sampling's programs (run 79:
+        # E2B's sampled speculative programs compiled in ~55 s, the greedy ones in 21-46 s).
         batch_buckets, prefill_buckets = sorted(batch_buckets, reverse=True), sorted(prefill_buckets, reverse=True)
-        if self.drafter is None:
-            kind, table, build = "decode", self.decode, self._decode_program
-            names = {(b, s): f"decode[{b}{',sampled' if s else ''}]" for b in batch_buckets for s in (False, True)}
-        else:
-            kind, table, build = "speculative", self.speculative, self._speculative_program
-            names = {(b, s): f"speculative[{b}x{self.k}{',sampled' if s else ''}]"
-                     for b in batch_buckets for s in (False, True)}
-
-        def step_program(b: int, sampled: bool) -> Program:
-            return Program(names[b, sampled], lambda: build(b, sampled), put(table, (b, sampled)),
-                           after=names[b, False] if sampled else None)
-
-        return ([step_program(b, False) for b in batch_buckets]
-                + [Program(f"prefill[1x{t}]", lambda t=t: self._prefill_program(1, t), put(self.prefill, (1, t)))
-                   for t in prefill_buckets]
-                + [step_program(b, True) for b in batch_buckets])
+        progs = [(f"prefill[1x{t}]", lambda t=t: self._prefill_program(1, t), put(self.prefill, (1, t)))
+                 for t in prefill_buckets]
+        for sampled in (True, False):
+            tag = ",sampled" if sampled else ""
+            if self.drafter is None:
+                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self._decode_program(b, s),
+                           put(self.decode, (b, sampled))) for b in batch_buckets]
+            else:
+                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self._speculative_program(b, s),
+                           put(self.speculative, (b, sampled))) for b in batch_buckets]
+        return progs
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
                     threads: int | None = None, cache: ExecutableCache | None = None) -> dict[str, float]:
         """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
-        program at a time, in `programs()`'s order (they hold the GIL: ~3-4 s a program at 31B); each program's
-        XLA compilation starts in a thread as soon as it is lowered (XLA releases the GIL), so compilations overlap
-        the lowering of the programs after them; a program with `after` starts compiling once that one is compiled.
-        With a `cache` (executable_cache.py), every program is first looked up there, all at once in the threads; a
-        program found is loaded instead (no tracing, lowering or compiling; its name goes into `restored`), and
-        every program compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time
-        in its thread, without the wait for `after`), or its load."""
-        progs = self.programs(batch_buckets, prefill_buckets)
+        program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
+        thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
+        programs after them. The step programs go first: they take longest to compile. With a `cache`
+        (executable_cache.py), every program is first looked up there, all at once in the threads; a program found
+        is loaded instead (no tracing, lowering or compiling; its name goes into `restored`), and every program
+        compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time in its
+        thread), or its load."""
+        progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
         out_like = (self._abstract_state(), 0)  # what every program returns: (state, its output array)
@@ -457,13 +439,6 @@ class CompiledSteps:
             t0 = time.perf_counter()
             return fn(*args), time.perf_counter() - t0
 
-        def compile_after(first: concurrent.futures.Future | None, lowered: jax.stages.Lowered):
-            # The pool starts jobs in the order they were given, and `first` was given earlier and waits for
-            # nothing, so it is running or done: this wait cannot hold up the pool for good.
-            if first is not None:
-                concurrent.futures.wait([first])
-            return timed(compile_lowered, lowered)
-
         def keep(name: str, store: Callable, compiled: Any, seconds: float, loaded: bool = False) -> None:
             store(compiled)
             times[name] = seconds
@@ -471,7 +446,6 @@ class CompiledSteps:
                 progress(f"{name} (loaded from the executable cache)" if loaded else name, seconds)
 
         pending: dict[concurrent.futures.Future, tuple] = {}
-        compiling: dict[str, concurrent.futures.Future] = {}
 
         def take(done) -> None:  # store finished compilations (and report them) from this thread
             for fut in done:
@@ -482,22 +456,21 @@ class CompiledSteps:
                     cache.store(key, compiled, args, out_like)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            built = [(prog, *prog.build()) for prog in progs]  # (program, jitted, args)
-            keys = [None if cache is None else program_key(prog.name, args, static, compiler_options())
-                    for prog, _, args in built]
+            built = [(name, store, *build()) for name, build, store in progs]  # (name, store, jitted, args)
+            keys = [None if cache is None else program_key(name, args, static, compiler_options())
+                    for name, _, _, args in built]
             loads = [None if cache is None else pool.submit(timed, cache.load, key, args, out_like)
-                     for key, (_, _, args) in zip(keys, built)]
-            for (prog, jitted, args), key, load in zip(built, keys, loads):
+                     for key, (_, _, _, args) in zip(keys, built)]
+            for (name, store, jitted, args), key, load in zip(built, keys, loads):
                 compiled, t_load = load.result() if load is not None else (None, 0.0)
                 if compiled is not None:
-                    self.restored.append(prog.name)
-                    keep(prog.name, prog.store, compiled, t_load, loaded=True)
+                    self.restored.append(name)
+                    keep(name, store, compiled, t_load, loaded=True)
                     continue
                 t0 = time.perf_counter()
                 low = jitted.lower(*args)
-                fut = pool.submit(compile_after, compiling.get(prog.after), low)
-                compiling[prog.name] = fut
-                pending[fut] = (prog.name, prog.store, time.perf_counter() - t0, key, args)
+                fut = pool.submit(timed, compile_lowered, low)
+                pending[fut] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))
         return times
