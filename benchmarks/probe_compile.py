@@ -31,8 +31,8 @@ from gemma4_mtp_jax.step import compile_lowered, enable_compilation_cache  # noq
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--program", nargs="+", default=None,
-                    help="programs' names, compiled one after another in this process (default: the largest step "
-                         "program)")
+                    help="programs' names, compiled one after another in this process (default: the last step "
+                         "program of --list)")
     ap.add_argument("--engine", choices=["speculative", "plain"], default="speculative")
     ap.add_argument("--family", choices=FAMILIES, default="demo",
                     help="the demo pair (its weights) or a real family's shapes (no weights)")

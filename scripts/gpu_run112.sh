@@ -7,6 +7,8 @@
 # 2. the README's server (the branch), cold then warm, and E2B's (random weights, cold): ready seconds and the
 #    server's log of each program;
 # 3. the GPU tests of compile_all and the executable cache.
+# Its branch (19c0918: compile_all's twin ordering, 9954f4e) was measured and withdrawn in 617e7f3; RESULTS.md,
+# twenty-fifth session, says what it changed. To rerun it, check out that commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run112

@@ -2,6 +2,8 @@
 # Run 113 (issue 10, cold start), one call under 400 s (END); carry `.whl` and `.baseline` (as run 112). Set
 # GIT_COMMIT. Run 112's compile_all figures moved 27-60 s between processes of one tree on a fresh machine, so the
 # twin ordering is timed again on a machine already warm: main and branch alternating, E2B then the demo, twice.
+# Its branch (bda9a2f: compile_all's twin ordering, 9954f4e) was measured and withdrawn in 617e7f3; RESULTS.md,
+# twenty-fifth session, says what it changed. To rerun it, check out that commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run113
