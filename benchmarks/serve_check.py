@@ -128,6 +128,7 @@ def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None
         streamed = "".join((json.loads(e)["choices"][0]["delta"].get("content") or "")
                            for e in events if e != "[DONE]" and json.loads(e).get("choices"))
         rec["stream_done"] = bool(events) and events[-1] == "[DONE]"
+        rec["stream_text"] = streamed  # kept whole: when the two differ, where they part says why
         rec["stream_equals_plain"] = streamed == rec["chat_text"]
     finally:
         code, shutdown_s = stop_server(proc)
