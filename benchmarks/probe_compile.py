@@ -63,9 +63,9 @@ def main() -> int:
         compiled = compile_lowered(lowered)
         t2 = time.perf_counter()
         text = compiled.as_text()
-        print(f"{name}: process ready in {t0 - t_start:.2f} s, traced and lowered in {t1 - t0:.2f} s, compiled in "
-              f"{t2 - t1:.2f} s; optimized HLO {text.count('fusion(')} fusions, {text.count('custom-call(')} custom "
-              f"calls", flush=True)
+        print(f"{name}: started {t0 - t_start:.2f} s after the process, traced and lowered in {t1 - t0:.2f} s, "
+              f"compiled in {t2 - t1:.2f} s; optimized HLO {text.count('fusion(')} fusions, "
+              f"{text.count('custom-call(')} custom calls", flush=True)
     return 0
 
 
