@@ -202,11 +202,13 @@ def test_kernel_bf16(window, ring, splits):
     np.testing.assert_allclose(np.asarray(out, np.float32), dense_oracle(c), atol=3e-2, rtol=3e-2)
 
 
-def test_all_padding_batch_is_zero():
+@pytest.mark.parametrize("splits", [None, 2])
+def test_all_padding_batch_is_zero(splits):
+    """No row sees a key: zeros, never NaN, also where the splits' merge finds no softmax mass at all."""
     c = build_case(5, Tq=2, nH=2, nKV=1, D=16, page_size=8, starts=[0, 0], n_valid=[0, 0])
     c.k_pages[:] = np.nan
     c.v_pages[:] = np.nan
-    for out in (run_kernel(c), run_reference(c)):
+    for out in (run_kernel(c, k_splits=splits), run_reference(c)):
         assert np.all(np.asarray(out) == 0)
 
 
