@@ -365,24 +365,11 @@ def _precision(dtype):
 
 def _merge_splits(o: Array, m: Array, l: Array) -> Array:
     """Per-split normalized outputs o [S, ..., D] with running max m and sum l [S, ...] -> the softmax over all
-    splits [..., D] in float32 (0 where no split saw a key).
-
-    One variadic reduction over the splits whose reducer is the online-softmax merge of two partial results, so
-    XLA makes it one kernel; a max over the splits and then a weighted sum made two to four (benchmarks/RESULTS.md,
-    twenty-sixth session), and in a decode step every attention layer pays them."""
-
-    def combine(a, b):
-        (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
-        m_ab = jnp.maximum(m_a, m_b)
-        w_a, w_b = l_a * jnp.exp(m_a - m_ab), l_b * jnp.exp(m_b - m_ab)  # masses relative to the joint max
-        l_ab = w_a + w_b
-        return m_ab, l_ab, (w_a * o_a + w_b * o_b) / jnp.where(l_ab > 0, l_ab, 1.0)
-
-    # The reducer sees scalars, so the statistics are broadcast along D (inside the fusion, not in memory). The
-    # init (no keys: zero mass) is the merge's identity.
-    m, l = (jnp.broadcast_to(x[..., None], o.shape) for x in (m, l))
-    zero = jnp.float32(0)
-    return lax.reduce((m, l, o.astype(jnp.float32)), (jnp.float32(_NEG), zero, zero), combine, (0,))[2]
+    splits [..., D] in float32 (0 where no split saw a key)."""
+    w = jnp.exp(m - jnp.max(m, axis=0)[None]) * l  # each split's share of the total softmax mass (unnormalized)
+    total = jnp.sum(w, axis=0)
+    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=0)
+    return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config"))
@@ -439,8 +426,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
     )(pos, table, qf, kf, vf)
     if S == 1:
         return res.reshape(B, Tq, nH, D).astype(q.dtype)
-    o = _merge_splits(*(x[:, :, :, :rows] for x in res))  # [B, nKV, rows, D], rows ordered (t, g); padding dropped
-    o = o.reshape(B, nKV, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, nH, D)
+    o = _merge_splits(*res)  # [B, nKV, R, D], rows ordered (t, g)
+    o = o[:, :, :rows].reshape(B, nKV, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, nH, D)
     return o.astype(q.dtype)
 
 
