@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 from typing import Any, Callable, NamedTuple, Sequence
@@ -115,6 +116,11 @@ class EngineConfig:
     cache_dtype: str | None = None  # default: the target's parameter dtype
     attention_impl: str = "auto"  # "auto" | "pallas" | "xla"
     compile_at_start: bool = True
+    # With compile_at_start: compile the smallest batch bucket's step programs and the smallest prefill bucket's
+    # program before the engine is returned, and the others in a background thread. The engine serves at once,
+    # with batches and prefill chunks no larger than the buckets compiled so far; a cold start is then ready in
+    # the time of three programs instead of all of them, and serving still never compiles.
+    compile_in_background: bool = False
     # Drafts per round when an assistant is given (k); None: the assistant's num_assistant_tokens, else 4.
     num_speculative_tokens: int | None = None
     # Share the K/V of full pages between requests whose tokens up to that page are equal (allocator.py). Free
@@ -344,11 +350,68 @@ class Engine:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.compile_times: dict[str, float] = {}
+        self._warm_up: threading.Thread | None = None  # compiling the larger buckets' programs in the background
+        self._stop_warm_up = threading.Event()
+        self._num_programs: int | None = None
+        self._all_compiled = True  # False while the scheduler must keep to the buckets compiled so far
         if cfg.compile_at_start:
+            batch, prefill = cfg.batch_buckets(), cfg.prefill_buckets()
+            cache = ExecutableCache.open(cfg.executable_cache_dir)
+            first = ([batch[0]], [prefill[0]]) if cfg.compile_in_background else (batch, prefill)
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
-                cache = ExecutableCache.open(cfg.executable_cache_dir)
-                self.compile_times = self.steps.compile_all(cfg.batch_buckets(), cfg.prefill_buckets(), progress,
-                                                            cache=cache)
+                self.compile_times = self.steps.compile_all(*first, progress, cache=cache)
+            if cfg.compile_in_background and (batch[1:] or prefill[1:]):
+                self._warm_up = threading.Thread(target=self._compile_rest, args=(batch[1:], prefill[1:], progress,
+                                                                                   cache), name="gemma4-compile")
+                self._all_compiled = False
+                self._warm_up.start()
+
+    def _compile_rest(self, batch: list[int], prefill: list[int], progress, cache: ExecutableCache | None) -> None:
+        """The warm-up thread (compile_in_background): the programs of the buckets left out at start-up."""
+        t0 = time.perf_counter()
+        try:
+            times = self.steps.compile_all(batch, prefill, progress, cache=cache, stop=self._stop_warm_up)
+        except Exception:
+            log.exception("compiling the larger buckets' programs failed: serving goes on with the buckets compiled")
+            return
+        self.compile_times.update(times)
+        if not self._stop_warm_up.is_set():
+            log.info("compiled the last %d programs in the background in %.1fs: every bucket in use", len(times),
+                     time.perf_counter() - t0)
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait until the background compiling is over (compile_in_background); True when it is."""
+        if self._warm_up is not None:
+            self._warm_up.join(timeout)
+            return not self._warm_up.is_alive()
+        return True
+
+    def close(self) -> None:
+        """Stop compiling in the background: no further program starts, the ones compiling finish (waited for)."""
+        if self._warm_up is not None:
+            self._stop_warm_up.set()
+            self._warm_up.join()
+
+    def programs_ready(self) -> tuple[int, int]:
+        """(programs compiled, programs the buckets need)."""
+        steps, cfg = self.steps, self.config
+        if self._num_programs is None:
+            self._num_programs = len(steps.programs(cfg.batch_buckets(), cfg.prefill_buckets()))
+        return len(steps.prefill) + len(steps.decode) + len(steps.speculative), self._num_programs
+
+    def _buckets(self) -> tuple[list[int], list[int]]:
+        """(batch buckets, prefill buckets) the scheduler may use now: every one, or while programs still compile in
+        the background, those whose programs are compiled (a batch bucket's greedy and sampled ones)."""
+        cfg = self.config
+        batch, prefill = cfg.batch_buckets(), cfg.prefill_buckets()
+        if self._all_compiled:
+            return batch, prefill
+        steps = self.steps.decode if self.assistant is None else self.steps.speculative
+        ready_batch = [b for b in batch if (b, False) in steps and (b, True) in steps]
+        ready_prefill = [t for t in prefill if (1, t) in self.steps.prefill]
+        if len(ready_batch) == len(batch) and len(ready_prefill) == len(prefill):
+            self._all_compiled = True  # no more lookups
+        return ready_batch, ready_prefill
 
     @contextlib.contextmanager
     def _out_of_memory_explained(self, doing: str):
@@ -588,7 +651,8 @@ class Engine:
         pages cannot be taken fails alone (its StepEvent goes to `events`). A page per running sequence stays free
         in each growing group, so that admitting does not force a preemption at the next step."""
         admitted = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        cap = min(self.config.max_num_seqs, self._buckets()[0][-1])
+        while self.waiting and len(self.running) < cap:
             req = self.waiting[0]
             n_cached, cached = self._cached_prefix(req)
             need = self._pages_short(req)
@@ -785,8 +849,8 @@ class Engine:
         on from where the last call stopped, in chunks, for up to `budget` tokens (None: to the end). Returns
         (tokens prefilled, the packed result of the last chunk when the prefill is complete, else None): a new
         request's first token, through the stop rule. The program also leaves the drafter's first h in the slot."""
-        chunk = self.config.prefill_chunk
-        buckets = self.config.prefill_buckets()
+        buckets = self._buckets()[1]
+        chunk = min(self.config.prefill_chunk, buckets[-1])
         sampling = self._sampling([row], 1)
         todo = req.prompt + req.output[:-1]
         done, packed = 0, None
@@ -829,7 +893,7 @@ class Engine:
     def _step_inputs(self, rows: list[_Row]) -> tuple[int, np.ndarray]:
         """A decode or speculative step's host inputs: (batch bucket, its rows, page tables and sampling rows packed
         as the program takes them)."""
-        B = self._bucket(self.config.batch_buckets(), len(rows))
+        B = self._bucket(self._buckets()[0], len(rows))
         step_rows = StepRows(
             slot=np.full((B,), self.config.max_num_seqs, np.int32),  # padding rows use the spare last slot
             fresh=np.ones((B,), bool), token=np.zeros((B,), np.int32), length=np.full((B,), -1, np.int32),

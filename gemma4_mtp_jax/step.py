@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -417,7 +418,8 @@ class CompiledSteps:
         return progs
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
-                    threads: int | None = None, cache: ExecutableCache | None = None) -> dict[str, float]:
+                    threads: int | None = None, cache: ExecutableCache | None = None,
+                    stop: threading.Event | None = None) -> dict[str, float]:
         """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
         program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
         thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
@@ -425,7 +427,7 @@ class CompiledSteps:
         (executable_cache.py), every program is first looked up there, all at once in the threads; a program found
         is loaded instead (no tracing, lowering or compiling; its name goes into `restored`), and every program
         compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time in its
-        thread), or its load."""
+        thread), or its load. Once `stop` is set no further program is lowered (those compiling finish)."""
         progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
@@ -462,6 +464,8 @@ class CompiledSteps:
             loads = [None if cache is None else pool.submit(timed, cache.load, key, args, out_like)
                      for key, (_, _, _, args) in zip(keys, built)]
             for (name, store, jitted, args), key, load in zip(built, keys, loads):
+                if stop is not None and stop.is_set():
+                    break
                 compiled, t_load = load.result() if load is not None else (None, 0.0)
                 if compiled is not None:
                     self.restored.append(name)

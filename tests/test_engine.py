@@ -460,6 +460,79 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
     assert sorted(reported) == sorted(order) == sorted(times) and stored == {n: f"compiled {n}" for n in order}
 
 
+def test_compile_all_lowers_nothing_once_stopped(engines, monkeypatch):
+    """`stop` (Engine.close during a background compile): no program is lowered after it is set; those already
+    compiling are kept."""
+    import threading
+
+    from gemma4_mtp_jax import step as step_mod
+
+    steps, stop, lowered = engines("e2b").steps, threading.Event(), []
+
+    class Jitted:
+        def __init__(self, name):
+            self.name = name
+
+        def lower(self, *args):
+            lowered.append(self.name)
+            stop.set()
+            return self.name
+
+    monkeypatch.setattr(steps, "programs", lambda batch, prefill: [
+        (n, lambda n=n: (Jitted(n), ()), lambda c: None) for n in ("decode[4]", "decode[2]", "prefill[1x8]")])
+    monkeypatch.setattr(step_mod, "compile_lowered", lambda low: f"compiled {low}")
+    times = steps.compile_all([2, 4], [8], stop=stop)
+    assert lowered == ["decode[4]"] and list(times) == ["decode[4]"]
+
+
+def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_models, tiny_ckpts, monkeypatch):
+    """compile_in_background: the engine is back once the smallest batch bucket's and prefill bucket's programs
+    are compiled. Until the others are, it runs at most that batch and prefills in chunks of that bucket, never
+    compiling on its own thread; the tokens are those of an engine that compiled everything first, and once the
+    background is done it batches as wide as max_num_seqs."""
+    import threading
+
+    from gemma4_mtp_jax import step as step_mod
+    from gemma4_mtp_jax.engine import Engine
+
+    real, gate, calls = step_mod.compile_lowered, threading.Event(), []
+
+    def gated(lowered):
+        if threading.current_thread() is threading.main_thread():
+            raise AssertionError("the engine compiled a program on its own thread")
+        calls.append(lowered)
+        if len(calls) > 3:  # the three start-up programs go through; the background waits for the gate
+            assert gate.wait(300)
+        return real(lowered)
+
+    monkeypatch.setattr(step_mod, "compile_lowered", gated)
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    engine = Engine(target, _engine_config(compile_in_background=True))  # batch buckets [2, 4], prefill [4, 8]
+    try:
+        assert engine.programs_ready() == (3, 6)
+        prompts = _prompts(11, [3, 9, 20, 5])
+
+        def serve(eng):
+            reqs = [eng.add_request(p, MAX_NEW) for p in prompts]
+            widest = 0
+            while eng.has_work:
+                eng.step()
+                widest = max(widest, len(eng.running))
+            return [r.output for r in reqs], widest
+
+        early, widest = serve(engine)
+        assert widest == 2 and engine.programs_ready() == (3, 6)
+        gate.set()
+        assert engine.wait_for_programs(300) and engine.programs_ready() == (6, 6)
+        late, widest = serve(engine)
+        assert widest == 4
+        reference, _ = serve(engines("e2b"))
+        assert early == late == reference
+    finally:
+        gate.set()
+        engine.close()
+
+
 def test_programs_are_listed_costliest_first(engines):
     """compile_all starts programs in this order: sampling's step programs, then the greedy ones, larger buckets
     first, then prefill, longer chunks first (the order of their compile times on the H200, run 79)."""

@@ -108,8 +108,8 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(paths):
         log = srv.log
         # start-up shows progress and timings
         assert re.search(r"loading target .*: done in [\d.]+s", log), log
-        assert len(re.findall(r"compiled \S+ in [\d.]+s", log)) >= 4, log  # one line per program
-        assert re.search(r"compiling all programs: done in [\d.]+s", log), log
+        assert len(re.findall(r"compiled \S+ in [\d.]+s", log)) >= 3, log  # one line per program
+        assert re.search(r"compiling the smallest buckets. programs: done in [\d.]+s", log), log
         assert "speculative decoding: on, 4 draft tokens per round" in log
         print(f"\n[test_server_process] started in {srv.start_s:.1f}s")
 

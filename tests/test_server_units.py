@@ -236,6 +236,12 @@ class FakeEngine:
     def kv_cache_bytes(self):
         return 9 * 4096
 
+    def programs_ready(self):
+        return 3, 3
+
+    def close(self):
+        self.closed = True
+
     def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None):
         self.stop_ids_asked = stop_ids
         req = self._Request(request_id, list(prompt), max_new_tokens, sampling,

@@ -132,15 +132,15 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort whatever is left and end the engine thread."""
+        """Abort whatever is left, end the engine thread and any compiling left (engine.close)."""
         self.draining = True
-        if self._thread is None:
-            return
-        self._cmds.put(("stop", None))
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.error("the engine thread did not stop within %.0fs", timeout)
-        self._thread = None
+        if self._thread is not None:
+            self._cmds.put(("stop", None))
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %.0fs", timeout)
+            self._thread = None
+        self.engine.close()
 
     def begin_drain(self, grace_s: float) -> None:
         """Stop admitting; requests still in flight `grace_s` seconds from now are aborted. Signal-handler safe."""
@@ -338,6 +338,8 @@ class AsyncEngine:
                 "kv_pages_total": self.snapshot["kv_pages_total"], "kv_cache_bytes": self.snapshot["kv_cache_bytes"],
                 "preemptions": eng.num_preemptions, "prefix_cache_queries": eng.prefix_cache_queries,
                 "prefix_cache_hits": eng.prefix_cache_hits, "in_flight": len(self._active)}
+        # Below the total while the larger buckets' programs compile in the background (compile_in_background).
+        snap["programs_compiled"], snap["programs_total"] = eng.programs_ready()
         grown = {key: snap[key] - self.snapshot[key] for key in ("preemptions", "prefix_cache_queries",
                                                                  "prefix_cache_hits")}
         self.snapshot = snap

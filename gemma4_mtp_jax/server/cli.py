@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m gemma4_mtp_jax.serve",
         description="Serve a Gemma 4 checkpoint over an OpenAI-compatible HTTP API (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /health, /metrics), with MTP speculative decoding when an "
-                    "assistant is given. Loads the model, compiles every program, then listens.",
+                    "assistant is given. Loads the model, compiles the smallest buckets' programs, then listens "
+                    "while the others compile.",
         formatter_class=_HelpFormatter,
     )
     m = ap.add_argument_group("model")
@@ -103,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each engine step before reading the previous one's tokens, so the device never "
                         "waits for the host between steps (default: on)")
+    e.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the smallest batch and prefill buckets' programs, start serving, and compile the "
+                        "others in the background; until they are ready, batches and prefill chunks keep to the "
+                        "buckets compiled (/health: programs_compiled of programs_total). Serving never waits for a "
+                        "compile either way; --no-compile-in-background compiles every program before listening "
+                        "(default: on)")
     e.add_argument("--pack-params", action=argparse.BooleanOptionalAction, default=False,
                    help="pass the target's weights to each step stacked as rows of a few arrays instead of one "
                         "array per tensor (each array passed costs the host a few microseconds per step; "
@@ -292,6 +299,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
+                      compile_in_background=args.compile_in_background,
                       tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params,
                       executable_cache_dir=_executable_cache_dir(args.executable_cache_dir))
     if assistant is not None:
@@ -314,13 +322,15 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         raise ValueError(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} needs {tp * dp} devices; "
                          f"{len(devices)} are visible")
     engines = []
+    what = "the smallest buckets' programs" if config.compile_in_background else "all programs"
     for r in range(dp):
-        with _Timer(f"compiling all programs{f' (replica {r})' if dp > 1 else ''}"):
+        with _Timer(f"compiling {what}{f' (replica {r})' if dp > 1 else ''}"):
             engines.append(Engine(target, config, progress=progress, assistant=assistant,
                                   devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None))
     engine = engines[0]
     if config.executable_cache_dir:
-        log.info("executable cache %s: %d of %d programs loaded from it", config.executable_cache_dir,
+        log.info("executable cache %s: %d of the %d programs compiled so far loaded from it",
+                 config.executable_cache_dir,
                  sum(len(e.steps.restored) for e in engines), sum(len(e.compile_times) for e in engines))
     if engine.k:
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
@@ -342,7 +352,9 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     aengines = [AsyncEngine(e, max_queue_len=args.max_queue_len, metrics=metrics) for e in engines]
     front = aengines[0] if dp == 1 else Replicas(aengines, metrics)
     server = OpenAIServer(front, tokenizer, settings, metrics, eos_ids=engine.eos_ids)
-    log.info("ready in %.1fs", time.perf_counter() - t_start)
+    compiled, total = (sum(n) for n in zip(*(e.programs_ready() for e in engines)))
+    log.info("ready in %.1fs%s", time.perf_counter() - t_start,
+             f" (the other {total - compiled} programs compile in the background)" if compiled < total else "")
     return server, args
 
 
