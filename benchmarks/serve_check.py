@@ -1,6 +1,7 @@
 """The README's main command, checked end to end: start `python -m gemma4_mtp_jax.serve` with its default flags,
 time it until /health answers, ask /v1/chat/completions (plain, the same again, then streamed: the streamed reply
-must equal the repeated one), send SIGTERM and expect exit 0.
+must equal the repeated one; /v1/completions with token ids where the checkpoint has no chat), send SIGTERM and
+expect exit 0.
 Twice: with an empty persistent compilation cache and executable cache (cold) and again with the caches the first
 start filled (warm). Flags after `--` win over these (e.g. `-- --executable-cache-dir none`: the compilation cache
 alone).
@@ -50,6 +51,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# The request each check sends (greedy). A checkpoint without a tokenizer or chat template (random weights,
+# --load-format dummy) answers chat with 400; it gets IDS instead (17 ids below any vocabulary's size), and the
+# replies compared are token ids.
+CHAT = {"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 24, "temperature": 0}
+IDS = {"prompt": [2, *range(10, 26)], "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+
+
+def _ask(base: str, body: dict, stream: bool) -> dict:
+    """POST `body` (CHAT to /v1/chat/completions, IDS to /v1/completions): status, seconds, the reply (text, or
+    with IDS token ids; None unless 200), usage, and when streamed the SSE events and whether [DONE] ended them."""
+    chat = "messages" in body
+    t0 = time.perf_counter()
+    status, raw = _post(base + ("/v1/chat/completions" if chat else "/v1/completions"), {**body, "stream": stream})
+    out = {"status": status, "seconds": round(time.perf_counter() - t0, 3), "reply": None, "usage": None,
+           "events": 0, "done": False}
+    if status != 200:
+        return out
+    if not stream:
+        reply = json.loads(raw)
+        choice = reply["choices"][0]
+        out.update(reply=choice["message"]["content"] if chat else choice.get("token_ids"), usage=reply.get("usage"))
+        return out
+    events = [ln[6:] for ln in raw.decode("utf-8", "replace").splitlines() if ln.startswith("data: ")]
+    chunks = [c for e in events if e != "[DONE]" for c in json.loads(e).get("choices") or []]
+    if chat:
+        out["reply"] = "".join(c["delta"].get("content") or "" for c in chunks)
+    else:
+        out["reply"] = [t for c in chunks for t in c.get("token_ids") or []]
+    out.update(events=len(events), done=bool(events) and events[-1] == "[DONE]")
+    return out
 
 
 class ServerStartError(RuntimeError):
@@ -115,34 +148,25 @@ def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None
         return rec
     rec["ready_s"] = round(ready_s, 2)
     try:
-        chat = {"messages": [{"role": "user", "content": "Hello! Who are you?"}], "max_tokens": 24,
-                "temperature": 0}
-        t1 = time.perf_counter()
-        status, body = _post(base + "/v1/chat/completions", chat)
-        rec["chat_status"], rec["chat_s"] = status, round(time.perf_counter() - t1, 3)
-        reply = json.loads(body) if status == 200 else {}
-        rec["chat_text"] = (reply.get("choices") or [{}])[0].get("message", {}).get("content")
-        rec["chat_usage"] = reply.get("usage")
+        first = _ask(base, CHAT, stream=False)
+        if first["status"] == 400:  # no tokenizer or chat template (e.g. random weights): a token-id prompt
+            rec["prompt"] = "token ids"
+            first = _ask(base, IDS, stream=False)
+        body = CHAT if rec.get("prompt") is None else IDS
         # The same request again, then streamed: both find the first one's prompt pages in the prefix cache and
         # prefill only the rest, so they take the same programs and must agree token for token. The first reply
         # may differ from them where bf16 logits tie (a whole-prompt prefill against a one-token one).
-        status, body = _post(base + "/v1/chat/completions", chat)
-        reply = json.loads(body) if status == 200 else {}
-        rec["repeat_status"] = status
-        rec["repeat_text"] = (reply.get("choices") or [{}])[0].get("message", {}).get("content")
-        rec["repeat_equals_first"] = rec["repeat_text"] == rec["chat_text"]
-        status, body = _post(base + "/v1/chat/completions", {**chat, "stream": True})
-        events = [ln[6:] for ln in body.decode("utf-8", "replace").splitlines() if ln.startswith("data: ")]
-        rec["stream_status"], rec["stream_events"] = status, len(events)
-        streamed = "".join((json.loads(e)["choices"][0]["delta"].get("content") or "")
-                           for e in events if e != "[DONE]" and json.loads(e).get("choices"))
-        rec["stream_done"] = bool(events) and events[-1] == "[DONE]"
-        rec["stream_text"] = streamed  # kept whole: when the two differ, where they part says why
-        rec["stream_equals_repeat"] = streamed == rec["repeat_text"]
+        repeat, streamed = _ask(base, body, stream=False), _ask(base, body, stream=True)
+        rec.update(status=first["status"], seconds=first["seconds"], reply=first["reply"], usage=first["usage"],
+                   repeat_status=repeat["status"], repeat_reply=repeat["reply"],
+                   repeat_equals_first=repeat["reply"] == first["reply"], stream_status=streamed["status"],
+                   stream_events=streamed["events"], stream_done=streamed["done"],
+                   stream_reply=streamed["reply"],  # kept whole: when two replies differ, where they part says why
+                   stream_equals_repeat=streamed["reply"] == repeat["reply"])
     finally:
         code, shutdown_s = stop_server(proc)
         rec["exit_code"], rec["shutdown_s"] = code, round(shutdown_s, 2)
-    rec["ok"] = bool(rec.get("chat_status") == 200 and rec.get("chat_text") is not None
+    rec["ok"] = bool(rec.get("status") == 200 and rec.get("reply") is not None
                      and rec.get("repeat_status") == 200 and rec.get("stream_status") == 200
                      and rec.get("stream_done") and rec.get("stream_equals_repeat") and rec.get("exit_code") == 0)
     return rec
@@ -164,10 +188,10 @@ def main() -> int:
     if out_dir:
         with open(os.path.join(out_dir, "serve_check.json"), "w") as f:
             json.dump(results, f, indent=2)
-    print(f"\n{'run':6} {'ready s':>8} {'chat':>5} {'stream':>7} {'exit':>5}  reply")
+    print(f"\n{'run':6} {'ready s':>8} {'plain':>5} {'stream':>7} {'exit':>5}  reply")
     for r in results:
-        print(f"{r['run']:6} {r.get('ready_s', '-')!s:>8} {r.get('chat_status', '-')!s:>5} "
-              f"{r.get('stream_status', '-')!s:>7} {r.get('exit_code', '-')!s:>5}  {r.get('chat_text') or r.get('error')!r}")
+        print(f"{r['run']:6} {r.get('ready_s', '-')!s:>8} {r.get('status', '-')!s:>5} "
+              f"{r.get('stream_status', '-')!s:>7} {r.get('exit_code', '-')!s:>5}  {r.get('reply') or r.get('error')!r}")
     ok = all(r["ok"] for r in results)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1

@@ -390,6 +390,8 @@ class Engine:
         """Stop compiling in the background: no further program starts, the ones compiling finish (waited for)."""
         if self._warm_up is not None:
             self._stop_warm_up.set()
+            if self._warm_up.is_alive():  # an XLA compilation cannot be cut short (demo ~10 s, E2B ~20 s: run 116)
+                log.info("waiting for the programs still compiling in the background (none further starts)")
             self._warm_up.join()
 
     def programs_ready(self) -> tuple[int, int]:
