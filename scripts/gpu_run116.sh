@@ -12,15 +12,10 @@ cd "$(dirname "$0")/.."
 end=${END:-590}
 {
   echo "== commit ${GIT_COMMIT:-unknown}; $(nproc) cores"
-  mkdir -p "$res/serve_demo" "$res/serve_e2b" "$res/serve_demo_all" "$res/suite"
+  mkdir -p "$res/serve_demo" "$res/serve_demo_all" "$res/suite"
   run env OUT="$res/serve_demo" timeout $(lim 90) python3 benchmarks/serve_check.py
   grep -ah "compiled \|ready in\|compiling \|stopped\|SIGTERM" "$res/serve_demo/serve_cold.log" | tail -16
-  python3 -c "from benchmarks.common import write_random_checkpoint as w; print(*w('e2b', '/tmp/e2b_ckpt'))" \
-      > /tmp/e2b_dirs
-  read -r tdir adir < /tmp/e2b_dirs
-  run env OUT="$res/serve_e2b" timeout $(lim 120) python3 benchmarks/serve_check.py --runs cold -- --ckpt "$tdir" \
-      --assistant "$adir" --load-format dummy
-  grep -ah "compiled \|ready in\|compiling \|load\|stopped" "$res/serve_e2b/serve_cold.log" | tail -20
+  serve_random e2b 120
   run env OUT="$res/suite" GEMMA4_TEST_WORKERS=16 timeout $(lim 380) bash scripts/gpu_suite.sh --part 2 \
       tests/test_executable_cache.py
   run env OUT="$res/serve_demo_all" timeout $(lim 80) python3 benchmarks/serve_check.py --runs cold -- \
