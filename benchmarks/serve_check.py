@@ -119,6 +119,22 @@ def start_server(flags: list[str], port: int, log_path: str, ready_timeout: floa
         time.sleep(0.2)
 
 
+def wait_compiled(proc: subprocess.Popen, port: int, timeout: float) -> bool:
+    """Wait until the server's /health counts every program compiled (it serves before, with the smallest buckets,
+    while the others compile in the background). False if it exits or the time runs out first."""
+    t0 = time.perf_counter()
+    while proc.poll() is None and time.perf_counter() - t0 < timeout:
+        try:
+            status, body = _get(f"http://127.0.0.1:{port}/health", timeout=2)
+            h = json.loads(body) if status == 200 else {}
+            if h.get("programs_compiled", 0) >= h.get("programs_total", 1):
+                return True
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int | str, float]:
     """SIGTERM (the server drains, then exits 0); returns (exit code or "killed after Ns", seconds it took)."""
     if proc.poll() is not None:
@@ -134,7 +150,8 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int | st
     return code, time.perf_counter() - t0
 
 
-def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None, ready_timeout: float) -> dict:
+def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None, ready_timeout: float,
+               until_compiled: bool = False) -> dict:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = os.path.join(out_dir or tempfile.gettempdir(), f"serve_{label}.log")
@@ -147,6 +164,7 @@ def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None
         rec.update(ok=False, error=str(e), exit_code=e.exit_code)
         return rec
     rec["ready_s"] = round(ready_s, 2)
+    launched = time.perf_counter() - ready_s
     try:
         first = _ask(base, CHAT, stream=False)
         if first["status"] == 400:  # no tokenizer or chat template (e.g. random weights): a token-id prompt
@@ -163,6 +181,9 @@ def check_once(label: str, cache_dir: str, extra: list[str], out_dir: str | None
                    stream_events=streamed["events"], stream_done=streamed["done"],
                    stream_reply=streamed["reply"],  # kept whole: when two replies differ, where they part says why
                    stream_equals_repeat=streamed["reply"] == repeat["reply"])
+        if until_compiled:  # seconds from launch until every bucket's programs were ready
+            rec["all_compiled_s"] = (round(time.perf_counter() - launched, 2)
+                                     if wait_compiled(proc, port, ready_timeout) else None)
     finally:
         code, shutdown_s = stop_server(proc)
         rec["exit_code"], rec["shutdown_s"] = code, round(shutdown_s, 2)
@@ -176,13 +197,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
     ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--until-compiled", action="store_true",
+                    help="after the requests, also wait until every program is compiled (all_compiled_s) before "
+                         "stopping the server; by default it is stopped at once, while the rest may still compile")
     ap.add_argument("extra", nargs="*", help="flags passed to the server after --")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT")
     cache_dir = tempfile.mkdtemp(prefix="gemma4_serve_cache_")  # empty: the first start is cold
     results = []
     for label in args.runs:
-        rec = check_once(label, cache_dir, args.extra, out_dir, args.ready_timeout)
+        rec = check_once(label, cache_dir, args.extra, out_dir, args.ready_timeout, args.until_compiled)
         results.append(rec)
         print(json.dumps(rec), flush=True)
     if out_dir:
