@@ -106,15 +106,15 @@ t = {tree: {r["batch"]: r["spec_pipelined_ms"] for r in json.load(open(f"{res}/s
 print(int(t["branch"][batch] < 0.97 * t["main"][batch]))
 PY
 }
-# serve_random FAMILY LIMIT [SERVE FLAGS...]: serve_check.py --runs cold on FAMILY's random-weight checkpoint
-# (benchmarks/common.py writes its config files; --load-format dummy), within LIMIT seconds, to $res/serve_FAMILY;
-# the server log's start-up lines printed.
+# serve_random FAMILY LIMIT [SERVE FLAGS...]: serve_check.py --runs cold $CHECK_ARGS on FAMILY's random-weight
+# checkpoint (benchmarks/common.py writes its config files; --load-format dummy), within LIMIT seconds, to
+# $res/serve_FAMILY; the server log's start-up lines printed.
 serve_random() {
   local family=$1 limit=$2 tdir adir; shift 2
   mkdir -p "$res/serve_$family"
   read -r tdir adir < <(python3 -c "from benchmarks.common import write_random_checkpoint as w
 print(*w('$family', '/tmp/${family}_ckpt'))")
-  run env OUT="$res/serve_$family" timeout $(lim "$limit") python3 benchmarks/serve_check.py --runs cold -- \
+  run env OUT="$res/serve_$family" timeout $(lim "$limit") python3 benchmarks/serve_check.py --runs cold ${CHECK_ARGS:-} -- \
       --ckpt "$tdir" --assistant "$adir" --load-format dummy "$@"
   grep -ah "compiled \|ready in\|compiling \|load\|stopped" "$res/serve_$family/serve_cold.log" | tail -20
 }
