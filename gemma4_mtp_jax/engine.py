@@ -353,9 +353,9 @@ class Engine:
         self._warm_up: threading.Thread | None = None  # compiling the larger buckets' programs in the background
         self._stop_warm_up = threading.Event()
         self._num_programs: int | None = None
+        self._all_buckets = batch, prefill = cfg.batch_buckets(), cfg.prefill_buckets()  # computed once
         self._all_compiled = True  # False while the scheduler must keep to the buckets compiled so far
         if cfg.compile_at_start:
-            batch, prefill = cfg.batch_buckets(), cfg.prefill_buckets()
             cache = ExecutableCache.open(cfg.executable_cache_dir)
             first = ([batch[0]], [prefill[0]]) if cfg.compile_in_background else (batch, prefill)
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
@@ -396,16 +396,15 @@ class Engine:
 
     def programs_ready(self) -> tuple[int, int]:
         """(programs compiled, programs the buckets need)."""
-        steps, cfg = self.steps, self.config
+        steps = self.steps
         if self._num_programs is None:
-            self._num_programs = len(steps.programs(cfg.batch_buckets(), cfg.prefill_buckets()))
+            self._num_programs = len(steps.programs(*self._all_buckets))
         return len(steps.prefill) + len(steps.decode) + len(steps.speculative), self._num_programs
 
     def _buckets(self) -> tuple[list[int], list[int]]:
         """(batch buckets, prefill buckets) the scheduler may use now: every one, or while programs still compile in
         the background, those whose programs are compiled (a batch bucket's greedy and sampled ones)."""
-        cfg = self.config
-        batch, prefill = cfg.batch_buckets(), cfg.prefill_buckets()
+        batch, prefill = self._all_buckets
         if self._all_compiled:
             return batch, prefill
         steps = self.steps.decode if self.assistant is None else self.steps.speculative
