@@ -2,7 +2,7 @@
 Gemma 4 shapes, plain and speculative; report the program count and compile times per family.
 
 The real shapes need no weights: programs are compiled ahead of time from the parameters' shapes, so the
-families compile in minutes on one GPU (the KV pages are allocated, as the engine does at start-up). The
+families compile in minutes on one GPU (the KV pools are planned as the engine plans them, not allocated). The
 persistent compilation cache stays off: every figure is a cold compile.
 
     python benchmarks/compile_all.py                      # demo e2b e4b 26b 31b, on the GPU

@@ -150,6 +150,35 @@ def _check_load_format(load_format: str) -> None:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
 
 
+def _checkpoint_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None, load_format: str,
+                       kind: str) -> tuple[Path, Any, Any, dict]:
+    """(directory, config, dtype, parameter shapes) of a target or assistant checkpoint: its JSON files alone."""
+    _check_load_format(load_format)
+    d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
+    cfg_json = read_config_json(d)
+    dt = _dtype(dtype, d, cfg_json)
+    if kind == "target":
+        cfg = parse_target_config(cfg_json, str(d / "config.json"))
+        return d, cfg, dt, abstract_target_params(cfg, dt)
+    cfg = parse_assistant_config(cfg_json, str(d / "config.json"))
+    return d, cfg, dt, abstract_assistant_params(cfg, dt)
+
+
+def target_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
+                  load_format: str = "auto") -> Target:
+    """The Target that `load_target` gives for these arguments, its parameters shapes alone (jax.ShapeDtypeStruct):
+    only the JSON files are read. An engine compiles for it while the weights load (`engine.compile_ahead`)."""
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target")
+    return Target(cfg, abstract, dt, d, _generation_config(d))
+
+
+def assistant_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
+                     load_format: str = "auto") -> Assistant:
+    """`target_shapes` for an assistant (`load_assistant`)."""
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant")
+    return Assistant(cfg, abstract, dt, d, _generation_config(d))
+
+
 def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, load_format: str = "auto",
                 on_host: bool = False) -> Target:
     """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
@@ -159,12 +188,7 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, l
     weights in host memory, so that an engine over several devices puts each tensor straight onto its shards
     instead of through a full copy on one device.
     """
-    _check_load_format(load_format)
-    d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
-    cfg_json = read_config_json(d)
-    cfg = parse_target_config(cfg_json, str(d / "config.json"))
-    dt = _dtype(dtype, d, cfg_json)
-    abstract = abstract_target_params(cfg, dt)
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target")
     if load_format == "dummy":
         params = random_params(abstract, seed=0)
     elif orbax_io.is_orbax_checkpoint(d):
@@ -178,12 +202,7 @@ def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None
                    load_format: str = "auto", on_host: bool = False) -> Assistant:
     """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id
     (load_format and on_host as `load_target`'s)."""
-    _check_load_format(load_format)
-    d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
-    cfg_json = read_config_json(d)
-    cfg = parse_assistant_config(cfg_json, str(d / "config.json"))
-    dt = _dtype(dtype, d, cfg_json)
-    abstract = abstract_assistant_params(cfg, dt)
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant")
     if load_format == "dummy":
         params = random_params(abstract, seed=1)
     elif orbax_io.is_orbax_checkpoint(d):

@@ -37,7 +37,7 @@ from gemma4_mtp_jax.config import check_pair
 from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, PrefillRows, StepRows
 from gemma4_mtp_jax.executable_cache import ExecutableCache
 from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout, make_layout, page_bytes
-from gemma4_mtp_jax.runtime import Assistant, Target
+from gemma4_mtp_jax.runtime import Assistant, Target, shapes_only
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams, any_sampled
 from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
 from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
@@ -82,10 +82,12 @@ def pool_memory_left(devices: Sequence[jax.Device], params: Any) -> int | None:
         return None
     leaves = jax.tree_util.tree_leaves(params)
     nbytes = [_nbytes(x) for x in leaves]
-    # Shapes alone (jax.ShapeDtypeStruct: programs compiled, never run) are never placed.
     placed = [isinstance(x, jax.Array) and {d.platform for d in x.devices()} == {devices[0].platform}
               for x in leaves]
-    host = sum(n for x, n, p in zip(leaves, nbytes, placed) if isinstance(x, (np.ndarray, jax.Array)) and not p)
+    # Shapes alone (jax.ShapeDtypeStruct: an engine that compiles before the weights are loaded, `compile_ahead`)
+    # count as weights still to come, so that it plans the pools the engine built after loading plans.
+    host = sum(n for x, n, p in zip(leaves, nbytes, placed)
+               if isinstance(x, (np.ndarray, jax.Array, jax.ShapeDtypeStruct)) and not p)
     on_devices = sum(n for n, p in zip(nbytes, placed) if p)
     reserve = 2 * max(nbytes, default=0) + (1 << 30)
     free = min(limit - (on_devices // len(devices) if used is None else used) for limit, used in memory)
@@ -335,8 +337,11 @@ class Engine:
                                        k=self.k, num_slots=cfg.max_num_seqs, placement=placement,
                                        pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
                                        max_prefill_tokens=max(cfg.prefill_buckets()))
-        with self._out_of_memory_explained("allocating the KV pools"):
-            self.state: DeviceState = self.steps.init_state()
+        # An engine of shapes alone (compile_ahead) compiles but never runs: no pools.
+        self.state: DeviceState | None = None
+        if not shapes_only(target.params):
+            with self._out_of_memory_explained("allocating the KV pools"):
+                self.state = self.steps.init_state()
         # Each running sequence owns a slot: its row of the device state's per-sequence arrays.
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         # The step dispatched but not read yet (async scheduling): its requests by row and its packed result.
@@ -357,14 +362,19 @@ class Engine:
         self._all_compiled = True  # False while the scheduler must keep to the buckets compiled so far
         if cfg.compile_at_start:
             cache = ExecutableCache.open(cfg.executable_cache_dir)
-            first = ([batch[0]], [prefill[0]]) if cfg.compile_in_background else (batch, prefill)
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
-                self.compile_times = self.steps.compile_all(*first, progress, cache=cache)
+                self.compile_times = self.steps.compile_all(*self._first_buckets(), progress, cache=cache)
             if cfg.compile_in_background and (batch[1:] or prefill[1:]):
                 self._warm_up = threading.Thread(target=self._compile_rest, args=(batch[1:], prefill[1:], progress,
                                                                                    cache), name="gemma4-compile")
                 self._all_compiled = False
                 self._warm_up.start()
+
+    def _first_buckets(self) -> tuple[list[int], list[int]]:
+        """(batch buckets, prefill buckets) whose programs the engine compiles before it is returned: every one,
+        or with compile_in_background the smallest of each."""
+        batch, prefill = self._all_buckets
+        return ([batch[0]], [prefill[0]]) if self.config.compile_in_background else (batch, prefill)
 
     def _compile_rest(self, batch: list[int], prefill: list[int], progress, cache: ExecutableCache | None) -> None:
         """The warm-up thread (compile_in_background): the programs of the buckets left out at start-up."""
@@ -990,3 +1000,19 @@ class Engine:
             for ev in self.step():
                 if on_event:
                     on_event(ev)
+
+
+def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | None = None,
+                  progress: Callable[[str, float], None] | None = None,
+                  stop: threading.Event | None = None) -> dict[str, float]:
+    """Compile, into `config.executable_cache_dir`, the programs that an `Engine(target, config, assistant=...)`
+    compiles before it returns, from shapes alone: `target` and `assistant` may hold jax.ShapeDtypeStruct
+    parameters (`api.target_shapes`, `api.assistant_shapes`). Run while the weights load, it leaves the engine
+    built after loading to find those programs in the cache. No device memory is taken: the pools are planned, not
+    allocated. Returns compile_all's seconds per program; {} without an executable cache (nothing would keep them).
+    Once `stop` is set no further program starts (compile_all)."""
+    cache = ExecutableCache.open(config.executable_cache_dir)
+    if cache is None:
+        return {}
+    ahead = Engine(target, dataclasses.replace(config, compile_at_start=False), assistant=assistant)
+    return ahead.steps.compile_all(*ahead._first_buckets(), progress, cache=cache, stop=stop)

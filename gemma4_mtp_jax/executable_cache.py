@@ -9,7 +9,10 @@ a program instead, so a hit costs a file read:
 - the code that builds it: a digest of every source file of the package;
 - the compiler: the JAX and jaxlib versions, the backend and its devices, XLA_FLAGS and the compile options.
 Anything else that could change a program changes one of these. A program whose serialized trees do not match the
-ones a load would rebuild is not stored; an entry that fails to load is compiled again (with a warning). Every
+ones a load would rebuild is not stored; an entry that fails to load is compiled again (with a warning). Nor is,
+on the CPU, a program that JAX's persistent compilation cache gave back (`compile_for_cache`): XLA:CPU serializes
+such an executable without its kernels, and the copy loads but fails when run ("Function ... not found"; JAX
+0.10.2). Whether XLA:GPU does the same is not known yet (benchmarks/probe_cache_reserialize.py). Every
 change of the code or the configuration adds entries, so the directory is kept under a size (`max_bytes`, default
 4 GiB) by removing the entries used least recently (a load counts as a use).
 
@@ -29,6 +32,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,24 @@ log = logging.getLogger(__name__)
 
 
 DEFAULT_MAX_BYTES = 4 << 30
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded by JAX in the thread whose compilation it served
+_compiling = threading.local()
+
+
+def _note_jax_cache_hit(event: str, **_: Any) -> None:
+    if event == _JAX_CACHE_HIT:
+        _compiling.hit = True
+
+
+jax.monitoring.register_event_listener(_note_jax_cache_hit)
+
+
+def compile_for_cache(compile: Any) -> tuple[Any, bool]:
+    """(compile(), whether this cache may store the executable): on the CPU, not when JAX's persistent compilation
+    cache gave it back instead of XLA compiling it (the module's docstring says why)."""
+    _compiling.hit = False
+    compiled = compile()
+    return compiled, not (_compiling.hit and jax.default_backend() == "cpu")
 
 
 def user_cache_dir(name: str) -> str:

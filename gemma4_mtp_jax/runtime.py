@@ -19,6 +19,11 @@ from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
 
 
+def shapes_only(tree: Any) -> bool:
+    """Whether `tree` holds shapes alone (jax.ShapeDtypeStruct leaves): parameters to compile for, not to run."""
+    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(tree))
+
+
 @dataclasses.dataclass
 class Target:
     """A loaded Gemma 4 target: its config, parameters (HF-named tree) and checkpoint directory."""

@@ -25,7 +25,7 @@ from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.traced import traced_once
-from gemma4_mtp_jax.runtime import Assistant, Target
+from gemma4_mtp_jax.runtime import Assistant, Target, shapes_only
 from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
 
 Array = jax.Array
@@ -40,14 +40,21 @@ class DraftHead:
 
 
 def make_draft_head(assistant: Assistant) -> DraftHead:
+    """The head's suppressed tokens as a mask; its shape alone for an assistant of shapes alone (compile_ahead)."""
     ids = assistant.generation_config.get("suppress_tokens") or []
     if not ids:
         return DraftHead(None)
     V = assistant.config.text.vocab_size
-    mask = jnp.zeros((V,), bool).at[jnp.asarray(ids, jnp.int32)].set(True)
-    if assistant.config.use_ordered_embeddings:
-        mask = mask[assistant.params["masked_embedding"]["token_ordering"]]  # row order
-    return DraftHead(mask)
+
+    def suppress(params: dict) -> Array:
+        mask = jnp.zeros((V,), bool).at[jnp.asarray(ids, jnp.int32)].set(True)
+        if assistant.config.use_ordered_embeddings:
+            mask = mask[params["masked_embedding"]["token_ordering"]]  # row order
+        return mask
+
+    if shapes_only(assistant.params):
+        return DraftHead(jax.eval_shape(suppress, assistant.params))
+    return DraftHead(suppress(assistant.params))
 
 
 def _key_for(seed: Array, position: Array, stream: int) -> Array:

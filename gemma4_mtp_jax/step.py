@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.executable_cache import ExecutableCache, program_key, user_cache_dir
+from gemma4_mtp_jax.executable_cache import ExecutableCache, compile_for_cache, program_key, user_cache_dir
 from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
 from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
-from gemma4_mtp_jax.runtime import Target
+from gemma4_mtp_jax.runtime import Target, shapes_only
 from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
 from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter, speculative_step
@@ -88,10 +88,6 @@ def _shapes(tree: Any, shardings: Any = None) -> Any:
     if shardings is None:
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def _abstract_tree(tree) -> bool:
-    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +161,7 @@ class CompiledSteps:
         # stacked into a few arrays (param_pack.py says why), else every array as it is. Packed, the leaves go to
         # the device group by group and only the packed arrays stay there (weights loaded into host memory are
         # never whole on the device twice); `params` then rebuilds the tree on demand.
-        if _abstract_tree(tree):
+        if shapes_only(tree):
             self._params = tree
             self.program_params = self.pack.abstract(_shapes(tree, shardings), self._rep)
             return
@@ -452,9 +448,9 @@ class CompiledSteps:
         def take(done) -> None:  # store finished compilations (and report them) from this thread
             for fut in done:
                 name, store, t_lower, key, args = pending.pop(fut)
-                compiled, t_compile = fut.result()
+                (compiled, storable), t_compile = fut.result()
                 keep(name, store, compiled, t_lower + t_compile)
-                if cache is not None:
+                if cache is not None and storable:
                     cache.store(key, compiled, args, out_like)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
@@ -473,7 +469,7 @@ class CompiledSteps:
                     continue
                 t0 = time.perf_counter()
                 low = jitted.lower(*args)
-                fut = pool.submit(timed, compile_lowered, low)
+                fut = pool.submit(timed, compile_for_cache, functools.partial(compile_lowered, low))
                 pending[fut] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))

@@ -24,6 +24,36 @@ def _tokens(engine) -> list[list[int]]:
     return [r.tokens for r in generate(engine.target, PROMPTS, 10, engine=engine)]
 
 
+@pytest.fixture(autouse=True)
+def no_jax_cache():
+    """JAX's persistent compilation cache off for each test here (an in-process server of another module may have
+    left it on): a program it gave back is not stored on the CPU, which these tests would read as a miss."""
+    import jax
+    from jax._src import compilation_cache
+
+    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                                 "jax_persistent_cache_min_compile_time_secs")}
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+class _NoLowering:
+    """A jitted function of the steps, callable but not to be lowered (the cache holds its program)."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, *args):
+        return self.jitted(*args)
+
+    def lower(self, *args):
+        raise AssertionError("a program was lowered although the cache holds it")
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_ckpts, jax_models):
     p = tiny_ckpts["e2b"]
@@ -41,20 +71,54 @@ def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypa
     want = _tokens(first)
 
     real_jit = CompiledSteps._jit
-
-    class MustNotLower:  # every jitted function of the steps, callable but not to be lowered
-        def __init__(self, jitted):
-            self.jitted = jitted
-
-        def __call__(self, *args):
-            return self.jitted(*args)
-
-        def lower(self, *args):
-            raise AssertionError("a program was lowered although the cache holds it")
-
-    monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: MustNotLower(real_jit(self, *a)))
+    monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
     again = Engine(target, _config(tmp_path), assistant=assistant)
     assert sorted(again.steps.restored) == sorted(again.compile_times) == names
+    assert _tokens(again) == want
+
+
+def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, tmp_path, monkeypatch):
+    """compile_ahead, given the checkpoints' shapes alone (api.target_shapes: only the JSON files read; no pools
+    allocated), stores the programs an engine compiles first; the engine built after loading the weights lowers
+    none of them, and generates the tokens of an engine that compiled its own."""
+    from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+    from gemma4_mtp_jax.engine import Engine, compile_ahead
+    from gemma4_mtp_jax.runtime import shapes_only
+    from gemma4_mtp_jax.step import CompiledSteps
+
+    target, assistant = pair
+    want = _tokens(Engine(target, _config(tmp_path / "own"), assistant=assistant))
+    p = tiny_ckpts["e2b"]
+    shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
+    assert shapes_only(shapes[0].params) and shapes_only(shapes[1].params)
+    ahead = compile_ahead(shapes[0], _config(tmp_path / "ahead"), shapes[1])
+    assert len(ahead) == 3 and len(list((tmp_path / "ahead").glob("*.jaxexec"))) == 3
+    assert compile_ahead(shapes[0], _config(None, executable_cache_dir=None), shapes[1]) == {}  # nowhere to keep them
+
+    real_jit = CompiledSteps._jit
+    monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
+    engine = Engine(target, _config(tmp_path / "ahead"), assistant=assistant)
+    assert sorted(engine.steps.restored) == sorted(ahead)
+    assert _tokens(engine) == want
+
+
+def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp_path):
+    """With JAX's persistent compilation cache on, an engine compiling programs already in it gets them back from
+    it; on the CPU such an executable, serialized and loaded, fails when run ("Function ... not found"), so the
+    executable cache does not store it there. Wherever it is stored, an engine loading it generates the tokens of a
+    fresh compile (benchmarks/probe_cache_reserialize.py shows the failure without the guard)."""
+    import jax
+
+    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.step import enable_compilation_cache
+
+    target, assistant = pair
+    enable_compilation_cache(str(tmp_path / "jax"))  # until the fixture turns it off again
+    want = _tokens(Engine(target, _config(tmp_path / "fresh"), assistant=assistant))
+    Engine(target, _config(tmp_path / "hits"), assistant=assistant)  # every program a hit in JAX's cache
+    again = Engine(target, _config(tmp_path / "hits"), assistant=assistant)
+    if jax.default_backend() == "cpu":
+        assert again.steps.restored == []
     assert _tokens(again) == want
 
 

@@ -919,3 +919,38 @@ def test_fuzz_every_route_never_5xx(srv):
     assert seen["generated"] >= 100 and seen["4xx"] >= 100, seen  # both answered and refused requests were explored
     h = wait_idle(srv.host, srv.port)
     assert h["status"] == "ok" and h["last_error"] is None
+
+
+def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monkeypatch):
+    """With an executable cache, the server compiles its first programs from the checkpoints' shapes while it loads
+    the weights: here loading the target waits until one of them is in the cache (so a server that compiled only
+    after loading would time out), and the engine then finds every first program there, lowering none."""
+    import jax
+
+    from gemma4_mtp_jax import api
+    from gemma4_mtp_jax.server.cli import create_server
+
+    tdir, adir, _ = paths
+    cache = tmp_path / "executables"
+    real_load = api.load_target
+
+    def load_once_one_is_compiled(*args, **kwargs):
+        t0 = time.time()
+        while not list(cache.glob("*.jaxexec")):
+            assert time.time() - t0 < 300, "no program was compiled while the target waited to load"
+            time.sleep(0.05)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(api, "load_target", load_once_one_is_compiled)
+    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                                 "jax_persistent_cache_min_compile_time_secs")}
+    argv = ["--ckpt", str(tdir), "--assistant", str(adir), "--compilation-cache-dir", "none",
+            "--executable-cache-dir", str(cache), "--max-num-seqs", "1", "--max-model-len", "64",
+            "--prefill-chunk", "16", "--page-size", "16", "--no-compile-in-background"]
+    try:
+        server, _ = create_server(argv)
+        engine = server.engine.engine
+        assert sorted(engine.steps.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 3
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)

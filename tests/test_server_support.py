@@ -58,11 +58,13 @@ class InProcessServer:
 
     def close(self) -> None:
         import jax
+        from jax._src import compilation_cache
 
         self.uvicorn.should_exit = True
         self.thread.join(60)
         for k, v in self._jax_config.items():
             jax.config.update(k, v)
+        compilation_cache.reset_cache()  # JAX keeps the cache it opened until reset, whatever the settings say
 
 
 def wait_healthy(host: str, port: int, timeout: float) -> None:

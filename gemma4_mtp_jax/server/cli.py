@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -235,13 +236,70 @@ class _Timer:
             log.info("%s: done in %.1fs", self.what, time.perf_counter() - self.t0)
 
 
+def _engine_config(args: argparse.Namespace, target_dir: Path, speculative: bool):
+    """The EngineConfig of the server's flags for the target checkpoint in `target_dir` (its config.json gives the
+    default max_model_len), speculative or not."""
+    from gemma4_mtp_jax.engine import EngineConfig
+
+    max_len = args.max_model_len
+    if max_len is None:
+        mpe = _max_position_embeddings(target_dir)
+        max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
+    cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
+                      kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                      enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
+                      compile_in_background=args.compile_in_background,
+                      tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params,
+                      executable_cache_dir=_executable_cache_dir(args.executable_cache_dir))
+    if speculative:
+        cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
+    elif args.num_speculative_tokens:
+        log.warning("--num-speculative-tokens has no effect without --assistant")
+    config = EngineConfig(**cfg_kwargs)
+    log.info("engine: max_num_seqs=%d max_model_len=%d page_size=%d batch buckets %s, prefill buckets %s",
+             config.max_num_seqs, config.max_model_len, config.page_size, config.batch_buckets(),
+             config.prefill_buckets())
+    return config
+
+
+class _CompileAhead(threading.Thread):
+    """Compiles, from the checkpoints' shapes, the programs the engine compiles first, into the executable cache
+    (`engine.compile_ahead`), while the server's thread loads the weights. Whatever goes wrong here is logged and
+    costs nothing else: the engine then compiles those programs itself. Not a daemon: an XLA compilation in flight
+    is waited for, not cut (see Engine.close); `stop` keeps it from starting further programs."""
+
+    def __init__(self, ckpt: str, assistant_path: str | None, dtype: str | None, load_format: str, config):
+        super().__init__(name="gemma4-compile-ahead")
+        self.args = ckpt, assistant_path, dtype, load_format
+        self.config = config
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+        from gemma4_mtp_jax.engine import compile_ahead
+
+        ckpt, assistant_path, dtype, load_format = self.args
+        t0 = time.perf_counter()
+        try:
+            target = target_shapes(ckpt, dtype, load_format)
+            assistant = None if assistant_path is None else assistant_shapes(assistant_path, dtype, load_format)
+            times = compile_ahead(target, self.config, assistant,
+                                  lambda prog, s: log.info("compiled ahead %s in %.2fs", prog, s), stop=self.stop)
+        except Exception as e:  # noqa: BLE001 - the engine compiles them instead
+            log.warning("compiling ahead of the weights failed (%s: %s); the engine compiles its programs itself",
+                        type(e).__name__, e)
+            return
+        log.info("compiled %d programs ahead of the weights in %.1fs", len(times), time.perf_counter() - t0)
+
+
 def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | None = None):
     """Load, check, compile; returns (OpenAIServer, args). Raises on a bad checkpoint or configuration."""
     import jax
 
     from gemma4_mtp_jax.api import load_assistant, load_target
     from gemma4_mtp_jax.config import check_pair
-    from gemma4_mtp_jax.engine import Engine, EngineConfig
+    from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
     from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
     from gemma4_mtp_jax.server.chat import TextTokenizer
@@ -271,45 +329,45 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     dtype = None if args.dtype == "auto" else args.dtype
     # Weights go from host memory to each device, or (packed) to the packed arrays, never whole on a device twice.
     spread = args.tensor_parallel_size * args.data_parallel_size > 1 or args.pack_params
+    # Local checkpoints: the engine's settings come from their config.json now, and its first programs compile
+    # from the parameters' shapes while the weights load (into the executable cache, where the engine finds them).
+    local = Path(ckpt).expanduser().is_dir() and (assistant_path is None or Path(assistant_path).expanduser().is_dir())
+    config = _engine_config(args, Path(ckpt).expanduser(), assistant_path is not None) if local else None
+    ahead = None
+    if local and config.executable_cache_dir is not None and not spread:
+        log.info("compiling the first programs from the checkpoints' shapes while the weights load")
+        ahead = _CompileAhead(ckpt, assistant_path, dtype, args.load_format, config)
+        ahead.start()
 
-    with _Timer(f"loading target {ckpt}"):
-        target = load_target(ckpt, dtype, args.load_format, on_host=spread)
-    name = name or Path(str(target.path)).name or str(args.ckpt)
-    assistant = None
-    if assistant_path is not None:
-        with _Timer(f"loading assistant {assistant_path}"):
-            assistant = load_assistant(assistant_path, dtype, args.load_format, on_host=spread)
-        check_pair(target.config, assistant.config)
-        log.info("assistant matches the target (K/V geometry, vocabulary, hidden size)")
+    try:  # a failure or a signal from here on lets the compile-ahead thread start no further program
+        with _Timer(f"loading target {ckpt}"):
+            target = load_target(ckpt, dtype, args.load_format, on_host=spread)
+        assistant = None
+        if assistant_path is not None:
+            with _Timer(f"loading assistant {assistant_path}"):
+                assistant = load_assistant(assistant_path, dtype, args.load_format, on_host=spread)
+            check_pair(target.config, assistant.config)
+            log.info("assistant matches the target (K/V geometry, vocabulary, hidden size)")
+        name = name or Path(str(target.path)).name or str(args.ckpt)
 
-    tokenizer = None
-    if (Path(target.path) / "tokenizer.json").is_file():
-        with _Timer("loading tokenizer"):
-            tokenizer = TextTokenizer(target.path)
-        if tokenizer.chat_template is None:
-            log.warning("%s has no chat template: /v1/chat/completions will answer 400", target.path)
-    else:
-        log.warning("%s has no tokenizer.json: prompts must be token ids, chat is unavailable", target.path)
+        tokenizer = None
+        if (Path(target.path) / "tokenizer.json").is_file():
+            with _Timer("loading tokenizer"):
+                tokenizer = TextTokenizer(target.path)
+            if tokenizer.chat_template is None:
+                log.warning("%s has no chat template: /v1/chat/completions will answer 400", target.path)
+        else:
+            log.warning("%s has no tokenizer.json: prompts must be token ids, chat is unavailable", target.path)
 
-    max_len = args.max_model_len
-    if max_len is None:
-        mpe = _max_position_embeddings(Path(target.path))
-        max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
-    cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
-                      kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
-                      compile_in_background=args.compile_in_background,
-                      tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params,
-                      executable_cache_dir=_executable_cache_dir(args.executable_cache_dir))
-    if assistant is not None:
-        cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
-    elif args.num_speculative_tokens:
-        log.warning("--num-speculative-tokens has no effect without --assistant")
-    config = EngineConfig(**cfg_kwargs)
-    log.info("engine: max_num_seqs=%d max_model_len=%d page_size=%d batch buckets %s, prefill buckets %s",
-             config.max_num_seqs, config.max_model_len, config.page_size, config.batch_buckets(),
-             config.prefill_buckets())
+        if config is None:
+            config = _engine_config(args, Path(target.path), assistant is not None)
+        if ahead is not None and ahead.is_alive():
+            with _Timer("waiting for the programs compiling ahead"):
+                ahead.join()
+    except BaseException:
+        if ahead is not None:
+            ahead.stop.set()
+        raise
     done = [0]
 
     def progress(prog: str, seconds: float) -> None:
@@ -338,7 +396,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     gen = target.generation_config or {}
     settings = ServerSettings(
         model_name=name,
-        max_model_len=max_len,
+        max_model_len=config.max_model_len,
         vocab_size=target.config.vocab_size,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         aliases=tuple({str(args.ckpt), str(target.path)} - {name}),
