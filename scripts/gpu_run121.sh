@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run 121 (issue 10, cold start), one call under 560 s (END); carry `.whl` and `.baseline` = main before the
-# compile-ahead change (412980f or older). Set GIT_COMMIT. Prepared in the twenty-seventh session, not yet run.
+# compile-ahead change (359f3b2). Set GIT_COMMIT. Prepared in the twenty-seventh session, not yet run.
 # Since this session the server compiles its first programs from the checkpoints' shapes while the weights load
 # (engine.compile_ahead, into the executable cache), so a cold start takes about max(load, compile) rather than
 # their sum. Run 117 (main before it): ready at 15.1 s (demo), 33.1 s (E2B, 10.1 s of it loading), 36.2 s (31B,
