@@ -282,9 +282,11 @@ class Engine:
 
     def __init__(self, target: Target, config: EngineConfig | None = None,
                  progress: Callable[[str, float], None] | None = None, assistant: Assistant | None = None,
-                 drafter: Drafter | None = None, devices: Sequence[jax.Device] | None = None):
+                 drafter: Drafter | None = None, devices: Sequence[jax.Device] | None = None,
+                 compiled_ahead: dict[str, Any] | None = None):
         """`devices`: the tensor_parallel_size devices this engine runs on (default: the first ones; a
-        data-parallel server gives each replica its own)."""
+        data-parallel server gives each replica its own). `compiled_ahead`: what `compile_ahead` returned for this
+        configuration, the programs it compiled, taken instead of compiling or loading them."""
         if drafter is not None and assistant is None:
             raise ValueError("a drafter needs an assistant (it sets k and the drafts' K/V window)")
         self.target = target
@@ -363,7 +365,8 @@ class Engine:
         if cfg.compile_at_start:
             cache = ExecutableCache.open(cfg.executable_cache_dir)
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
-                self.compile_times = self.steps.compile_all(*self._first_buckets(), progress, cache=cache)
+                self.compile_times = self.steps.compile_all(*self._first_buckets(), progress, cache=cache,
+                                                            given=compiled_ahead)
             if cfg.compile_in_background and (batch[1:] or prefill[1:]):
                 self._warm_up = threading.Thread(target=self._compile_rest, args=(batch[1:], prefill[1:], progress,
                                                                                    cache), name="gemma4-compile")
@@ -1004,15 +1007,17 @@ class Engine:
 
 def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | None = None,
                   progress: Callable[[str, float], None] | None = None,
-                  stop: threading.Event | None = None) -> dict[str, float]:
-    """Compile, into `config.executable_cache_dir`, the programs that an `Engine(target, config, assistant=...)`
-    compiles before it returns, from shapes alone: `target` and `assistant` may hold jax.ShapeDtypeStruct
-    parameters (`api.target_shapes`, `api.assistant_shapes`). Run while the weights load, it leaves the engine
-    built after loading to find those programs in the cache. No device memory is taken: the pools are planned, not
-    allocated. Returns compile_all's seconds per program; {} without an executable cache (nothing would keep them).
-    Once `stop` is set no further program starts (compile_all)."""
+                  stop: threading.Event | None = None) -> dict[str, Any]:
+    """Compile the programs that an `Engine(target, config, assistant=...)` compiles before it returns, from shapes
+    alone: `target` and `assistant` may hold jax.ShapeDtypeStruct parameters (`api.target_shapes`,
+    `api.assistant_shapes`). Run while the weights load; the engine built after loading takes them
+    (`Engine(..., compiled_ahead=...)`), and they go into `config.executable_cache_dir` for the next start. No
+    device memory is taken: the pools are planned, not allocated. Returns the programs by executable-cache key; {}
+    without an executable cache (whose keys say which programs are the engine's). Once `stop` is set no further
+    program starts (compile_all)."""
     cache = ExecutableCache.open(config.executable_cache_dir)
     if cache is None:
         return {}
     ahead = Engine(target, dataclasses.replace(config, compile_at_start=False), assistant=assistant)
-    return ahead.steps.compile_all(*ahead._first_buckets(), progress, cache=cache, stop=stop)
+    ahead.steps.compile_all(*ahead._first_buckets(), progress, cache=cache, stop=stop)
+    return ahead.steps.by_key

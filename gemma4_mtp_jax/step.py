@@ -136,6 +136,9 @@ class CompiledSteps:
     speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
     # The programs compile_all loaded from an executable cache instead of compiling them, by name.
     restored: list[str] = dataclasses.field(default_factory=list)
+    # With an executable cache: every program compile_all compiled, loaded or was given, by its cache key (what
+    # `engine.compile_ahead` hands the engine built after the weights load).
+    by_key: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
@@ -415,7 +418,7 @@ class CompiledSteps:
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
                     threads: int | None = None, cache: ExecutableCache | None = None,
-                    stop: threading.Event | None = None) -> dict[str, float]:
+                    stop: threading.Event | None = None, given: dict[str, Any] | None = None) -> dict[str, float]:
         """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
         program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
         thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
@@ -423,7 +426,9 @@ class CompiledSteps:
         (executable_cache.py), every program is first looked up there, all at once in the threads; a program found
         is loaded instead (no tracing, lowering or compiling; its name goes into `restored`), and every program
         compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time in its
-        thread), or its load. Once `stop` is set no further program is lowered (those compiling finish)."""
+        thread), or its load. Once `stop` is set no further program is lowered (those compiling finish). `given`:
+        programs compiled already, by cache key (another CompiledSteps' `by_key` of the same configuration); one
+        found there is taken as it is, like a load (its name goes into `restored`)."""
         progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
@@ -437,11 +442,14 @@ class CompiledSteps:
             t0 = time.perf_counter()
             return fn(*args), time.perf_counter() - t0
 
-        def keep(name: str, store: Callable, compiled: Any, seconds: float, loaded: bool = False) -> None:
+        def keep(name: str, store: Callable, compiled: Any, seconds: float, key: str | None,
+                 how: str | None = None) -> None:
             store(compiled)
             times[name] = seconds
+            if key is not None:
+                self.by_key[key] = compiled
             if progress:
-                progress(f"{name} (loaded from the executable cache)" if loaded else name, seconds)
+                progress(f"{name} ({how})" if how else name, seconds)
 
         pending: dict[concurrent.futures.Future, tuple] = {}
 
@@ -449,7 +457,7 @@ class CompiledSteps:
             for fut in done:
                 name, store, t_lower, key, args = pending.pop(fut)
                 (compiled, storable), t_compile = fut.result()
-                keep(name, store, compiled, t_lower + t_compile)
+                keep(name, store, compiled, t_lower + t_compile, key)
                 if cache is not None and storable:
                     cache.store(key, compiled, args, out_like)
 
@@ -457,15 +465,20 @@ class CompiledSteps:
             built = [(name, store, *build()) for name, build, store in progs]  # (name, store, jitted, args)
             keys = [None if cache is None else program_key(name, args, static, compiler_options())
                     for name, _, _, args in built]
-            loads = [None if cache is None else pool.submit(timed, cache.load, key, args, out_like)
+            given = given or {}
+            loads = [None if cache is None or key in given else pool.submit(timed, cache.load, key, args, out_like)
                      for key, (_, _, _, args) in zip(keys, built)]
             for (name, store, jitted, args), key, load in zip(built, keys, loads):
                 if stop is not None and stop.is_set():
                     break
+                if key in given:
+                    self.restored.append(name)
+                    keep(name, store, given[key], 0.0, key, "compiled ahead")
+                    continue
                 compiled, t_load = load.result() if load is not None else (None, 0.0)
                 if compiled is not None:
                     self.restored.append(name)
-                    keep(name, store, compiled, t_load, loaded=True)
+                    keep(name, store, compiled, t_load, key, "loaded from the executable cache")
                     continue
                 t0 = time.perf_counter()
                 low = jitted.lower(*args)

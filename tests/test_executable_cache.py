@@ -79,8 +79,9 @@ def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypa
 
 def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, tmp_path, monkeypatch):
     """compile_ahead, given the checkpoints' shapes alone (api.target_shapes: only the JSON files read; no pools
-    allocated), stores the programs an engine compiles first; the engine built after loading the weights lowers
-    none of them, and generates the tokens of an engine that compiled its own."""
+    allocated), compiles the programs an engine compiles first and stores them. An engine built after loading the
+    weights lowers none of them, whether it is handed them (compiled_ahead) or finds them in the cache, and
+    generates the tokens of an engine that compiled its own."""
     from gemma4_mtp_jax.api import assistant_shapes, target_shapes
     from gemma4_mtp_jax.engine import Engine, compile_ahead
     from gemma4_mtp_jax.runtime import shapes_only
@@ -97,9 +98,12 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
 
     real_jit = CompiledSteps._jit
     monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
-    engine = Engine(target, _config(tmp_path / "ahead"), assistant=assistant)
-    assert sorted(engine.steps.restored) == sorted(ahead)
-    assert _tokens(engine) == want
+    handed = Engine(target, _config(tmp_path / "elsewhere"), assistant=assistant, compiled_ahead=ahead)
+    assert sorted(handed.steps.restored) == sorted(handed.compile_times) and len(handed.compile_times) == 3
+    assert _tokens(handed) == want
+    found = Engine(target, _config(tmp_path / "ahead"), assistant=assistant)
+    assert sorted(found.steps.restored) == sorted(found.compile_times) and len(found.compile_times) == 3
+    assert _tokens(found) == want
 
 
 def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp_path):

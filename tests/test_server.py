@@ -924,7 +924,7 @@ def test_fuzz_every_route_never_5xx(srv):
 def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monkeypatch):
     """With an executable cache, the server compiles its first programs from the checkpoints' shapes while it loads
     the weights: here loading the target waits until one of them is in the cache (so a server that compiled only
-    after loading would time out), and the engine then finds every first program there, lowering none."""
+    after loading would time out), and the engine then takes every first program from there, lowering none."""
     import jax
 
     from gemma4_mtp_jax import api

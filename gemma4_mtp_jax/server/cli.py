@@ -264,16 +264,17 @@ def _engine_config(args: argparse.Namespace, target_dir: Path, speculative: bool
 
 
 class _CompileAhead(threading.Thread):
-    """Compiles, from the checkpoints' shapes, the programs the engine compiles first, into the executable cache
-    (`engine.compile_ahead`), while the server's thread loads the weights. Whatever goes wrong here is logged and
-    costs nothing else: the engine then compiles those programs itself. Not a daemon: an XLA compilation in flight
-    is waited for, not cut (see Engine.close); `stop` keeps it from starting further programs."""
+    """Compiles, from the checkpoints' shapes, the programs the engine compiles first (`engine.compile_ahead`), while
+    the server's thread loads the weights; `programs` then holds them for the engine. Whatever goes wrong here is
+    logged and costs nothing else: the engine then compiles those programs itself. Not a daemon: an XLA
+    compilation in flight is waited for, not cut (see Engine.close); `stop` keeps it from starting others."""
 
     def __init__(self, ckpt: str, assistant_path: str | None, dtype: str | None, load_format: str, config):
         super().__init__(name="gemma4-compile-ahead")
         self.args = ckpt, assistant_path, dtype, load_format
         self.config = config
         self.stop = threading.Event()
+        self.programs: dict = {}
 
     def run(self) -> None:
         from gemma4_mtp_jax.api import assistant_shapes, target_shapes
@@ -284,13 +285,14 @@ class _CompileAhead(threading.Thread):
         try:
             target = target_shapes(ckpt, dtype, load_format)
             assistant = None if assistant_path is None else assistant_shapes(assistant_path, dtype, load_format)
-            times = compile_ahead(target, self.config, assistant,
-                                  lambda prog, s: log.info("compiled ahead %s in %.2fs", prog, s), stop=self.stop)
+            self.programs = compile_ahead(target, self.config, assistant,
+                                          lambda prog, s: log.info("compiled ahead %s in %.2fs", prog, s),
+                                          stop=self.stop)
         except Exception as e:  # noqa: BLE001 - the engine compiles them instead
             log.warning("compiling ahead of the weights failed (%s: %s); the engine compiles its programs itself",
                         type(e).__name__, e)
             return
-        log.info("compiled %d programs ahead of the weights in %.1fs", len(times), time.perf_counter() - t0)
+        log.info("compiled %d programs ahead of the weights in %.1fs", len(self.programs), time.perf_counter() - t0)
 
 
 def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | None = None):
@@ -384,7 +386,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     for r in range(dp):
         with _Timer(f"compiling {what}{f' (replica {r})' if dp > 1 else ''}"):
             engines.append(Engine(target, config, progress=progress, assistant=assistant,
-                                  devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None))
+                                  devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None,
+                                  compiled_ahead=ahead.programs if ahead is not None else None))
     engine = engines[0]
     if config.executable_cache_dir:
         log.info("executable cache %s: %d of the %d programs compiled so far loaded from it",
