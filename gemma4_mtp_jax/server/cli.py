@@ -332,7 +332,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     # Weights go from host memory to each device, or (packed) to the packed arrays, never whole on a device twice.
     spread = args.tensor_parallel_size * args.data_parallel_size > 1 or args.pack_params
     # Local checkpoints: the engine's settings come from their config.json now, and its first programs compile
-    # from the parameters' shapes while the weights load (into the executable cache, where the engine finds them).
+    # from the parameters' shapes while the weights load (the engine takes them once it is built).
     local = Path(ckpt).expanduser().is_dir() and (assistant_path is None or Path(assistant_path).expanduser().is_dir())
     config = _engine_config(args, Path(ckpt).expanduser(), assistant_path is not None) if local else None
     ahead = None
@@ -390,9 +390,10 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                                   compiled_ahead=ahead.programs if ahead is not None else None))
     engine = engines[0]
     if config.executable_cache_dir:
-        log.info("executable cache %s: %d of the %d programs compiled so far loaded from it",
+        log.info("executable cache %s: %d of the %d programs compiled so far loaded from it%s",
                  config.executable_cache_dir,
-                 sum(len(e.steps.restored) for e in engines), sum(len(e.compile_times) for e in engines))
+                 sum(len(e.steps.restored) for e in engines), sum(len(e.compile_times) for e in engines),
+                 " or compiled ahead of the weights" if ahead is not None else "")
     if engine.k:
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
 
