@@ -363,9 +363,60 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, k_splits: int, splits_pow2: int, padded_rows: int, batch: int, kv_heads: int, q_len: int, num_heads: int, group: int,
+                  block_d: int):
+    """One program: one query row of one sequence and KV head, one block_d-wide slice of D, over every key split.
+
+    m_ref, l_ref [S, B * nKV * R] float32 (each split's running max and softmax denominator), o_ref
+    [S * B * nKV * R, D] (each split's normalized output), rows in the paged kernel's split layout; out_ref
+    [B * Tq * nH, D] in q's layout. All the splits' rows of the slice come in one load, so the merge is one wave of
+    loads rather than a loop over the splits."""
+    b, h, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    s = lax.broadcasted_iota(jnp.int32, (splits_pow2, 1), 0)  # [Sp, 1]
+    live = s < k_splits
+    row = (b * kv_heads + h) * padded_rows + j  # this row in a split's [B * nKV * R] rows
+    zero = jnp.zeros((1, 1), jnp.int32)
+    m = _masked_load(m_ref.at[s, zero + row], live, _NEG)  # [Sp, 1]
+    l = _masked_load(l_ref.at[s, zero + row], live, 0.0)
+    cols = c * block_d + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)  # [1, bd]
+    o = _masked_load(o_ref.at[s * (batch * kv_heads * padded_rows) + row, cols], live, 0)  # [Sp, bd]
+    w = jnp.exp(m - jnp.max(m)) * l  # each split's share of the softmax mass, unnormalized
+    total = jnp.sum(w)
+    out = jnp.sum(w * o.astype(jnp.float32), axis=0, keepdims=True)  # [1, bd]
+    out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+    t = j // group
+    q_row = (b * q_len + t) * num_heads + h * group + j % group
+    out_ref[pl.ds(q_row, 1), pl.ds(c * block_d, block_d)] = out.astype(out_ref.dtype)
+
+
+def _merge_splits_pallas(o: Array, m: Array, l: Array, *, q_len: int, num_heads: int, dtype, interpret: bool) -> Array:
+    """The key splits' partial results (the paged kernel's outputs, o [S, B, nKV, R, D], m and l [S, B, nKV, R])
+    merged into [B * Tq * nH, D] in q's layout, by one Pallas kernel: XLA's merge (_merge_splits) plus the
+    transpose back to q's layout took two to four kernels per attention layer."""
+    S, B, nKV, R, D = o.shape
+    G = num_heads // nKV
+    rows = q_len * G
+    block_d = min(D, 128)
+    kernel = functools.partial(
+        _merge_kernel, k_splits=S, splits_pow2=_next_pow2(S), padded_rows=R, batch=B,
+        kv_heads=nKV, q_len=q_len, num_heads=num_heads, group=G, block_d=block_d)
+    whole = lambda b, h, j, c: (0, 0)  # noqa: E731  (indexed inside the kernel)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, nKV, rows, -(-D // block_d)),
+        in_specs=[pl.BlockSpec((S, B * nKV * R), whole), pl.BlockSpec((S, B * nKV * R), whole),
+                  pl.BlockSpec((S * B * nKV * R, D), whole)],
+        out_specs=pl.BlockSpec((B * q_len * num_heads, D), whole),
+        out_shape=jax.ShapeDtypeStruct((B * q_len * num_heads, D), dtype),
+        compiler_params=_triton_compiler_params(4, 1),
+        interpret=interpret,
+        name=f"paged_attention_merge_s{S}",
+    )(m.reshape(S, B * nKV * R), l.reshape(S, B * nKV * R), o.reshape(S * B * nKV * R, D))
+
+
 def _merge_splits(o: Array, m: Array, l: Array) -> Array:
     """Per-split normalized outputs o [S, ..., D] with running max m and sum l [S, ...] -> the softmax over all
-    splits [..., D] in float32 (0 where no split saw a key)."""
+    splits [..., D] in float32 (0 where no split saw a key). The plain-XLA reference of _merge_splits_pallas."""
     w = jnp.exp(m - jnp.max(m, axis=0)[None]) * l  # each split's share of the total softmax mass (unnormalized)
     total = jnp.sum(w, axis=0)
     out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=0)
@@ -426,9 +477,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
     )(pos, table, qf, kf, vf)
     if S == 1:
         return res.reshape(B, Tq, nH, D).astype(q.dtype)
-    o = _merge_splits(*res)  # [B, nKV, R, D], rows ordered (t, g)
-    o = o[:, :, :rows].reshape(B, nKV, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Tq, nH, D)
-    return o.astype(q.dtype)
+    o, m, l = res
+    return _merge_splits_pallas(o, m, l, q_len=Tq, num_heads=nH, dtype=q.dtype,
+                                interpret=interpret).reshape(B, Tq, nH, D)
 
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
