@@ -184,6 +184,36 @@ def test_the_executable_cache_is_on_unless_turned_off(monkeypatch, tmp_path):
     assert _executable_cache_dir("none") is None and _executable_cache_dir("None") is None
 
 
+def test_a_replica_that_fails_to_start_stops_the_others(monkeypatch, tmp_path_factory):
+    """--data-parallel-size: when a later replica cannot be built, the ones built before stop their background
+    compiles before the error reaches main (a thread left running would outlive the interpreter's shutdown)."""
+    import jax
+
+    import gemma4_mtp_jax.engine as engine_mod
+    from gemma4_mtp_jax.server.cli import create_server
+
+    built = []
+
+    class OneReplicaFits:  # stands in for Engine: the first replica is built, the second runs out of memory
+        def __init__(self, *args, **kwargs):
+            if built:
+                raise engine_mod.DeviceMemoryError("replica 1 does not fit")
+            self.closed = False
+            built.append(self)
+
+        def close(self):
+            self.closed = True
+
+    cpu = jax.devices()[0]
+    monkeypatch.setattr(engine_mod, "Engine", OneReplicaFits)
+    monkeypatch.setattr(jax, "devices", lambda *a: [cpu, cpu])
+    tdir, adir, cache = session_paths(tmp_path_factory)
+    with pytest.raises(engine_mod.DeviceMemoryError, match="replica 1"):
+        create_server(["--ckpt", str(tdir), "--assistant", str(adir), "--compilation-cache-dir", str(cache),
+                       "--executable-cache-dir", "none", "--data-parallel-size", "2"])
+    assert len(built) == 1 and built[0].closed
+
+
 def test_parse_defaults_and_extensions():
     p = parse_completion({"prompt": ["hi"], "n": 1, "logprobs": None, "top_k": -1, "seed": -1, "stop": "x",
                           "user": "u", "stream": True, "stream_options": {"include_usage": True}})

@@ -383,11 +383,18 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                          f"{len(devices)} are visible")
     engines = []
     what = "the smallest buckets' programs" if config.compile_in_background else "all programs"
-    for r in range(dp):
-        with _Timer(f"compiling {what}{f' (replica {r})' if dp > 1 else ''}"):
-            engines.append(Engine(target, config, progress=progress, assistant=assistant,
-                                  devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None,
-                                  compiled_ahead=ahead.programs if ahead is not None else None))
+    try:
+        for r in range(dp):
+            with _Timer(f"compiling {what}{f' (replica {r})' if dp > 1 else ''}"):
+                engines.append(Engine(target, config, progress=progress, assistant=assistant,
+                                      devices=devices[r * tp:(r + 1) * tp] if dp > 1 else None,
+                                      compiled_ahead=ahead.programs if ahead is not None else None))
+    except BaseException:
+        # A later replica failed (say, out of device memory): the replicas built so far compile in background
+        # threads, which must stop before the interpreter does (else they log "cannot schedule new futures").
+        for e in engines:
+            e.close()
+        raise
     engine = engines[0]
     if config.executable_cache_dir:
         log.info("executable cache %s: %d of the %d programs compiled so far loaded from it%s",
