@@ -6,7 +6,8 @@ cache (executable_cache.py) stores and loads it? NOT a test.
 On the CPU (JAX 0.10.2) it does not: the copy loads, then fails when run ("NOT_FOUND: Function
 negate_power_fusion not found"), so `executable_cache.compile_for_cache` keeps such programs out of the cache
 there (a small jitted function alone does not show it; the demo pair's programs do). On the H200 (JAX 0.11.2,
-run 121) the copies run and give the same tokens, so the GPU stores them. With JAX's persistent cache on, three engines of the demo pair, each with its own state:
+run 121) the copies run and give the same tokens, so the GPU stores them. With JAX's persistent cache on, three
+engines of the demo pair, each with its own state:
 1. compiles its programs (fresh), executable cache A;
 2. compiles them again (hits in JAX's cache), executable cache B, which stores what the backend allows;
 3. loads from B what 2 stored and generates: its tokens must equal 1's.

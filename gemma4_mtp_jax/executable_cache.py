@@ -13,8 +13,9 @@ ones a load would rebuild is not stored; an entry that fails to load is compiled
 on the CPU, a program that JAX's persistent compilation cache gave back (`compile_for_cache`): XLA:CPU serializes
 such an executable without its kernels, and the copy loads but fails when run ("Function ... not found"; JAX
 0.10.2). XLA:GPU keeps them whole: on the H200 (JAX 0.11.2) such copies load and give the same tokens
-(benchmarks/probe_cache_reserialize.py, run 121), so the GPU stores them. Every change of the code or the configuration adds entries, so the directory is kept under a size (`max_bytes`, default
-4 GiB) by removing the entries used least recently (a load counts as a use).
+(benchmarks/probe_cache_reserialize.py, run 121), so the GPU stores them. Every change of the code or the
+configuration adds entries, so the directory is kept under a size (`max_bytes`, default 4 GiB) by removing the
+entries used least recently (a load counts as a use).
 
 The server keeps one by default, in `user_cache_dir("executables")` (~/.cache/gemma4_mtp_jax/executables): on the
 H200 the demo pair's server is ready 4.4 s after a restart with it, 19.7 s with the compilation cache alone
