@@ -30,6 +30,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
         --page-size 16 --k-spec 4 --reps 1 --max-sets 1 --copy-mib 64 > "$res/ncu_$name.txt" 2>&1
     grep -aE "  paged_attention|Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Dynamic Shared|Block Limit (Registers|Shared Mem)|Waves Per SM|Grid Size|Memory Throughput|DRAM Throughput|L2 Hit Rate|Compute \(SM\) Throughput|Warp Cycles Per Issued|stalled_(long_scoreboard|barrier|short_scoreboard|math_pipe_throttle|wait|mio_throttle|lg_throttle|not_selected|dispatch_stall|no_instruction)" \
         "$res/ncu_$name.txt" | head -70
+    grep -aq "Duration" "$res/ncu_$name.txt" || tail -n 15 "$res/ncu_$name.txt"  # nothing profiled: say why
   }
   sweep() {  # sweep NAME SHAPE B TQ CTX K_SPEC GRID...: bench_paged_attention's sweep of one shape to $res/NAME
     local name=$1 shape=$2 b=$3 tq=$4 ctx=$5 kspec=$6; shift 6
