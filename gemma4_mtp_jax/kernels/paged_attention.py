@@ -274,8 +274,9 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
     The query rows are read straight from q's own layout (no padded copy of q) and, without key splits, the output
-    is written back into it (no slice of the output): one or two fewer kernels per attention layer. Row j of the block is query token t = j // group of
-    head h * group + j % group; rows past q_len * group are masked (padding to the tensor-core tile).
+    is written back into it (no slice of the output): one or two fewer kernels per attention layer. Row j of the
+    block is query token t = j // group of head h * group + j % group; rows past q_len * group are masked (padding
+    to the tensor-core tile).
 
     pos_ref [B * Tq] int32 mask positions (-1 = padding); table_ref [table_width] int32 this sequence's pages;
     q_ref [B * Tq * nH, D] (q's rows, token-major); k_ref, v_ref [num_pages * page_size, D] (this KV head's pool,
@@ -363,8 +364,8 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, k_splits: int, splits_pow2: int, padded_rows: int, batch: int, kv_heads: int, q_len: int, num_heads: int, group: int,
-                  block_d: int):
+def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, k_splits: int, splits_pow2: int, padded_rows: int, batch: int,
+                  kv_heads: int, q_len: int, num_heads: int, group: int, block_d: int):
     """One program: one query row of one sequence and KV head, one block_d-wide slice of D, over every key split.
 
     m_ref, l_ref [S, B * nKV * R] float32 (each split's running max and softmax denominator), o_ref
