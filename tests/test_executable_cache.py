@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from test_server_support import jax_cache_settings
+
 PROMPTS = [[5, 9, 13, 200, 7], [3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
 
 
@@ -31,14 +33,11 @@ def no_jax_cache():
     import jax
     from jax._src import compilation_cache
 
-    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-                                                 "jax_persistent_cache_min_compile_time_secs")}
+    restore = jax_cache_settings()
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
     yield
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
+    restore()
 
 
 class _NoLowering:

@@ -24,6 +24,7 @@ from test_server_support import (
     InProcessServer,
     fuzz_requests,
     health,
+    jax_cache_settings,
     metric_samples,
     request,
     sample,
@@ -925,8 +926,6 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
     """With an executable cache, the server compiles its first programs from the checkpoints' shapes while it loads
     the weights: here loading the target waits until one of them is in the cache (so a server that compiled only
     after loading would time out), and the engine then takes every first program from there, lowering none."""
-    import jax
-
     from gemma4_mtp_jax import api
     from gemma4_mtp_jax.server.cli import create_server
 
@@ -942,8 +941,7 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(api, "load_target", load_once_one_is_compiled)
-    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-                                                 "jax_persistent_cache_min_compile_time_secs")}
+    restore = jax_cache_settings()
     argv = ["--ckpt", str(tdir), "--assistant", str(adir), "--compilation-cache-dir", "none",
             "--executable-cache-dir", str(cache), "--max-num-seqs", "1", "--max-model-len", "64",
             "--prefill-chunk", "16", "--page-size", "16", "--no-compile-in-background"]
@@ -952,5 +950,4 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
         engine = server.engine.engine
         assert sorted(engine.steps.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 3
     finally:
-        for k, v in saved.items():
-            jax.config.update(k, v)
+        restore()

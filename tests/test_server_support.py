@@ -8,7 +8,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # Small engine for the CPU tests: batch buckets 1, 2, 4; prefill buckets 16, 32, 64.
 ENGINE_ARGS = ["--max-num-seqs", "4", "--max-model-len", "128", "--prefill-chunk", "64", "--page-size", "16"]
@@ -32,17 +32,33 @@ def server_argv(tdir: Path, adir: Path, cache: Path, *extra: str) -> list[str]:
             *extra]
 
 
+_JAX_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+def jax_cache_settings() -> Callable[[], None]:
+    """Snapshot JAX's persistent-cache settings (create_server turns the cache on); the returned function puts them
+    back and drops the cache JAX opened, which it keeps until reset whatever the settings say."""
+    import jax
+
+    saved = {k: getattr(jax.config, k) for k in _JAX_CACHE_SETTINGS}
+
+    def restore() -> None:
+        from jax._src import compilation_cache
+
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+    return restore
+
+
 class InProcessServer:
     """`create_server` + uvicorn in a background thread, bound to a free loopback port."""
 
     def __init__(self, argv: list[str]):
-        import jax
-
         from gemma4_mtp_jax.server.cli import bind_socket, create_server, make_uvicorn_server
 
-        # create_server turns the persistent compilation cache on; put the settings back afterwards
-        self._jax_config = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-                                                                "jax_persistent_cache_min_compile_time_secs")}
+        self._restore_jax_cache = jax_cache_settings()
         self.server, self.args = create_server(argv)
         sock = bind_socket("127.0.0.1", 0)
         self.host, self.port = sock.getsockname()[:2]
@@ -57,14 +73,9 @@ class InProcessServer:
         return self.server.engine.engine
 
     def close(self) -> None:
-        import jax
-        from jax._src import compilation_cache
-
         self.uvicorn.should_exit = True
         self.thread.join(60)
-        for k, v in self._jax_config.items():
-            jax.config.update(k, v)
-        compilation_cache.reset_cache()  # JAX keeps the cache it opened until reset, whatever the settings say
+        self._restore_jax_cache()
 
 
 def wait_healthy(host: str, port: int, timeout: float) -> None:
