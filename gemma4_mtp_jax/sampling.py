@@ -78,7 +78,7 @@ def filter_logits(logits: Array, top_k: Array, top_p: Array) -> Array:
     The nucleus keeps the smallest set of highest-probability tokens whose mass reaches top_p (the token that
     crosses the threshold included), computed after top-k, as in transformers' TopK then TopP warpers.
     """
-    V = logits.shape[-1]
+    B, V = logits.shape
     order = jnp.argsort(-logits, axis=-1)  # stable: ties keep vocabulary order
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     rank = jnp.arange(V, dtype=jnp.int32)[None, :]
@@ -87,9 +87,10 @@ def filter_logits(logits: Array, top_k: Array, top_p: Array) -> Array:
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= (mass_before < top_p[:, None]) | (rank == 0)
-    masked_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(masked_sorted, inverse, axis=-1)
+    # Back to vocabulary order through the permutation itself: one scatter pass, where inverting `order` would be
+    # a second sort of the whole vocabulary (0.7 ms of E2B's sampled speculative step at B = 16, run 68).
+    kept = jnp.zeros((B, V), jnp.bool_).at[jnp.arange(B)[:, None], order].set(keep, unique_indices=True)
+    return jnp.where(kept, logits, -jnp.inf)
 
 
 def request_keys(seed: Array, position: Array) -> Array:
