@@ -118,3 +118,37 @@ print(*w('$family', '/tmp/${family}_ckpt'))")
       --ckpt "$tdir" --assistant "$adir" --load-format dummy "$@"
   grep -ah "compiled \|ready in\|compiling \|load\|stopped" "$res/serve_$family/serve_cold.log" | tail -20
 }
+# sweep NAME SHAPE B TQ CTX K_SPEC GRID...: bench_paged_attention.py's sweep of one shape (16-token pages, 20 reps,
+# 4 input sets), --sweep-grid GRID, within 70 s and the deadline, its JSON to $res/NAME; the per-tiling lines left out.
+sweep() {
+  local name=$1 shape=$2 b=$3 tq=$4 ctx=$5 kspec=$6; shift 6
+  mkdir -p "$res/$name"
+  run env OUT=$res/$name timeout $(lim 70) python3 benchmarks/bench_paged_attention.py --sweep --shapes $shape \
+      --batch $b --q-len $tq --ctx $ctx --page-size 16 --k-spec $kspec --reps 20 --max-sets 4 --sweep-grid "$@" \
+      | grep -v "B=.*: kernel \|^  "
+}
+# ncu_paged NAME SHAPE B TQ: Nsight Compute (ncu, on the image) on the first launches of the paged kernel and its
+# merge at one shape of bench_paged_attention.py (ctx 4096, k = 4): speed of light, occupancy, launch, warp states,
+# memory and compute sections and the warp-stall ratios, to $res/ncu_NAME.txt; the key lines printed, or the log's
+# tail when nothing was profiled.
+ncu_paged() {
+  local name=$1 shape=$2 b=$3 tq=$4 ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "== no ncu on this image"; return; }
+  run timeout $(lim 100) "$ncu" --clock-control none --kernel-name regex:paged_attention --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 benchmarks/bench_paged_attention.py --shapes "$shape" --batch "$b" --q-len "$tq" --ctx 4096 \
+      --page-size 16 --k-spec 4 --reps 1 --max-sets 1 --copy-mib 64 > "$res/ncu_$name.txt" 2>&1
+  grep -aE "  paged_attention|Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Dynamic Shared|Block Limit (Registers|Shared Mem)|Waves Per SM|Grid Size|Memory Throughput|DRAM Throughput|L2 Hit Rate|Compute \(SM\) Throughput|Warp Cycles Per Issued|stalled_(long_scoreboard|barrier|short_scoreboard|math_pipe_throttle|wait|mio_throttle|lg_throttle|not_selected|dispatch_stall|no_instruction)" \
+      "$res/ncu_$name.txt" | head -70
+  grep -aq "Duration" "$res/ncu_$name.txt" || tail -n 15 "$res/ncu_$name.txt"  # nothing profiled: say why
+}
+# spec_profile NAME ARGS...: bench_spec.py ARGS --profile (where a step's device time goes, op by op) within 120 s
+# and the deadline, its JSON to $res/NAME.
+spec_profile() {
+  local name=$1; shift
+  mkdir -p "$res/$name"
+  run env OUT="$res/$name" timeout $(lim 120) python3 benchmarks/bench_spec.py "$@" --profile
+}
