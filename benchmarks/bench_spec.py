@@ -11,7 +11,8 @@ time does not depend on it (shapes never do).
     python benchmarks/bench_spec.py --models e2b --batch 1 2 16 64 --k 2 4 8   # one process, every program
                                                                                # compiled before any is timed
     python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512 --acceptance-length 3.2
-    python benchmarks/bench_spec.py --models e2b --batch 2 16 --sampled   # the sampling programs (T = 1, top-p)
+    python benchmarks/bench_spec.py --models e2b --batch 2 16 --sampled   # the sampling programs (T = 1, top-p;
+                                                                           # --top-k 64 for Gemma 3's default)
     python benchmarks/bench_spec.py --smoke
 """
 
@@ -168,7 +169,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     compiled = compile_concurrently(lowerings)
     print(f"[{name}] {len(compiled)} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=7) if args.sampled else None
+    sampling = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=0.95, seed=7) if args.sampled else None
     for B in args.batch:
         tokens, P, tables = cases[B]
         dec, t_compile = compiled[("decode", B, 0)]
@@ -188,7 +189,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
         decode["decode_roofline_gemv_ms"] = need["total"] / gemv_bw * 1e3
         for k in ks:
             row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context,
-                   "sampled": args.sampled, **decode}
+                   "sampled": args.sampled, "top_k": args.top_k if args.sampled else None, **decode}
             vt = np.tile(tokens[:, None], (1, k + 1))
             vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
             ver, row["compile_verify_s"] = compiled[("verify", B, k)]
@@ -239,6 +240,9 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="the programs' sampling variants, every row at temperature 1, top-p 0.95 (the verify "
                          "column stays the greedy forward)")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="with --sampled, every row's top_k (0 = off, the default; Gemma 3's generation_config "
+                         "sets 64)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     env = environment()
