@@ -61,7 +61,8 @@ def kind_of_model_type(model_type: str | None) -> str:
     if model_type in ASSISTANT_MODEL_TYPES:
         return "assistant"
     expected = ", ".join(TARGET_MODEL_TYPES + ASSISTANT_MODEL_TYPES)
-    raise ConvertError(f"config.json model_type {model_type!r} is not a Gemma 4 checkpoint (expected one of: {expected})")
+    raise ConvertError(f"config.json model_type {model_type!r} is not a Gemma 4 checkpoint "
+                       f"(expected one of: {expected})")
 
 
 def resolve_source(hf: str, log: Callable[[str], None] = print) -> str:

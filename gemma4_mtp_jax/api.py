@@ -116,7 +116,8 @@ def _restore_orbax(d: Path, kind: str, abstract: Any, dtype: Any) -> dict:
     out = {}
     for name, leaf in got.items():
         if tuple(leaf.shape) != tuple(want[name].shape):
-            raise ConfigError(f"{d}: parameter '{name}' has shape {tuple(leaf.shape)}, config implies {want[name].shape}")
+            raise ConfigError(f"{d}: parameter '{name}' has shape {tuple(leaf.shape)}, "
+                              f"config implies {want[name].shape}")
         cast = jnp.int32 if jnp.issubdtype(want[name].dtype, jnp.integer) else dtype
         out[name] = jnp.asarray(leaf, cast)
     return hf_loader.unflatten(out)

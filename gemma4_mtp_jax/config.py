@@ -138,7 +138,8 @@ def _rope(d: dict, where: str) -> dict[str, RopeConfig]:
         elif kind == "proportional":
             if p.get("factor", 1.0) not in (None, 1.0):
                 raise ConfigError(f"{where}: rope_parameters.{t}.factor={p['factor']} is not supported")
-            out[t] = RopeConfig(theta=float(p["rope_theta"]), partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)))
+            out[t] = RopeConfig(theta=float(p["rope_theta"]),
+                                partial_rotary_factor=float(p.get("partial_rotary_factor", 1.0)))
         else:
             raise ConfigError(f"{where}: rope_parameters.{t}.rope_type='{kind}' is not supported")
     return out
@@ -160,7 +161,8 @@ def _full_layer_overrides(d: dict, layer_types: tuple[str, ...], where: str) -> 
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}: per_layer_config key '{key}' is neither a layer index nor a layer type")
             if not 0 <= i < len(layer_types):
-                raise ConfigError(f"{where}: per_layer_config names layer {i}, but num_hidden_layers={len(layer_types)}")
+                raise ConfigError(f"{where}: per_layer_config names layer {i}, "
+                                  f"but num_hidden_layers={len(layer_types)}")
             out[i] = dict(val)
         return out
     head_dim = d.get("global_head_dim") or 512
@@ -256,7 +258,8 @@ def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: 
         if lc.kv_mode == "reuse" and lc.kv_source != i:
             src = layers[lc.kv_source]
             if (src.head_dim, src.num_kv_heads) != (lc.head_dim, lc.num_kv_heads):
-                raise ConfigError(f"{where}: KV-shared layer {i} has a different head_dim/KV heads than its source {lc.kv_source}")
+                raise ConfigError(f"{where}: KV-shared layer {i} has a different head_dim/KV heads than its "
+                                  f"source {lc.kv_source}")
 
     if moe:
         for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
@@ -346,7 +349,8 @@ def check_pair(target: TextConfig, assistant: AssistantConfig) -> None:
     """The assistant attends to the target's store-layer K/V: geometry and sizes must agree."""
     if assistant.backbone_hidden_size != target.hidden_size:
         raise ConfigError(
-            f"assistant backbone_hidden_size={assistant.backbone_hidden_size} != target hidden_size={target.hidden_size}"
+            f"assistant backbone_hidden_size={assistant.backbone_hidden_size} "
+            f"!= target hidden_size={target.hidden_size}"
         )
     if assistant.text.vocab_size != target.vocab_size:
         raise ConfigError(f"assistant vocab_size={assistant.text.vocab_size} != target vocab_size={target.vocab_size}")

@@ -113,7 +113,8 @@ def _tokenizer_json() -> str:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode map (what tokenizers' ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -225,7 +226,8 @@ def build_random_pair(root: str | os.PathLike | None = None, force: bool = False
     a_abs = abstract_assistant_params(acfg, jnp.float32)
     head = a_abs.pop("masked_embedding")["ordered_embedding"]  # stored canonical-order as embed_tokens
     rng = np.random.default_rng(91011)
-    a = _random_tensors(a_abs, 5678, lambda p: ("" if p.startswith(("pre_", "post_")) else "model.") + flax_to_hf_name(p))
+    a = _random_tensors(a_abs, 5678,
+                        lambda p: ("" if p.startswith(("pre_", "post_")) else "model.") + flax_to_hf_name(p))
     C = _ASSISTANT["num_centroids"]
     order = rng.permutation(VOCAB).astype(np.int64)
     a["model.embed_tokens.weight"] = (0.2 * rng.standard_normal(head.shape)).astype(np.float32)

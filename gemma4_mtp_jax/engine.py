@@ -230,7 +230,8 @@ class Request:
                 "drafted": self.num_drafted,
                 "accepted": self.num_accepted,
                 "rounds": len(self.accepted_per_round),
-                "mean_acceptance_length": (self.num_accepted + len(self.accepted_per_round)) / len(self.accepted_per_round),
+                "mean_acceptance_length":
+                    (self.num_accepted + len(self.accepted_per_round)) / len(self.accepted_per_round),
                 "accepted_per_position": list(self.accepted_per_position),
                 "accepted_per_round": list(self.accepted_per_round),
             }),

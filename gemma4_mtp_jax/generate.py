@@ -105,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1.0 = off)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (per prompt: seed + index)")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="parameter dtype (default: checkpoint's)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="parameter dtype (default: checkpoint's)")
     ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + generated tokens per sequence")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",

@@ -81,7 +81,8 @@ def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_page
     for g in groups:
         if num_pages.get(g, 0) < widths[g] + 1:
             raise ValueError(
-                f"num_pages['{g}']={num_pages.get(g, 0)} cannot hold even one sequence of max_model_len={max_model_len} "
+                f"num_pages['{g}']={num_pages.get(g, 0)} cannot hold even one sequence of "
+                f"max_model_len={max_model_len} "
                 f"({widths[g]} pages of {page_size} tokens, plus the reserved page 0)"
             )
     return KVLayout(page_size, tuple((g, num_pages[g]) for g in groups), tuple(widths.items()), max_model_len,

@@ -1,5 +1,6 @@
 """Centroid head kernels (gemma4_mtp_jax/kernels/centroid_head.py): Pallas (compiled on the GPU, interpret mode
-elsewhere) vs the XLA reference, the reference vs transformers' semantics (§4.4 of reference/gemma4_architecture.md), suppress, bf16, ties.
+elsewhere) vs the XLA reference, the reference vs transformers' semantics (§4.4 of
+reference/gemma4_architecture.md), suppress, bf16, ties.
 
 Data: a CANONICAL table [V, Ha] (row = token id, as in the checkpoint), a random permutation token_ordering, and the
 ordered table ordered[row] = canonical[token_ordering[row]] that the kernels read (built at load time in the model).

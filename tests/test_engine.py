@@ -163,7 +163,8 @@ def test_kv_updated_in_place(engines):
     engine = engines("e2b")
     pages_bytes = sum(a.nbytes for kv in engine.state.pages.values() for a in kv)
     shapes = _pool_shapes(engine)
-    for name, compiled in [("decode[4]", engine.steps.compile_decode(4)), ("prefill[1x8]", engine.steps.compile_prefill(1, 8))]:
+    for name, compiled in [("decode[4]", engine.steps.compile_decode(4)),
+                           ("prefill[1x8]", engine.steps.compile_prefill(1, 8))]:
         assert compiled.memory_analysis().alias_size_in_bytes >= pages_bytes, f"{name}: pages not donated in place"
         copies = []
         for line in compiled.as_text().splitlines():

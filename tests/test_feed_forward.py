@@ -23,7 +23,8 @@ def _arrays(seed, dtype, *shapes, scale=1.0):
 
 def _block_args(seed, dtype, lead, H, I, a_parts=None):
     a_shape = lead + (H,) if a_parts is None else (a_parts,) + lead + (H,)
-    a, res = _arrays(seed, dtype if a_parts is None else jnp.float32, a_shape)[0], _arrays(seed + 1, dtype, lead + (H,))[0]
+    a = _arrays(seed, dtype if a_parts is None else jnp.float32, a_shape)[0]
+    res = _arrays(seed + 1, dtype, lead + (H,))[0]
     wpa, wpf = [1.0 + 0.1 * w for w in _arrays(seed + 2, dtype, (H,), (H,))]
     gate, up, down = _arrays(seed + 3, dtype, (I, H), (I, H), (H, I), scale=H ** -0.5)
     y = a if a_parts is None else sk.SplitSum(a, jnp.dtype(dtype))

@@ -36,7 +36,8 @@ def test_released_and_per_layer_config_forms_agree():
                                    per_layer_config={"3": {"head_dim": 32, "num_key_value_heads": 1},
                                                      "7": {"head_dim": 32, "num_key_value_heads": 1}}))
     assert released.layers == new.layers
-    assert [(lc.head_dim, lc.num_kv_heads, lc.k_eq_v) for lc in released.layers if lc.layer_type == _F] == [(32, 1, True)] * 2
+    full = [(lc.head_dim, lc.num_kv_heads, lc.k_eq_v) for lc in released.layers if lc.layer_type == _F]
+    assert full == [(32, 1, True)] * 2
     wrapped = parse_target_config({"model_type": "gemma4", "text_config": _cfg(global_head_dim=32)})
     assert wrapped.layers[3].head_dim == 32
 
@@ -135,7 +136,8 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tiny_ckpts, tmp_path
     with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
         load_target(d, "float32")
 
-    d = _copy_with(src, tmp_path / "extra", lambda t: t.update({"model.layers.2.mlp.extra.weight": np.zeros(3, np.float32)}))
+    d = _copy_with(src, tmp_path / "extra",
+                   lambda t: t.update({"model.layers.2.mlp.extra.weight": np.zeros(3, np.float32)}))
     with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.2.mlp.extra.weight'"):
         load_target(d, "float32")
 
@@ -145,7 +147,8 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tiny_ckpts, tmp_path
 
     asrc = tiny_ckpts["e2b"]["assistant"]
     d = _copy_with(asrc, tmp_path / "ordering",
-                   lambda t: t.update({"masked_embedding.token_ordering": np.zeros_like(t["masked_embedding.token_ordering"])}))
+                   lambda t: t.update({"masked_embedding.token_ordering":
+                                       np.zeros_like(t["masked_embedding.token_ordering"])}))
     with pytest.raises(CheckpointError, match="token_ordering is not a permutation"):
         load_assistant(d, "float32")
 

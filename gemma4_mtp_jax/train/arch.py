@@ -41,7 +41,8 @@ def default_assistant_config(target_json: dict, target: TextConfig) -> dict:
     heads (26B-A4B, 31B), never more than half the target's hidden size; FFN 8x hidden; the centroid head for PLE
     targets (V/128 clusters, top 32, scaled down for small vocabularies).
     """
-    text_json = target_json.get("text_config", target_json) if target_json.get("model_type") == "gemma4" else target_json
+    text_json = (target_json.get("text_config", target_json) if target_json.get("model_type") == "gemma4"
+                 else target_json)
     ple = target.hidden_size_per_layer_input > 0
     hidden = min(256 if ple else 1024, max(8, target.hidden_size // 2))
     kv_s, d_s = target.kv_geometry(SLIDING)

@@ -202,7 +202,8 @@ def read_corpus(paths: Sequence[str], tokenizer, vocab_size: int, seq_len: int, 
                 break
     if not seqs:
         raise DataError(f"--data {' '.join(paths)}: no sequence of at least {min_len} tokens")
-    return seqs[:max_sequences], {"files": len(files), "files_read": used, "corpus_sequences": min(len(seqs), max_sequences)}
+    return seqs[:max_sequences], {"files": len(files), "files_read": used,
+                                  "corpus_sequences": min(len(seqs), max_sequences)}
 
 
 def continuations(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens: int,

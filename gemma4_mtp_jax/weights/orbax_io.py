@@ -121,7 +121,8 @@ def read_metadata(directory: str | os.PathLike) -> dict:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable metadata: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path}: not a {FORMAT_NAME} metadata file (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: not a {FORMAT_NAME} metadata file (format={found!r})")
     version = meta.get("format_version")
     if version not in SUPPORTED_VERSIONS:
         raise CheckpointError(
