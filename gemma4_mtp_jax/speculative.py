@@ -59,8 +59,7 @@ def make_draft_head(assistant: Assistant) -> DraftHead:
 
 def _key_for(seed: Array, position: Array, stream: int) -> Array:
     """Per-row keys from (request seed, round position, stream): independent of the batch's composition."""
-    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(
-        seed, position)
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), p), stream))(seed, position)
 
 
 def _draft_tokens(assistant: Assistant, params_a, head: DraftHead, hn: Array, sampling: SamplingBatch,

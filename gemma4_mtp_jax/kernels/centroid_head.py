@@ -132,8 +132,7 @@ def _check_shapes(hn, scores, top_k, ordered_embedding, token_ordering, suppress
 
 
 def _candidate_logits_xla(hn, top, ordered_embedding, token_ordering, suppress, rows_per_centroid):
-    """(logits [T, K*R] f32, ids [T, K*R] i32) in candidate order: gather the K tiles, f32 dot, -inf where
-    suppressed."""
+    """(logits [T, K*R] f32, ids [T, K*R] i32) in candidate order: gather the K tiles, f32 dot, -inf where suppressed."""
     T, Ha = hn.shape
     V = ordered_embedding.shape[0]
     R = rows_per_centroid

@@ -157,8 +157,7 @@ class Embedding(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     def setup(self):
-        self.weight = self.param("weight", nn.initializers.normal(1.0), (self.num_embeddings, self.features),
-                                 self.param_dtype)
+        self.weight = self.param("weight", nn.initializers.normal(1.0), (self.num_embeddings, self.features), self.param_dtype)
 
     def __call__(self, ids: Array, scale_dim: int) -> Array:
         return scaled_embedding_lookup(self.weight, ids, scale_dim)
