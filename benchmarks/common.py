@@ -177,6 +177,32 @@ def add_pack_params_arg(ap) -> None:
                     "of a few arrays (EngineConfig.pack_params)")
 
 
+# GPUs whose programs compile here without the GPU: their target description, beside this file.
+COMPILE_ONLY_TARGETS = {"h200": "h200.txtpb"}
+
+
+def compile_only_device(name: str) -> jax.Device:
+    """A compile-only device of the GPU `name` (COMPILE_ONLY_TARGETS), to compile that GPU's programs on a machine
+    without one. Under `jax.default_device(device)` the package picks the kernels and tilings it would run there
+    (kernels/device_budget.py: `target_device`) and XLA compiles for that GPU, Triton's compilation of the Pallas
+    kernels included; no program can run. Needs JAX's CUDA plugin of the installed jax (in a venv of its own:
+    `pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"`), not a driver. XLA cannot
+    autotune without the device, so its GEMMs get its heuristics' tilings."""
+    from jax.experimental import topologies
+
+    if name not in COMPILE_ONLY_TARGETS:
+        raise ValueError(f"compile_only_device: no target description for {name!r}; known: "
+                         f"{sorted(COMPILE_ONLY_TARGETS)}")
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), COMPILE_ONLY_TARGETS[name])) as f:
+        config = f.read()
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=config)
+    except Exception as e:  # no CUDA plugin: JAX names the platform it cannot find
+        raise RuntimeError(f"compile_only_device({name!r}) needs JAX's CUDA plugin (pip install "
+                           f"\"jax[cuda12]=={jax.__version__}\"): {e}") from e
+    return topology.devices[0]
+
+
 def environment() -> dict:
     info = {"jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()], "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -11,6 +11,7 @@ greedy batch launches, by kind (kernels_max: a batch that samples), and the host
     python benchmarks/kernel_count.py --models e2b 31b --batch 2 16          # on the GPU
     python benchmarks/kernel_count.py --models demo --batch 2 --dump-hlo /tmp/hlo
     python benchmarks/kernel_count.py --models e2b --batch 2 --programs verify speculative --by-scope 3
+    JAX_PLATFORMS=cpu python benchmarks/kernel_count.py --compile-for h200 --models e2b   # no GPU: the CUDA plugin
 
 JSON to $OUT/kernel_count.json when $OUT is set.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gzip
 import json
 import os
@@ -31,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import ASSISTANTS, TARGETS, add_pack_params_arg, environment, layout_for, write_json  # noqa: E402
+from benchmarks.common import (ASSISTANTS, COMPILE_ONLY_TARGETS, TARGETS, add_pack_params_arg,  # noqa: E402
+                               compile_only_device, environment, layout_for, write_json)
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
@@ -227,8 +230,15 @@ def main() -> None:
     ap.add_argument("--by-scope", type=int, default=None, metavar="DEPTH",
                     help="also count each program's kernels by where in the model they come from (the name stack "
                          "cut after DEPTH names, e.g. 3: draft_step/Gemma4Assistant/layers_*), and print them")
+    ap.add_argument("--compile-for", choices=sorted(COMPILE_ONLY_TARGETS), default=None,
+                    help="compile for this GPU on a machine without it (benchmarks/common.py compile_only_device); "
+                         "XLA's GEMMs untuned, as with autotuning off")
     args = ap.parse_args()
     env = environment()
+    device = None
+    if args.compile_for:
+        device = compile_only_device(args.compile_for)
+        env["compiled_for"] = f"{args.compile_for}: {device.device_kind}, compile-only"
     print(env, flush=True)
     rows = []
     for name in args.models:
@@ -241,7 +251,8 @@ def main() -> None:
                 if prog not in args.programs:
                     continue
                 t0 = time.perf_counter()
-                text = lower().compile().as_text()
+                with contextlib.nullcontext() if device is None else jax.default_device(device):
+                    text = lower().compile().as_text()
                 row[f"{prog}_compile_s"] = round(time.perf_counter() - t0, 2)
                 row[prog] = summarize(text, args.by_scope)
                 if args.dump_hlo:

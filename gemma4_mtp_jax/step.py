@@ -28,6 +28,7 @@ from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
 from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
+from gemma4_mtp_jax.kernels.device_budget import on_gpu
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target, shapes_only
@@ -59,7 +60,7 @@ def compiler_options() -> dict[str, str]:
     temporaries, so that XLA does not re-record the command buffers of every pipelined step (xla_env.py). Where
     XLA_FLAGS already chooses the update mode for the whole process (as the package sets it at import), that
     applies; as a compile option alone it only skips part of the updates (benchmarks/RESULTS.md, run 47)."""
-    if jax.default_backend() != "gpu" or update_mode_in_flags():
+    if not on_gpu() or update_mode_in_flags():
         return {}
     return {UPDATE_MODE_OPTION: STABLE_TEMPORARIES}
 

@@ -350,7 +350,7 @@ def test_auto_falls_back_to_xla_when_no_tiling_fits(monkeypatch, caplog):
     c = build_case(8, Tq=2, nH=4, nKV=1, D=32, page_size=8, starts=[12, 3], n_valid=[2, 1], window=7)
     kw = dict(window=c.window, ring_pages=c.ring_pages)
     want = np.asarray(run_reference(c))
-    monkeypatch.setattr(pa.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pa, "on_gpu", lambda: True)
     monkeypatch.setattr(pa, "default_budget", lambda: GpuBudget(1024, 132, "tiny"))
     pa._log_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger=pa.__name__):

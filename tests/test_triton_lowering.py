@@ -16,6 +16,7 @@ from jax import export
 
 from gemma4_mtp_jax.kernels import attention_inputs as ai
 from gemma4_mtp_jax.kernels import centroid_head as ch
+from gemma4_mtp_jax.kernels import device_budget as db
 from gemma4_mtp_jax.kernels import feed_forward as ff
 from gemma4_mtp_jax.kernels import grouped_matmul as gm
 from gemma4_mtp_jax.kernels import paged_attention as pa
@@ -38,6 +39,25 @@ def lowered_for_cuda(fn, *args) -> str:
 
 def triton_calls(text: str) -> int:
     return text.count(f"@{TRITON}(")
+
+
+def test_the_device_compiled_for_is_the_default_device(monkeypatch):
+    """Kernel choices and tilings follow `jax.default_device`, so that under a compile-only GPU device (benchmarks/
+    common.py compile_only_device, which CI's CPU install cannot make) a machine without a GPU traces the GPU's
+    programs. Here the backend's first device is a stand-in H200 and the CPU is the default device."""
+    cpu = jax.devices("cpu")[0]
+    h200 = type("Device", (), dict(platform="gpu", compute_capability="9.0", core_count=132, device_kind="H200"))
+    real_devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend) if backend else [h200])
+    assert db.target_device() is h200 and db.on_gpu()
+    assert db.default_budget() == db.GpuBudget(227 * 1024, 132, "H200")
+    with jax.default_device(cpu):
+        assert db.target_device() is cpu and not db.on_gpu()
+        assert db.default_budget() == db.HOPPER  # off the GPU: the H200's budget
+    with jax.default_device("cpu"):
+        assert db.target_device() is cpu
+    a100 = type("Device", (), dict(platform="cuda", compute_capability="8.0", core_count=108, device_kind="A100"))
+    assert db.is_gpu(a100) and db.budget_of(a100) == db.GpuBudget(163 * 1024, 108, "A100")
 
 
 # (name, query heads, KV heads, head dim, sliding window) of the targets' attention layers.

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gemma4_mtp_jax.kernels.device_budget import on_gpu
+
 Array = jax.Array
 
 
@@ -260,7 +262,7 @@ def prepare_attention_inputs(q: Array, k: Array | None, v: Array | None, q_norm:
                              impl: str = "auto") -> tuple[Array, tuple[Array, Array] | None]:
     """Through the kernel ("pallas"), the reference ("xla"), or "auto": the kernel on GPU, the reference elsewhere."""
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        impl = "pallas" if on_gpu() else "xla"
     kwargs = dict(eps=eps, pages=pages, page=page, offset=offset)
     if impl == "pallas":
         return attention_inputs(q, k, v, q_norm, k_norm, positions, inv_freq, **kwargs)

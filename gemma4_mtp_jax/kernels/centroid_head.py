@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, is_gpu, on_gpu
 
 Array = jax.Array
 log = logging.getLogger(__name__)
@@ -441,9 +441,9 @@ def centroid_sparse_logits(hn, scores, ordered_embedding, token_ordering, suppre
 def _on_gpu(x) -> bool:
     try:
         devs = x.devices()  # a concrete array
-        return all(d.platform in ("gpu", "cuda", "rocm") for d in devs)
-    except Exception:  # a tracer: decide by the default backend
-        return jax.default_backend() in ("gpu", "cuda", "rocm")
+        return all(is_gpu(d) for d in devs)
+    except Exception:  # a tracer: decide by the device compiled for
+        return on_gpu()
 
 
 @functools.lru_cache(maxsize=None)

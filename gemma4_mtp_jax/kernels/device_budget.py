@@ -1,4 +1,5 @@
-"""What one GPU program may use: shared memory per block and the number of SMs, read off the device.
+"""The device the programs are compiled for, and what one GPU program may use there: shared memory per block and
+the number of SMs, read off the device.
 
 Every Pallas kernel plans its tiling against this budget, so a shape that no tiling fits falls back to the XLA
 path instead of failing to compile. Off the GPU (CPU tests, interpret mode) the budget is an H100/H200's, so the
@@ -31,13 +32,13 @@ _SMEM_BY_CC = {
 _SMEM_UNKNOWN = 99 * 1024  # a capability not in the table: the smallest budget of recent parts
 
 
-def _is_gpu(device) -> bool:
+def is_gpu(device) -> bool:
     return device.platform in ("gpu", "cuda", "rocm")
 
 
 def budget_of(device) -> GpuBudget:
     """The budget of `device`: HOPPER off the GPU, else read from its compute capability and SM count."""
-    if not _is_gpu(device):
+    if not is_gpu(device):
         return HOPPER
     cc = getattr(device, "compute_capability", None)
     try:
@@ -49,11 +50,27 @@ def budget_of(device) -> GpuBudget:
     return GpuBudget(smem_per_block=smem, num_sms=sms, name=str(getattr(device, "device_kind", "gpu")))
 
 
+def target_device() -> jax.Device:
+    """The device the programs traced now are compiled for: JAX's default device where one is set
+    (`jax.default_device`, possibly a compile-only device of an ahead-of-time topology, so that a machine without a
+    GPU can compile the GPU's programs), else the first device of the default backend."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
+
+
+def on_gpu() -> bool:
+    """Whether the programs traced now are compiled for a GPU: where every "auto" choice of a Pallas kernel over
+    XLA's math asks."""
+    return is_gpu(target_device())
+
+
 @functools.lru_cache(maxsize=None)
-def _default_budget(backend: str) -> GpuBudget:
-    return budget_of(jax.devices()[0]) if backend == "gpu" else HOPPER
+def _budget_of(device) -> GpuBudget:
+    return budget_of(device)
 
 
 def default_budget() -> GpuBudget:
-    """The budget of the default device (cached per backend)."""
-    return _default_budget(jax.default_backend())
+    """The budget of the device the programs traced now are compiled for (`target_device`), cached per device."""
+    return _budget_of(target_device())

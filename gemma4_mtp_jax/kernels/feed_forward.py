@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from gemma4_mtp_jax.kernels.device_budget import on_gpu
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split_matmul, with_reference_vjp
 
 Array = jax.Array
@@ -73,7 +74,7 @@ def _pow2(n: int) -> bool:
 
 def plan_block(rows: int, H: int, I: int, dtype) -> int | None:
     """S (programs, each CHUNK columns of I) for a block of `rows` tokens, or None to keep XLA's kernels."""
-    if jax.default_backend() != "gpu":
+    if not on_gpu():
         return None
     itemsize = jnp.dtype(dtype).itemsize
     if rows > MAX_ROWS or itemsize != 2 or 3 * H * I * itemsize > MAX_WEIGHT_BYTES:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import default_budget
+from gemma4_mtp_jax.kernels.device_budget import default_budget, on_gpu
 
 Array = jax.Array
 
@@ -272,7 +272,7 @@ def grouped_matmul_auto(x: Array, w: Array, group_sizes: Array, *, glu: bool = F
     """The kernel ("pallas"; `interpret=True` runs it anywhere), the XLA reference ("xla"), or "auto": the kernel
     on GPU, the reference elsewhere."""
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        impl = "pallas" if on_gpu() else "xla"
     if impl == "pallas":
         return grouped_matmul(x, w, group_sizes, glu=glu, interpret=interpret)
     if impl == "xla":

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
 
 Array = jax.Array
@@ -519,7 +519,7 @@ def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_
     when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere."""
     if impl == "auto":
         impl = "xla"
-        if jax.default_backend() == "gpu":
+        if on_gpu():
             if _plan(q, k_pages, page_table, window, ring_pages) is not None:
                 impl = "pallas"
             else:

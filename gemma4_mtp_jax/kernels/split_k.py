@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
-from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
 
 Array = jax.Array
 
@@ -251,7 +251,7 @@ def _use_kernel(y, N: int, impl: str) -> bool:
         if impl == "pallas":
             raise ValueError(f"the split-K kernels need a width with a power-of-two factor >= 16, got N={N}")
         return False
-    return impl == "pallas" or jax.default_backend() == "gpu"
+    return impl == "pallas" or on_gpu()
 
 
 def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: float, next_weight: Array | None = None,
