@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import time
@@ -201,6 +203,49 @@ def compile_only_device(name: str) -> jax.Device:
         raise RuntimeError(f"compile_only_device({name!r}) needs JAX's CUDA plugin (pip install "
                            f"\"jax[cuda12]=={jax.__version__}\"): {e}") from e
     return topology.devices[0]
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_USE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+                        r"|Used (\d+) registers")
+
+
+def ptxas_report(dump_dir: str) -> dict[str, dict[str, int]]:
+    """Registers and spills of every GPU kernel whose PTX XLA dumped into `dump_dir` (`compile({"xla_dump_to":
+    dir})`), by entry name, from `ptxas -v` for the PTX's own target: what a kernel costs in registers is known
+    before it runs, so a change that makes one spill shows here, without a GPU. Needs ptxas (JAX's CUDA plugin
+    brings it as nvidia-cuda-nvcc) or one on PATH."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        try:
+            import nvidia.cuda_nvcc  # the CUDA plugin's compiler package
+
+            ptxas = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+        except ImportError as e:
+            raise RuntimeError("ptxas_report needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put it on PATH") from e
+    out: dict[str, dict[str, int]] = {}
+    for name in sorted(os.listdir(dump_dir)):
+        if not name.endswith(".ptx"):
+            continue
+        path = os.path.join(dump_dir, name)
+        with open(path) as f:
+            target = re.search(r"^\.target\s+(\w+)", f.read(), re.M)
+        proc = subprocess.run([ptxas, f"-arch={target.group(1) if target else 'sm_90a'}", "-v", path, "-o",
+                               os.devnull], capture_output=True, text=True, check=True)
+        entry = None
+        for line in proc.stderr.splitlines():
+            m = _PTXAS_ENTRY.search(line)
+            if m:
+                entry = out.setdefault(m.group(1), {})
+                continue
+            for u in _PTXAS_USE.finditer(line):
+                if entry is None:
+                    continue
+                if u.group(4):
+                    entry["registers"] = int(u.group(4))
+                else:
+                    entry["stack"], entry["spill_stores"], entry["spill_loads"] = map(int, u.group(1, 2, 3))
+    return out
 
 
 def environment() -> dict:

@@ -12,6 +12,7 @@ greedy batch launches, by kind (kernels_max: a batch that samples), and the host
     python benchmarks/kernel_count.py --models demo --batch 2 --dump-hlo /tmp/hlo
     python benchmarks/kernel_count.py --models e2b --batch 2 --programs verify speculative --by-scope 3
     JAX_PLATFORMS=cpu python benchmarks/kernel_count.py --compile-for h200 --models e2b   # no GPU: the CUDA plugin
+    JAX_PLATFORMS=cpu python benchmarks/kernel_count.py --compile-for h200 --models e2b --ptxas   # + registers, spills
 
 JSON to $OUT/kernel_count.json when $OUT is set.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import tempfile
 import gzip
 import json
 import os
@@ -34,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import (ASSISTANTS, COMPILE_ONLY_TARGETS, TARGETS, add_pack_params_arg,  # noqa: E402
-                               compile_only_device, environment, layout_for, write_json)
+                               compile_only_device, environment, layout_for, ptxas_report, write_json)
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
@@ -81,6 +83,9 @@ def _kind(opcode: str, line: str) -> str:
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# Entry names of XLA's own kernels in its PTX (fusions, its Triton GEMMs); the rest are the Pallas kernels' names.
+_XLA_KERNEL = ("loop_", "input_", "fusion", "gemm_fusion", "triton_softmax", "wrapped_", "copy", "transpose_",
+               "concatenate", "dynamic_", "slice", "reduce", "scatter", "gather")
 
 
 def _scope(line: str, comps: dict[str, list[str]], depth: int) -> str:
@@ -233,6 +238,9 @@ def main() -> None:
     ap.add_argument("--compile-for", choices=sorted(COMPILE_ONLY_TARGETS), default=None,
                     help="compile for this GPU on a machine without it (benchmarks/common.py compile_only_device); "
                          "XLA's GEMMs untuned, as with autotuning off")
+    ap.add_argument("--ptxas", action="store_true",
+                    help="also each program's kernels' registers and spills, from ptxas -v on the PTX XLA compiled "
+                         "(benchmarks/common.py ptxas_report): the Pallas kernels, and any kernel that spills")
     args = ap.parse_args()
     env = environment()
     device = None
@@ -251,8 +259,12 @@ def main() -> None:
                 if prog not in args.programs:
                     continue
                 t0 = time.perf_counter()
-                with contextlib.nullcontext() if device is None else jax.default_device(device):
-                    text = lower().compile().as_text()
+                with contextlib.nullcontext() if device is None else jax.default_device(device), \
+                        tempfile.TemporaryDirectory() as dump:
+                    text = lower().compile({"xla_dump_to": dump} if args.ptxas else None).as_text()
+                    if args.ptxas:
+                        row[f"{prog}_ptxas"] = {k: v for k, v in ptxas_report(dump).items()
+                                                if v.get("spill_stores") or not k.startswith(_XLA_KERNEL)}
                 row[f"{prog}_compile_s"] = round(time.perf_counter() - t0, 2)
                 row[prog] = summarize(text, args.by_scope)
                 if args.dump_hlo:
@@ -270,6 +282,12 @@ def main() -> None:
     def cell(r, key, fmt="7d"):
         v = r[key]["kernels"] if isinstance(r.get(key), dict) else r.get(key)
         return format(v, fmt) if v is not None else f"{'-':>7}"
+
+    for r in rows if args.ptxas else []:
+        for prog in args.programs:
+            for kernel, use in sorted(r.get(f"{prog}_ptxas", {}).items()):
+                print(f"{r['model']} B={r['batch']} {prog}: {kernel}: {use.get('registers')} registers, "
+                      f"{use.get('spill_stores', 0)} B spill stores, {use.get('spill_loads', 0)} B spill loads")
 
     for r in rows if args.by_scope is not None else []:
         for prog in args.programs:
