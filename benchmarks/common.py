@@ -210,28 +210,35 @@ _PTXAS_USE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d
                         r"|Used (\d+) registers")
 
 
-def ptxas_report(dump_dir: str) -> dict[str, dict[str, int]]:
+def ptxas_report(dump_dir: str) -> dict[str, dict]:
     """Registers and spills of every GPU kernel whose PTX XLA dumped into `dump_dir` (`compile({"xla_dump_to":
     dir})`), by entry name, from `ptxas -v` for the PTX's own target: what a kernel costs in registers is known
-    before it runs, so a change that makes one spill shows here, without a GPU. Needs ptxas (JAX's CUDA plugin
-    brings it as nvidia-cuda-nvcc) or one on PATH."""
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        try:
-            import nvidia.cuda_nvcc  # the CUDA plugin's compiler package
+    before it runs, so a change that makes one spill shows here, without a GPU. Takes the ptxas of JAX's CUDA
+    plugin (nvidia-cuda-nvcc, the one XLA compiles with), else one on PATH. A file ptxas rejects is reported under
+    its own name with the error."""
+    try:
+        import nvidia.cuda_nvcc  # the CUDA plugin's compiler package
 
-            ptxas = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
-        except ImportError as e:
-            raise RuntimeError("ptxas_report needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put it on PATH") from e
-    out: dict[str, dict[str, int]] = {}
+        ptxas = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+    except ImportError:
+        ptxas = shutil.which("ptxas")
+    if ptxas is None or not os.path.exists(ptxas):
+        raise RuntimeError("ptxas_report needs ptxas: pip install nvidia-cuda-nvcc-cu12, or put it on PATH")
+    out: dict[str, dict] = {}
     for name in sorted(os.listdir(dump_dir)):
         if not name.endswith(".ptx"):
             continue
         path = os.path.join(dump_dir, name)
         with open(path) as f:
-            target = re.search(r"^\.target\s+(\w+)", f.read(), re.M)
+            ptx = f.read()
+        if ".entry" not in ptx:  # XLA writes an empty file for a module part that has no kernel
+            continue
+        target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
         proc = subprocess.run([ptxas, f"-arch={target.group(1) if target else 'sm_90a'}", "-v", path, "-o",
-                               os.devnull], capture_output=True, text=True, check=True)
+                               os.devnull], capture_output=True, text=True)
+        if proc.returncode:
+            out[name] = {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+            continue
         entry = None
         for line in proc.stderr.splitlines():
             m = _PTXAS_ENTRY.search(line)

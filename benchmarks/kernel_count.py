@@ -264,7 +264,8 @@ def main() -> None:
                     text = lower().compile({"xla_dump_to": dump} if args.ptxas else None).as_text()
                     if args.ptxas:
                         row[f"{prog}_ptxas"] = {k: v for k, v in ptxas_report(dump).items()
-                                                if v.get("spill_stores") or not k.startswith(_XLA_KERNEL)}
+                                                if v.get("spill_stores") or "error" in v
+                                                or not k.startswith(_XLA_KERNEL)}
                 row[f"{prog}_compile_s"] = round(time.perf_counter() - t0, 2)
                 row[prog] = summarize(text, args.by_scope)
                 if args.dump_hlo:
@@ -286,8 +287,9 @@ def main() -> None:
     for r in rows if args.ptxas else []:
         for prog in args.programs:
             for kernel, use in sorted(r.get(f"{prog}_ptxas", {}).items()):
-                print(f"{r['model']} B={r['batch']} {prog}: {kernel}: {use.get('registers')} registers, "
-                      f"{use.get('spill_stores', 0)} B spill stores, {use.get('spill_loads', 0)} B spill loads")
+                print(f"{r['model']} B={r['batch']} {prog}: {kernel}: " + (use["error"] if "error" in use else
+                      f"{use.get('registers')} registers, {use.get('spill_stores', 0)} B spill stores, "
+                      f"{use.get('spill_loads', 0)} B spill loads"))
 
     for r in rows if args.by_scope is not None else []:
         for prog in args.programs:
