@@ -44,18 +44,20 @@ def triton_calls(text: str) -> int:
 def test_the_device_compiled_for_is_the_default_device(monkeypatch):
     """Kernel choices and tilings follow `jax.default_device`, so that under a compile-only GPU device (benchmarks/
     common.py compile_only_device, which CI's CPU install cannot make) a machine without a GPU traces the GPU's
-    programs. Here the backend's first device is a stand-in H200 and the CPU is the default device."""
-    cpu = jax.devices("cpu")[0]
+    programs. Here the backend's first device is a stand-in H200 and the default device the suite's own (the CPU,
+    or the GPU where BUILD.md's GPU suite runs, which has no CPU backend)."""
+    real = jax.devices()[0]
     h200 = type("Device", (), dict(platform="gpu", compute_capability="9.0", core_count=132, device_kind="H200"))
     real_devices = jax.devices
     monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend) if backend else [h200])
     assert db.target_device() is h200 and db.on_gpu()
     assert db.default_budget() == db.GpuBudget(227 * 1024, 132, "H200")
-    with jax.default_device(cpu):
-        assert db.target_device() is cpu and not db.on_gpu()
-        assert db.default_budget() == db.HOPPER  # off the GPU: the H200's budget
-    with jax.default_device("cpu"):
-        assert db.target_device() is cpu
+    with jax.default_device(real):
+        assert db.target_device() is real and db.on_gpu() == (real.platform != "cpu")
+        # off the GPU: the H200's budget
+        assert db.default_budget() == (db.budget_of(real) if db.on_gpu() else db.HOPPER)
+    with jax.default_device(real.platform):
+        assert db.target_device() is real
     a100 = type("Device", (), dict(platform="cuda", compute_capability="8.0", core_count=108, device_kind="A100"))
     assert db.is_gpu(a100) and db.budget_of(a100) == db.GpuBudget(163 * 1024, 108, "A100")
 
