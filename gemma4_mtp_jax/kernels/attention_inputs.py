@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import on_gpu
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, load, store
 
 Array = jax.Array
 
@@ -126,20 +127,6 @@ def attention_inputs_reference(q: Array, k: Array | None, v: Array | None, q_nor
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _load(ref, mask):
-    """ref[...] (an indexed ref) with the lanes where `mask` is False never read (zeros)."""
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.load(ref, mask=mask, other=0)
-
-
-def _store(ref, value, mask):
-    """ref[...] = value where `mask` holds; other lanes are never written."""
-    from jax.experimental.pallas import triton as pltriton
-
-    pltriton.store(ref, value.astype(ref.dtype), mask=mask)
-
-
 def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None):
     """One program: token n, head h. x_ref [N, C] holds the token's projections side by side: q heads, then (for
     a layer that stores K/V) k heads, then v heads (none where V is the raw K: v_col is None). A row's two halves
@@ -158,17 +145,17 @@ def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None):
     # of the same store: the first half's point into the second half, the second half's into the first.
     first, second = lanes, jnp.where(live, half + lanes, lanes - half)
     dtype = x_ref.dtype
-    ang = pos_ref[n].astype(jnp.float32) * _load(freq_ref.at[jnp.minimum(lanes, half - 1)], live)
+    ang = pos_ref[n].astype(jnp.float32) * load(freq_ref.at[jnp.minimum(lanes, half - 1)], live)
     cos, sin = jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
 
     def normed(col, weight_ref):  # the two halves of row [col, col + D), RMSNorm'ed, in dtype
-        a = _load(x_ref.at[n, col + first], live).astype(jnp.float32)
-        b = _load(x_ref.at[n, col + second], live).astype(jnp.float32)
+        a = load(x_ref.at[n, col + first], live).astype(jnp.float32)
+        b = load(x_ref.at[n, col + second], live).astype(jnp.float32)
         r = jax.lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / D + eps)
         a, b = a * r, b * r
         if weight_ref is not None:
-            a = a * _load(weight_ref.at[first], live).astype(jnp.float32)
-            b = b * _load(weight_ref.at[second], live).astype(jnp.float32)
+            a = a * load(weight_ref.at[first], live).astype(jnp.float32)
+            b = b * load(weight_ref.at[second], live).astype(jnp.float32)
         return a.astype(dtype), b.astype(dtype)
 
     def roped(a, b):  # x * cos + rotate_half(x) * sin, rotate_half(x) = [-b, a]
@@ -177,8 +164,8 @@ def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None):
     @pl.when(h < nH)
     def _query():
         a, b = roped(*normed(h * D, q_norm_ref))
-        _store(q_ref.at[n, h, first], a, live)
-        _store(q_ref.at[n, h, second], b, live)
+        store(q_ref.at[n, h, first], a, live)
+        store(q_ref.at[n, h, second], b, live)
 
     if nKV:
         @pl.when(h >= nH)
@@ -186,23 +173,15 @@ def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None):
             j = h - nH
             slot_page, slot = page_ref[n], offset_ref[n]
             a, b = roped(*normed(nH * D + j * D, k_norm_ref))
-            _store(k_out.at[j, slot_page, slot, first], a, live)
-            _store(k_out.at[j, slot_page, slot, second], b, live)
+            store(k_out.at[j, slot_page, slot, first], a, live)
+            store(k_out.at[j, slot_page, slot, second], b, live)
             a, b = normed((nH * D + j * D) if v_col is None else v_col + j * D, None)
-            _store(v_out.at[j, slot_page, slot, first], a, live)
-            _store(v_out.at[j, slot_page, slot, second], b, live)
+            store(v_out.at[j, slot_page, slot, first], a, live)
+            store(v_out.at[j, slot_page, slot, second], b, live)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _compiler_params(interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=1, num_stages=1)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"), donate_argnames=("pages",))
@@ -237,7 +216,7 @@ def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages
         grid=(N, nH + nKV),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=_compiler_params(interpret),
+        compiler_params=compiler_params(1, interpret=interpret),
         interpret=interpret,
         name=f"attention_inputs_h{nH}_kv{nKV}_d{D}",
     )(*args)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import on_gpu
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split_matmul, with_reference_vjp
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot_t, load, store
 
 Array = jax.Array
 
@@ -109,25 +110,6 @@ def feed_forward_block_reference(a: Array | SplitSum, residual: Array, post_atte
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _load(ref, mask):
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.load(ref, mask=mask, other=0)
-
-
-def _store(ref, value, mask):
-    from jax.experimental.pallas import triton as pltriton
-
-    pltriton.store(ref, value.astype(ref.dtype), mask=mask)
-
-
-def _dot_t(a: Array, b: Array) -> Array:
-    """a @ b.T, float32 accumulation (float32 operands at full precision, not TF32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-
-
 def _normed(x: Array, w: Array, eps: float, dtype) -> Array:
     """rms_norm of each row of float32 x [R, H]: float32, times the weight, rounded to dtype."""
     r = lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
@@ -147,30 +129,22 @@ def _kernel(a_ref, res_ref, wpa_ref, wpf_ref, gate_ref, up_ref, down_ref, x_ref,
     live = jnp.broadcast_to((rows < M)[:, None], (BLOCK_ROWS, H))
     at = (rows[:, None], cols[None, :])
 
-    acc = _load(a_ref.at[(0, *at)], live).astype(jnp.float32)
+    acc = load(a_ref.at[(0, *at)], live).astype(jnp.float32)
     for i in range(1, S_a):
-        acc = acc + _load(a_ref.at[(i, *at)], live).astype(jnp.float32)
+        acc = acc + load(a_ref.at[(i, *at)], live).astype(jnp.float32)
     o = acc.astype(dtype).astype(jnp.float32)
-    x = (_load(res_ref.at[at], live).astype(jnp.float32)
+    x = (load(res_ref.at[at], live).astype(jnp.float32)
          + _normed(o, wpa_ref[...], eps, dtype).astype(jnp.float32)).astype(dtype)
 
     @pl.when(s == 0)
     def _():
-        _store(x_ref.at[at], x, live)
+        store(x_ref.at[at], x, live)
 
     m = _normed(x.astype(jnp.float32), wpf_ref[...], eps, dtype)  # [16, H]
-    g = _dot_t(m, gate).astype(dtype)  # [16, CHUNK]
-    u = _dot_t(m, up).astype(dtype)
+    g = dot_t(m, gate).astype(dtype)  # [16, CHUNK]
+    u = dot_t(m, up).astype(dtype)
     h = (_gelu_tanh(g.astype(jnp.float32)).astype(dtype).astype(jnp.float32) * u.astype(jnp.float32)).astype(dtype)
-    _store(p_ref.at[(s, *at)], _dot_t(h, down), live)
-
-
-def _compiler_params(interpret: bool, num_warps: int):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    store(p_ref.at[(s, *at)], dot_t(h, down), live)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "eps", "splits", "num_warps", "interpret"))
@@ -191,7 +165,7 @@ def _block_pallas(a_parts, residual, wpa, wpf, gate, up, down, *, dtype, eps: fl
                   pl.BlockSpec((H, chunk), lambda s: (0, s))],
         out_specs=[whole((M, H)), whole((splits, M, H))],
         out_shape=[jax.ShapeDtypeStruct((M, H), dtype), jax.ShapeDtypeStruct((splits, M, H), jnp.float32)],
-        compiler_params=_compiler_params(interpret, num_warps),
+        compiler_params=compiler_params(num_warps, interpret=interpret),
         interpret=interpret,
         name=f"feed_forward_block_h{H}_s{splits}",
     )(a, residual.reshape(M, H), wpa, wpf, gate, up, down)

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import default_budget, on_gpu
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
 
@@ -163,33 +164,6 @@ def kernel_config(num_rows: int, num_groups: int, out_features: int, in_features
     return KernelConfig(block_rows, block_out, block_in, num_warps=4, num_stages=stages)
 
 
-def _triton_compiler_params(num_warps: int, num_stages: int):
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _masked_load(ref, mask, other):
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.load(ref, mask=mask, other=other)
-
-
-def _masked_store(ref, value, mask):
-    from jax.experimental.pallas import triton as pltriton
-
-    pltriton.store(ref, value, mask=mask)
-
-
-def _dot_t(a, b):
-    """a @ b.T with float32 accumulation."""
-    from jax.experimental.pallas import triton as pltriton
-
-    dot = getattr(pltriton, "dot", None) or pl.dot
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return dot(a, b, trans_b=True, precision=precision)
-
-
 def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_group: int, in_features: int,
             out_features: int, glu_half: int | None, block_rows: int, block_out: int, block_in: int):
     """One program: the rows of one tile times one block of output columns of the tile's group.
@@ -212,13 +186,13 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_grou
         def body(i, accs):
             k = i * block_in + k_offs
             live_k = k < in_features
-            a = _masked_load(x_ref.at[rows[:, None], k[None, :]], live_rows[:, None] & live_k[None, :], 0)
+            a = load(x_ref.at[rows[:, None], k[None, :]], live_rows[:, None] & live_k[None, :], 0)
             wmask = live_n[:, None] & live_k[None, :]
-            b = _masked_load(w_ref.at[w_rows[:, None], k[None, :]], wmask, 0)
-            new = [accs[0] + _dot_t(a, b)]
+            b = load(w_ref.at[w_rows[:, None], k[None, :]], wmask, 0)
+            new = [accs[0] + dot(a, b, trans_b=True)]
             if glu_half is not None:
-                u = _masked_load(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, 0)
-                new.append(accs[1] + _dot_t(a, u))
+                u = load(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, 0)
+                new.append(accs[1] + dot(a, u, trans_b=True))
             return tuple(new)
 
         n_acc = 2 if glu_half is not None else 1
@@ -231,7 +205,7 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_grou
             y = _gelu_tanh(gate) * up
         else:
             y = accs[0]
-        _masked_store(o_ref.at[rows[:, None], n[None, :]], y.astype(dt), live_rows[:, None] & live_n[None, :])
+        store(o_ref.at[rows[:, None], n[None, :]], y.astype(dt), live_rows[:, None] & live_n[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("glu", "interpret", "config"))
@@ -250,7 +224,7 @@ def _grouped_matmul_pallas(x, w, tiles: RowTiles, *, glu: bool, interpret: bool,
         in_specs=[whole((T,)), whole((T,)), whole((T,)), whole((M, I)), whole((G * O, I))],
         out_specs=whole((M, n_out)),
         out_shape=jax.ShapeDtypeStruct((M, n_out), x.dtype),
-        compiler_params=_triton_compiler_params(config.num_warps, config.num_stages),
+        compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=f"grouped_matmul{'_glu' if glu else ''}_r{config.block_rows}_o{config.block_out}",
     )(tiles.group, tiles.start, tiles.end, x, w.astype(x.dtype).reshape(G * O, I))

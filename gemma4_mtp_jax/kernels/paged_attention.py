@@ -27,8 +27,8 @@ Two implementations with the same signature:
 the device's budget (`device_budget.py`); where none fits, the XLA path runs instead, with one log line.
 
 Backend notes. The kernel is lowered through Pallas' Triton backend (selected by passing Triton `CompilerParams`;
-deprecated since JAX 0.11 but present in 0.11.2). Everything backend-specific sits in `_triton_compiler_params`,
-`_masked_load` (a predicated gather: the page-table entry and the K/V rows of each key) and `_dot`; the loop
+deprecated since JAX 0.11 but present in 0.11.2). Everything backend-specific sits in `triton_ops` (`compiler_params`,
+`load`: a predicated gather of the page-table entry and the K/V rows of each key, and `dot`); the loop
 bounds, masking and online softmax are plain jnp. A Mosaic GPU variant would keep those and replace the
 per-key gather by one `copy_gmem_to_smem` per page (H200 has no TMA gather) feeding 64-row wgmma tiles.
 """
@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
 log = logging.getLogger(__name__)
@@ -239,34 +240,6 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
     return KernelConfig(int(br), int(bk), int(k_splits), int(warps()), int(st))
 
 
-def _triton_compiler_params(num_warps: int, num_stages: int):
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _masked_load(ref, mask, other):
-    """ref[...] with lanes where `mask` is False never read (they give `other`)."""
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.load(ref, mask=mask, other=other)
-
-
-def _masked_store(ref, val, mask):
-    """ref[...] = val where `mask` holds; other lanes are never written."""
-    from jax.experimental.pallas import triton as pltriton
-
-    pltriton.store(ref, val, mask=mask)
-
-
-def _dot(a, b, trans_b=False):
-    """a @ b (or a @ b.T) with float32 accumulation."""
-    from jax.experimental.pallas import triton as pltriton
-
-    dot = getattr(pltriton, "dot", None) or pl.dot
-    return dot(a, b, trans_b=trans_b, precision=_precision(a.dtype))
-
-
 def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int, block_k: int,
                             window: int | None, ring_slots: int | None, ring_pages: int | None,
                             table_width: int, k_splits: int, block_rows: int, q_len: int, num_heads: int,
@@ -290,8 +263,8 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
     t = j // group
     q_row = (b * q_len + t) * num_heads + h * group + j % group  # [R] rows of q (and of the output)
     cols = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[-1]), 1)
-    pos = _masked_load(pos_ref.at[b * q_len + t], real, -1)
-    q = _masked_load(q_ref.at[q_row[:, None], cols], real[:, None], 0)
+    pos = load(pos_ref.at[b * q_len + t], real, -1)
+    q = load(q_ref.at[q_row[:, None], cols], real[:, None], 0)
     rows, D = q.shape
 
     # Visible key range of the block's rows: [lo, hi]. All-padding blocks get an empty range.
@@ -324,13 +297,13 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
             slot = logical_page % ring_pages
         else:
             slot = jnp.minimum(logical_page, table_width - 1)
-        page = _masked_load(table_ref.at[slot], live, 0)
+        page = load(table_ref.at[slot], live, 0)
         kv_row = (page * page_size + kpos % page_size)[:, None]
         # Gather [bk, D] through two integer indexers (rows, columns): the interpreter cannot mix an integer
         # array with a slice, the Triton lowering turns either form into the same pointer arithmetic.
-        k = _masked_load(k_ref.at[kv_row, cols], live[:, None], 0)
-        v = _masked_load(v_ref.at[kv_row, cols], live[:, None], 0)
-        s = _dot(q, k, trans_b=True)  # [R, bk] f32
+        k = load(k_ref.at[kv_row, cols], live[:, None], 0)
+        v = load(v_ref.at[kv_row, cols], live[:, None], 0)
+        s = dot(q, k, trans_b=True)  # [R, bk] f32
         vis = (kpos[None, :] <= pos[:, None]) & live[None, :]
         if lo_win is not None:
             vis &= kpos[None, :] > lo_win[:, None]
@@ -339,7 +312,7 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
         alpha = jnp.exp(m - m_new)
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        pv = _dot(p.astype(v.dtype), v)  # [R, D] f32
+        pv = dot(p.astype(v.dtype), v)  # [R, D] f32
         acc = acc * alpha[:, None] + pv
         return acc, m_new, l
 
@@ -357,11 +330,7 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
         m_ref[...] = m
         l_ref[...] = l
     else:
-        _masked_store(o_ref.at[q_row[:, None], cols], o, real[:, None])
-
-
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+        store(o_ref.at[q_row[:, None], cols], o, real[:, None])
 
 
 def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, k_splits: int, splits_pow2: int, padded_rows: int, batch: int,
@@ -377,10 +346,10 @@ def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, k_splits: int, splits_pow2: i
     live = s < k_splits
     row = (b * kv_heads + h) * padded_rows + j  # this row in a split's [B * nKV * R] rows
     zero = jnp.zeros((1, 1), jnp.int32)
-    m = _masked_load(m_ref.at[s, zero + row], live, _NEG)  # [Sp, 1]
-    l = _masked_load(l_ref.at[s, zero + row], live, 0.0)
+    m = load(m_ref.at[s, zero + row], live, _NEG)  # [Sp, 1]
+    l = load(l_ref.at[s, zero + row], live, 0.0)
     cols = c * block_d + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)  # [1, bd]
-    o = _masked_load(o_ref.at[s * (batch * kv_heads * padded_rows) + row, cols], live, 0)  # [Sp, bd]
+    o = load(o_ref.at[s * (batch * kv_heads * padded_rows) + row, cols], live, 0)  # [Sp, bd]
     w = jnp.exp(m - jnp.max(m)) * l  # each split's share of the softmax mass, unnormalized
     total = jnp.sum(w)
     out = jnp.sum(w * o.astype(jnp.float32), axis=0, keepdims=True)  # [1, bd]
@@ -409,7 +378,7 @@ def _merge_splits_pallas(o: Array, m: Array, l: Array, *, q_len: int, num_heads:
                   pl.BlockSpec((S * B * nKV * R, D), whole)],
         out_specs=pl.BlockSpec((B * q_len * num_heads, D), whole),
         out_shape=jax.ShapeDtypeStruct((B * q_len * num_heads, D), dtype),
-        compiler_params=_triton_compiler_params(4, 1),
+        compiler_params=compiler_params(4, 1),
         interpret=interpret,
         name=f"paged_attention_merge_s{S}",
     )(m.reshape(S, B * nKV * R), l.reshape(S, B * nKV * R), o.reshape(S * B * nKV * R, D))
@@ -472,7 +441,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_triton_compiler_params(config.num_warps, config.num_stages),
+        compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=f"paged_attention_r{br}_k{config.block_k}_s{S}",
     )(pos, table, qf, kf, vf)

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params
 
 Array = jax.Array
 
@@ -184,14 +185,6 @@ def _gelu_gate_kernel(p_ref, idx_ref, mul_ref, g_ref, *, S: int, N: int):
         g_ref[m, pl.ds(c * C, C)] = (act.astype(jnp.float32) * mul.astype(jnp.float32)).astype(dtype)
 
 
-def _compiler_params(interpret: bool, N: int):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=4 if N <= 2048 else 8, num_stages=1)
-
-
 def _rows(partials: Array) -> tuple[Array, tuple[int, ...], int]:
     """The partials [S, ..., N] as [S, M, N] with M the flattened leading dims, those dims, and N."""
     S, *lead, N = partials.shape
@@ -210,7 +203,7 @@ def _add_normed_pallas(partials, residual, weight, next_weight, scale, *, dtype,
         kernel,
         grid=(M,),
         out_shape=[out] if next_weight is None else [out, out],
-        compiler_params=_compiler_params(interpret, N),
+        compiler_params=compiler_params(4 if N <= 2048 else 8, interpret=interpret),
         interpret=interpret,
         name=f"split_k_add_normed_s{S}_n{N}",
     )(*args)
@@ -227,7 +220,7 @@ def _gelu_gate_pallas(partials, multiplier, index, *, dtype, interpret: bool):
         functools.partial(_gelu_gate_kernel, S=S, N=N),
         grid=(M,),
         out_shape=jax.ShapeDtypeStruct((M, N), dtype),
-        compiler_params=_compiler_params(interpret, N),
+        compiler_params=compiler_params(4 if N <= 2048 else 8, interpret=interpret),
         interpret=interpret,
         name=f"split_k_gelu_gate_s{S}_n{N}",
     )(p, jnp.reshape(index, (1,)).astype(jnp.int32), mul)
