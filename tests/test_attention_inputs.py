@@ -95,3 +95,18 @@ def test_bad_shapes_are_named():
         ai.attention_inputs_reference(**kw, eps=1e-6)
     with pytest.raises(ValueError, match="impl"):
         ai.prepare_attention_inputs(**kw, **paged, eps=1e-6, impl="cuda")
+
+
+@pytest.mark.parametrize("theta,factor,D", [(10000.0, 1.0, 256), (1e6, 1.0, 512), (1e6, 0.25, 512)])
+def test_rope_inv_freq_is_the_float32_rounding_of_its_definition(theta, factor, D):
+    """The inverse frequencies (a numpy constant in the model) within one float32 ulp of theta^(-2i/D) in float64,
+    zero past a proportional RoPE's rotated pairs."""
+    from gemma4_mtp_jax.config import RopeConfig
+    from gemma4_mtp_jax.model.layers import rope_inv_freq
+
+    got = rope_inv_freq(RopeConfig(theta=theta, partial_rotary_factor=factor), D)
+    n = int(factor * D // 2)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (D // 2,)
+    exact = theta ** (-np.arange(0, 2 * n, 2, dtype=np.float64) / D)
+    np.testing.assert_array_max_ulp(got[:n], exact.astype(np.float32), maxulp=1)
+    assert not got[n:].any()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
@@ -68,12 +69,16 @@ def scaled_embedding_lookup(table: Array, ids: Array, hidden_size: int) -> Array
     return jnp.take(table, ids, axis=0) * scale
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Array:
-    """Inverse frequencies [head_dim/2]. Proportional RoPE rotates only the first `factor*head_dim/2` pairs, with
-    frequencies of a full `head_dim` RoPE; the remaining pairs have frequency 0 (identity)."""
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] (float32). Proportional RoPE rotates only the first `factor*head_dim/2` pairs,
+    with frequencies of a full `head_dim` RoPE; the remaining pairs have frequency 0 (identity).
+
+    A numpy constant, not traced: XLA does not fold the traced power into a constant, and computed it in kernels of
+    its own in every step program. float32 throughout, as the traced form and transformers compute it."""
     n_rot = int(rope.partial_rotary_factor * head_dim // 2)
-    inv = 1.0 / rope.theta ** (jnp.arange(0, 2 * n_rot, 2, dtype=jnp.float32) / head_dim)
-    return jnp.concatenate([inv, jnp.zeros((head_dim // 2 - n_rot,), jnp.float32)])
+    exponent = np.arange(0, 2 * n_rot, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = np.float32(1.0) / np.power(np.float32(rope.theta), exponent)
+    return np.concatenate([inv, np.zeros((head_dim // 2 - n_rot,), np.float32)])
 
 
 class MLP(nn.Module):
