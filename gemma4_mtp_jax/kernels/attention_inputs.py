@@ -192,16 +192,17 @@ def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages
     for d in lead:
         N *= d
     nKV = 0 if k is None else k.shape[-2]
-    parts = [q.reshape(*lead, nH * D)]
+    parts = [q.reshape(N, nH * D)]
     v_col = None
     if k is not None:
-        parts.append(k.reshape(*lead, nKV * D).astype(q.dtype))
+        parts.append(k.reshape(N, nKV * D).astype(q.dtype))
         if v is not None:
             v_col = (nH + nKV) * D
-            parts.append(v.reshape(*lead, nKV * D).astype(q.dtype))
-    # One operand [N, C], concatenated along the projections' own last axis: XLA's dot merger computes q, k and v as
-    # one matmul, and a concatenation of its output's slices in order is that output again.
-    x = (jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).reshape(N, -1)
+            parts.append(v.reshape(N, nKV * D).astype(q.dtype))
+    # One operand [N, C]: XLA's dot merger computes q, k and v as one [N, C] matmul, and a concatenation of its
+    # output's slices in order is that output again, which XLA sees only when the slices are taken and joined as
+    # [N, .] (joined as [B, T, .], it copied the matmul's output in a kernel of its own in every owning layer).
+    x = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     flat = lambda a: jnp.reshape(a, (N,)).astype(jnp.int32)  # noqa: E731
     args = [flat(positions), x, q_norm, inv_freq.astype(jnp.float32)]
     out_shape = [jax.ShapeDtypeStruct((N, nH, D), q.dtype)]
