@@ -74,6 +74,9 @@ def test_kernel_matches_reference(dtype, lead, H, P, chunk, block_h, index):
     assert isinstance(got, sk.SplitSum) and got.dtype == jnp.dtype(dtype)
     assert got.partials.shape == want.partials.shape == (S, *lead, H) and got.partials.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got.partials), np.asarray(want.partials), **_tol(dtype))
+    if dtype == jnp.bfloat16:  # the rounding steps are the reference's: all but a few partials agree far closer
+        d = np.abs(np.asarray(got.partials) - np.asarray(want.partials))
+        assert np.mean(d > 1e-3 * (np.abs(np.asarray(want.partials)) + 1e-2)) < 0.1
     # What the residual kernel makes of the partials agrees too.
     np.testing.assert_allclose(np.asarray(sk.total(got), np.float32), np.asarray(sk.total(want), np.float32),
                                **_tol(dtype))
