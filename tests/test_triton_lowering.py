@@ -20,6 +20,7 @@ from gemma4_mtp_jax.kernels import device_budget as db
 from gemma4_mtp_jax.kernels import feed_forward as ff
 from gemma4_mtp_jax.kernels import grouped_matmul as gm
 from gemma4_mtp_jax.kernels import paged_attention as pa
+from gemma4_mtp_jax.kernels import per_layer_input as pli
 from gemma4_mtp_jax.kernels import split_k as sk
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowered by Triton becomes
@@ -127,6 +128,25 @@ def test_split_k_kernels_lower(rows, S):
         return sk.gelu_gate(sk.SplitSum(p, BF16), mult, jnp.int32(3), impl="pallas")
 
     assert triton_calls(lowered_for_cuda(gelu_gate, _spec((S, rows, 1, 256), F32), _spec((L, rows, 1, 256)))) == 1
+
+
+@pytest.mark.parametrize("rows", [2, 16, 80])
+@pytest.mark.parametrize("name,H,L", [("e2b", 1536, 35), ("e4b", 2560, 42)])
+def test_per_layer_input_lowers(name, H, L, rows, monkeypatch):
+    """E2B's / E4B's per-layer-input path (P = 256; H = 3 x 512 and 5 x 512, contracted in 512-wide blocks) at
+    decode, B = 16 decode and the B = 16 verify's 80 rows, at the planned tiling; the layer index a traced scalar."""
+    P = 256
+    monkeypatch.setattr(pli, "on_gpu", lambda: True)
+    tiling = pli.plan(rows, H, P, BF16)
+    assert tiling is not None, "the planner finds no tiling for a real shape"
+
+    def per_layer_input(x, gate_w, stack, index, proj_w):
+        return pli.per_layer_input(x, gate_w, stack, index, proj_w, **tiling._asdict()).partials
+
+    text = lowered_for_cuda(per_layer_input, _spec((rows, 1, H)), _spec((P, H)), _spec((L, rows, 1, P)),
+                            _spec((), I32), _spec((H, P)))
+    assert triton_calls(text) == 1
+    assert f"per_layer_input_h{H}_p{P}_c{tiling.chunk}_b{tiling.block_h}" in text
 
 
 @pytest.mark.parametrize("mode", ["q", "k", "kv"])
