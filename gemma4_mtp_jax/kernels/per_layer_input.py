@@ -29,7 +29,7 @@ another order than XLA's split-K GEMM did (float32 either way).
 
 `plan(rows, H, P, dtype)` is the kernel's `Tiling`, or None where the path keeps XLA's kernels (off the GPU, rows
 past MAX_ROWS, 4-byte activations, widths Triton's power-of-two blocks do not fit). Tensor parallelism is the
-decoder's to check: there the projections are sharded, and the gate's output is all-reduced.
+decoder's to check: XLA's SPMD partitioner cannot split a Pallas call, and the split-K path is off there too.
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ class DecoderLayer(nn.Module):
             # The checkpoint's Linear modules, read as bare weights (same names, [out, in]) for the kernel.
             gate_w = Weight((P, H), pd, name="per_layer_input_gate")()
             proj_w = Weight((H, P), pd, name="per_layer_projection")()
-            # Under tensor parallelism both projections are sharded and the gate's output all-reduced: XLA's path.
+            # Under tensor parallelism XLA's path, as for every split-K projection: the SPMD partitioner cannot split
+            # a Pallas call (the per-layer weights are replicated, but no device has run the kernel under a mesh).
             tiling = None if not self.split_k or tensor_parallel_size() > 1 else pli.plan(
                 math.prod(x.shape[:-1]), H, P, x.dtype)
             if tiling is not None:  # gate, GELU x the layer's input and the projection's partials in one kernel
