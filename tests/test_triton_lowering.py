@@ -18,6 +18,7 @@ from gemma4_mtp_jax.kernels import attention_inputs as ai
 from gemma4_mtp_jax.kernels import centroid_head as ch
 from gemma4_mtp_jax.kernels import device_budget as db
 from gemma4_mtp_jax.kernels import feed_forward as ff
+from gemma4_mtp_jax.kernels import gate_up as gu
 from gemma4_mtp_jax.kernels import grouped_matmul as gm
 from gemma4_mtp_jax.kernels import paged_attention as pa
 from gemma4_mtp_jax.kernels import per_layer_input as pli
@@ -109,6 +110,20 @@ def test_feed_forward_block_lowers(B):
     args = (_spec((parts, B, 1, H), F32), _spec((B, 1, H)), _spec((H,)), _spec((H,)), _spec((I, H)),
             _spec((I, H)), _spec((H, I)))
     assert triton_calls(lowered_for_cuda(block, *args)) == 1
+
+
+@pytest.mark.parametrize("rows", [2, 16, 80])
+@pytest.mark.parametrize("H,I", [(1536, 6144), (1536, 12288), (2560, 10240)], ids=["e2b", "e2b_wide", "e4b"])
+def test_gate_up_lowers(H, I, rows, monkeypatch):
+    """E2B's MLP (H = 3 x 512; I 6144, 12288 in its double-wide layers) and E4B's (H = 5 x 512): decode, B = 16
+    decode, a B = 16 verify of k = 4; at the plan's tiling and the widest blocks the probe sweeps."""
+    monkeypatch.setattr(gu, "on_gpu", lambda: True)
+    tiling = gu.plan(rows, H, I, BF16)
+    assert tiling is not None
+    for t in (tiling, gu.Tiling(64, 512, 8, 3)):
+        text = lowered_for_cuda(lambda x, g, u, t=t: gu.gate_up(x, g, u, tiling=t), _spec((rows, 1, H)),
+                                _spec((I, H)), _spec((I, H)))
+        assert triton_calls(text) == 1
 
 
 @pytest.mark.parametrize("rows,S", [(2, 8), (16, 16), (80, 4)])

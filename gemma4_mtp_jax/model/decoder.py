@@ -12,6 +12,7 @@ from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels import per_layer_input as pli
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
+from gemma4_mtp_jax.kernels.gate_up import plan as plan_gate_up
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits, split_matmul
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
@@ -116,7 +117,10 @@ class DecoderLayer(nn.Module):
         else:
             x, mlp_input = add_normed(a, residual, post_attention, eps=eps, next_weight=pre_feedforward)
             splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H, self.split_k)
-            f = mlp(mlp_input, splits)
+            # gelu(gate) * up in the GEMM's kernel; tensor parallelism shards gate and up: XLA's path.
+            tiling = None if tensor_parallel_size() > 1 else plan_gate_up(
+                math.prod(mlp_input.shape[:-1]), H, lc.intermediate_size, mlp_input.dtype)
+            f = mlp(mlp_input, splits, tiling)
         residual = x
         if cfg.enable_moe_block:
             weights, idx = Router(cfg.num_experts, cfg.top_k_experts, eps, pd, name="router")(residual)
