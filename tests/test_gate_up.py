@@ -125,7 +125,7 @@ def test_plan(monkeypatch):
 
 def test_tiny_target_same_logits_with_the_kernel(tiny_ckpts, jax_models, monkeypatch):
     """The e2b tiny target (H 64, I 128 and 256 in its double-wide layers) with every MLP through the kernel
-    (interpret mode off the GPU; float32, so the plan is forced) gives the logits it gives without."""
+    (interpret mode off the GPU; float32, so the plan is forced; two steps of H) gives the logits it gives without."""
     import hf_tiny
 
     target = jax_models.target(tiny_ckpts["e2b"]["target"], "float32")
@@ -145,8 +145,9 @@ def test_tiny_target_same_logits_with_the_kernel(tiny_ckpts, jax_models, monkeyp
         calls.append(kw["tiling"])
         return gu.gate_up(*a, **kw, interpret=INTERPRET)
 
-    monkeypatch.setattr(decoder, "plan_gate_up", lambda rows, H, I, dtype: gu.Tiling(16, 64, 4, 2))
+    monkeypatch.setattr(decoder, "plan_gate_up", lambda rows, H, I, dtype: gu.Tiling(16, 32, 4, 2))
     monkeypatch.setattr(ff, "gate_up", kernel)
     got = logits()
     assert len(calls) == target.config.num_layers, calls
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # float32 sums in another order through 8 layers: the parity tests' 1e-4 (logits of a few units)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
