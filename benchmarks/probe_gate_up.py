@@ -14,7 +14,7 @@ kernel's; XLA's GEMM + fusion, taken as XLA's busy time less down_proj's GEMM as
 its TB/s, and one verdict line per rows value. Writes $OUT/probe_gate_up.json when $OUT is set.
 
 The verdict lines decide kernels/gate_up.py's defaults: rows 2 and 16 BLOCK_N, BLOCK_K, NUM_WARPS and NUM_STAGES,
-rows 80 BLOCK_N_MANY_ROWS (and whether a verify's rows should take the kernel at all).
+rows 80 whether a verify's rows should take the kernel at all.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def test_plan(monkeypatch):
     monkeypatch.setattr(gu, "on_gpu", lambda: True)
     e2b = gu.plan(2, 1536, 6144, bf16)  # E2B: H = 3 x 512, steps of the default block_k
     assert e2b == gu.Tiling(gu.BLOCK_N, gu.BLOCK_K, gu.NUM_WARPS, gu.NUM_STAGES) and 1536 % e2b.block_k == 0
-    assert gu.plan(80, 1536, 12288, bf16).block_n == gu.BLOCK_N_MANY_ROWS  # a verify's rows, a double-wide layer
+    assert gu.plan(80, 1536, 12288, bf16) == e2b  # a verify's rows, a double-wide layer
     assert gu.plan(128, 2560, 10240, bf16) is not None  # E4B: 105 MB of gate + up
     assert gu.plan(4, 2816, 2112, bf16).block_k == 256  # 26B-A4B's dense MLP: H = 11 x 256
     assert gu.plan(4, 1024, 8192, bf16) is not None  # the 31B drafter

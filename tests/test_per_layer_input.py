@@ -116,14 +116,10 @@ def test_plan(monkeypatch):
     monkeypatch.setattr(pli, "on_gpu", lambda: False)
     assert pli.plan(2, 1536, 256, jnp.bfloat16) is None
     monkeypatch.setattr(pli, "on_gpu", lambda: True)
-    e2b = pli.Tiling(pli.CHUNK, pli.BLOCK_H, pli.NUM_WARPS)
+    e2b = pli.Tiling(pli.CHUNK, pli.BLOCK_H, pli.NUM_WARPS)  # E2B: 16 chunks x 6 column blocks
     assert pli.plan(2, 1536, 256, jnp.bfloat16) == e2b  # E2B: 8 chunks x 3 column blocks
-    assert pli.plan(16, 1536, 256, jnp.bfloat16) == e2b
-    many_rows = e2b._replace(num_warps=pli.NUM_WARPS_MANY_ROWS)  # more warps past one row block: no spills
-    assert pli.plan(17, 1536, 256, jnp.bfloat16) == many_rows
-    assert pli.plan(80, 2560, 256, jnp.bfloat16) == many_rows  # E4B's B = 16 verify: 8 x 5
-    assert pli.plan(pli.MAX_ROWS, 1536, 256, jnp.bfloat16) == many_rows
-    assert pli.plan(pli.MAX_ROWS + 1, 1536, 256, jnp.bfloat16) is None  # prefill: XLA's GEMMs
+    assert pli.plan(16, 2560, 256, jnp.bfloat16) == e2b  # E4B
+    assert pli.plan(pli.PLAN_MAX_ROWS + 1, 1536, 256, jnp.bfloat16) is None  # a verify's rows: XLA's GEMMs
     assert pli.plan(2, 1536, 256, jnp.float32) is None  # float32 keeps XLA's exact path
     assert pli.plan(2, 96, 16, jnp.bfloat16) == pli.Tiling(16, 32, pli.NUM_WARPS)  # blocks shrink to the widths
     assert pli.plan(2, 1544, 256, jnp.bfloat16) is None  # 1544 = 8 x 193: no power-of-two block >= 16

@@ -47,11 +47,10 @@ MAX_ROWS = 128
 # E2B's double-wide layers (2 x 12288 x 1536 x 2 B = 75 MiB) and E4B's 105 MB take the kernel; 31B's target MLP
 # (441 MiB) streams for ~140 us, where one elementwise kernel less is noise: XLA's autotuned GEMM keeps it.
 MAX_WEIGHT_BYTES = 128 << 20
-# Default tiling; benchmarks/probe_gate_up.py sweeps these. block_n 16 gives E2B (I = 6144) 384 programs, about three
-# per SM of 132, one wave. Each program reads all of x once per column block: past a row block that traffic (from L2)
-# rivals the weights' (x [80, H] against 2 x [16, H] of weights), so more rows take wider column blocks.
-BLOCK_N = 16
-BLOCK_N_MANY_ROWS = 32
+# Default tiling; benchmarks/probe_gate_up.py sweeps these. Run 127 (H100, 8 E2B MLPs, pipelined us a layer of the
+# MLP): 32 columns a program 26.2 / 27.9 / 42.8 at 2 / 16 / 80 rows, 16 columns 29.5 / 29.0 / 50.5, 64 columns 26.0 /
+# 27.6 / (past shared memory at 80 rows), XLA's GEMM and fusion 35.1 / 29.6 / 46.4.
+BLOCK_N = 32
 BLOCK_K = 256  # a step's weights, 2 x 16 x 256 x 2 B = 16 KiB, a few in flight per program cover HBM's latency
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -87,7 +86,7 @@ def plan(rows: int, H: int, I: int, dtype) -> Tiling | None:
     if not 1 <= rows <= MAX_ROWS or itemsize != 2 or 2 * I * H * itemsize > MAX_WEIGHT_BYTES:
         return None
     block_k = min(BLOCK_K, H & -H)  # 1536 = 3 x 512: the largest power of two dividing H
-    block_n = min(BLOCK_N if rows <= BLOCK_ROWS else BLOCK_N_MANY_ROWS, I & -I)
+    block_n = min(BLOCK_N, I & -I)
     if block_k < 16 or block_n < 16:
         return None
     tiling = Tiling(block_n, block_k, NUM_WARPS, NUM_STAGES)

@@ -28,7 +28,7 @@ with the stack's row rounded once; each partial is a float32 dot over its chunk.
 another order than XLA's split-K GEMM did (float32 either way).
 
 `plan(rows, H, P, dtype)` is the kernel's `Tiling`, or None where the path keeps XLA's kernels (off the GPU, rows
-past MAX_ROWS, 4-byte activations, widths Triton's power-of-two blocks do not fit). Tensor parallelism is the
+past PLAN_MAX_ROWS, 4-byte activations, widths Triton's power-of-two blocks do not fit). Tensor parallelism is the
 decoder's to check: XLA's SPMD partitioner cannot split a Pallas call, and the split-K path is off there too.
 """
 
@@ -52,17 +52,18 @@ Array = jax.Array
 __all__ = ["Tiling", "plan", "per_layer_input", "per_layer_input_reference"]
 
 BLOCK_ROWS = 16
-# The B = 16 verify's 80 rows (k = 4) fit; past that (prefill) the path is a real GEMM and XLA's plan is better.
+# The kernel takes up to 128 rows (the B = 16 verify's 80), but `plan` gives it decode-sized calls only: at 80 rows
+# it took 27-30 us a layer against XLA's 16 on an H100 (run 127: the gate recomputed per column block, the 16
+# partials added by the residual kernel), at 2 and 16 rows 14 against 21 and 19.
 MAX_ROWS = 128
+PLAN_MAX_ROWS = BLOCK_ROWS
 # Columns of P a program takes (S = P / CHUNK partials for the residual kernel to add), columns of H it writes, and
-# warps. E2B: 8 x 3 = 24 programs, each reading 96 KiB of the gate and 32 KiB of the projection; not yet measured
-# (benchmarks/probe_per_layer_input.py sweeps them).
-CHUNK = 32
-BLOCK_H = 512
+# warps: E2B 16 x 6 = 96 programs, each reading 48 KiB of the gate and 8 KiB of the projection. Run 127 (H100,
+# probe_per_layer_input.py, 16 layers): 13.7 / 14.1 us a layer at 2 / 16 rows; 32 x 512 (the first guess) 18.5 /
+# 13.9, XLA's three kernels 21.4 / 19.1.
+CHUNK = 16
+BLOCK_H = 256
 NUM_WARPS = 4
-# Past one row block, 4 warps hold the row blocks' sums and a [chunk, 512] gate tile in 240-255 registers a thread,
-# and ptxas spills (68 B at 80 rows, compiled for the H200); 8 warps hold them in 186 with no spill.
-NUM_WARPS_MANY_ROWS = 8
 MAX_BLOCK_K = 512  # the gate's contraction block: a [16, 512] row tile and a [chunk, 512] weight tile
 
 
@@ -84,12 +85,12 @@ def _pow2(n: int) -> bool:
 def plan(rows: int, H: int, P: int, dtype) -> Tiling | None:
     """The kernel's tiling for `rows` tokens of width H with per-layer inputs of width P, or None to keep XLA's
     kernels."""
-    if not on_gpu() or rows > MAX_ROWS or jnp.dtype(dtype).itemsize != 2:
+    if not on_gpu() or rows > PLAN_MAX_ROWS or jnp.dtype(dtype).itemsize != 2:
         return None
     block_k, chunk = _block_k(H), min(CHUNK, P & -P)
     if block_k < 16 or chunk < 16:
         return None
-    return Tiling(chunk, min(BLOCK_H, block_k), NUM_WARPS if rows <= BLOCK_ROWS else NUM_WARPS_MANY_ROWS)
+    return Tiling(chunk, min(BLOCK_H, block_k), NUM_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------------------
