@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
-from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs
+from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, rope_tables
+from gemma4_mtp_jax.kernels.device_budget import on_gpu
+from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
 from gemma4_mtp_jax.sharding import head_parallel, tensor_parallel_size
 
@@ -135,6 +137,30 @@ def _attention_inputs(p: Projections, attention_impl: str, **slots) -> tuple[Arr
                                     impl=_inputs_impl(attention_impl), **slots)
 
 
+def _queries_in_kernel(attention_impl: str) -> bool:
+    """Whether a Q-only layer hands its raw projections to the paged-attention kernel, which norms and ropes the
+    queries as it loads them (one `attention_inputs` kernel less per Q-only layer): where the kernel may run."""
+    return attention_impl == "pallas" or (attention_impl == "auto" and on_gpu())
+
+
+def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:
+    """What a Q-only layer's `prepare` returns: the projections themselves where the paged kernel may turn them
+    into queries (`_attend`), else the queries, as an owning layer's are made."""
+    return p if _queries_in_kernel(attention_impl) else _attention_inputs(p, attention_impl)[0]
+
+
+def _attend(q: Array | Projections, kp: Array, vp: Array, table: Array, mask_pos: Array, *, window: int | None,
+            ring_pages: int | None, attention_impl: str) -> Array:
+    """`attend_paged` on each device's heads (`head_parallel`). For Projections (a Q-only layer's raw q), q_norm's
+    weight and RoPE's tables at the projections' own positions go along, replicated, for the kernel to norm and
+    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA."""
+    fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl)
+    if not isinstance(q, Projections):
+        return head_parallel(fn, q, kp, vp, table, mask_pos)
+    cos, sin = rope_tables(q.positions, q.inv_freq, q.q.dtype)
+    return head_parallel(functools.partial(fn, eps=q.eps), q.q, kp, vp, table, mask_pos, q.q_norm, cos, sin)
+
+
 @flax.struct.dataclass
 class PagedKV:
     """The KV view (see model/attention.py) over the paged state, for one forward over tokens [B, T].
@@ -157,10 +183,11 @@ class PagedKV:
     def _ring(self, group: str) -> int | None:
         return self.ring_pages if group == SLIDING else None
 
-    def prepare(self, layer: int, p: Projections) -> tuple[Array, "PagedKV"]:
-        """The layer's queries, and its new K/V written into its pages (both by one kernel on the GPU)."""
+    def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "PagedKV"]:
+        """The layer's queries, and its new K/V written into its pages (both by one kernel on the GPU). A Q-only
+        layer gets its projections back where the paged kernel may norm and rope them itself (`attend`)."""
         if p.k is None:
-            return _attention_inputs(p, self.attention_impl)[0], self
+            return _queries_only(p, self.attention_impl), self
         group = self.layer_group[layer]
         page, offset = page_slots(self.tables[group], self.positions, self.page_size, self._ring(group))
         q, pages = _attention_inputs(p, self.attention_impl, pages=self.pages[layer], page=page, offset=offset)
@@ -176,13 +203,11 @@ class PagedKV:
         """This view with the pages `view` (from `only(layers)`) wrote put back under their own layers."""
         return self.replace(pages={**self.pages, **{i: view.pages[r] for r, i in layers.items()}})
 
-    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
-        from gemma4_mtp_jax.kernels.paged_attention import attend_paged
-
+    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         group = self.layer_group[layer]
         kp, vp = self.pages[layer]
-        fn = functools.partial(attend_paged, window=window, ring_pages=self._ring(group), impl=self.attention_impl)
-        return head_parallel(fn, q, kp, vp, self.tables[group], q_pos)
+        return _attend(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
+                       attention_impl=self.attention_impl)
 
 
 @flax.struct.dataclass
@@ -202,17 +227,16 @@ class PagedDraftKV:
     ring_pages: int | None = flax.struct.field(pytree_node=False)
     attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
 
-    def prepare(self, layer: int, p: Projections) -> tuple[Array, "PagedDraftKV"]:
+    def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "PagedDraftKV"]:
+        """The layer's queries, or (where the paged kernel may norm and rope them itself) its projections."""
         if p.k is not None:
             raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
-        return _attention_inputs(p, self.attention_impl)[0], self
+        return _queries_only(p, self.attention_impl), self
 
-    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
-        from gemma4_mtp_jax.kernels.paged_attention import attend_paged
-
+    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
+        """Queries roped at P (the projections' positions) attending with mask position P-1 and window W+1."""
         group = self.layer_group[layer]
         kp, vp = self.pages[self.source[layer]]
         newest = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)
-        fn = functools.partial(attend_paged, window=None if window is None else window + 1,
-                               ring_pages=self.ring_pages if group == SLIDING else None, impl=self.attention_impl)
-        return head_parallel(fn, q, kp, vp, self.tables[group], newest)
+        return _attend(q, kp, vp, self.tables[group], newest, window=None if window is None else window + 1,
+                       ring_pages=self.ring_pages if group == SLIDING else None, attention_impl=self.attention_impl)

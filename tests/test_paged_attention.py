@@ -10,6 +10,7 @@ surface in the output (0 * NaN = NaN), so finite outputs prove those slots are n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 
@@ -357,3 +358,177 @@ def test_auto_falls_back_to_xla_when_no_tiling_fits(monkeypatch, caplog):
         for _ in range(2):
             np.testing.assert_array_equal(np.asarray(pa.attend_paged(*c.args(), impl="auto", **kw)), want)
     assert sum("XLA path" in r.getMessage() for r in caplog.records) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Q-only layers: the raw projection q_norm'ed and roped by the kernel as it loads the query rows
+# ----------------------------------------------------------------------------------------------------------
+
+from gemma4_mtp_jax.kernels import attention_inputs as ai  # noqa: E402
+
+EPS = 1e-6
+
+
+def prep_inputs(c: Case, seed: int, dtype, rope_shift: int = 1):
+    """A raw projection (c.q's shape, not unit scale), a q_norm weight, a proportional-RoPE inverse frequency (zeros
+    past the rotated pairs) and RoPE positions apart from the mask positions (the assistant ropes at P and masks
+    at P-1): (raw, q_norm, rope_positions, inv_freq, (cos, sin))."""
+    rng = np.random.default_rng(seed)
+    B, Tq, nH, D = c.q.shape
+    raw = jnp.asarray(rng.standard_normal(c.q.shape) * 3 + 0.5, dtype)
+    q_norm = jnp.asarray(rng.uniform(0.25, 2.0, D), dtype)
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, D, 2) / D)
+    inv_freq[3 * D // 8:] = 0  # a proportional RoPE rotates only the first pairs
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    rope_pos = jnp.asarray(np.where(c.q_positions >= 0, c.q_positions + rope_shift, -1), jnp.int32)
+    return raw, q_norm, rope_pos, inv_freq, ai.rope_tables(rope_pos, inv_freq, dtype)
+
+
+def prepared_queries(raw, q_norm, rope_pos, inv_freq):
+    """attention_inputs' reference math (the model's `normed_and_roped`)."""
+    return ai.normed_and_roped(raw, None, None, q_norm, None, rope_pos, inv_freq, eps=EPS)[0]
+
+
+def run_kernel_prep(c: Case, raw, q_norm, tables, dtype, **kw):
+    _, kp, vp, table, qpos = c.args(dtype)
+    return pa.paged_attention(raw, kp, vp, table, qpos, window=c.window, ring_pages=c.ring_pages, q_norm=q_norm,
+                              rope=tables, eps=EPS, interpret=INTERPRET, **kw)
+
+
+def reference_on(c: Case, queries, dtype):
+    _, kp, vp, table, qpos = c.args(dtype)
+    return pa.paged_attention_reference(queries, kp, vp, table, qpos, window=c.window, ring_pages=c.ring_pages)
+
+
+PREP_CASES = {
+    # name: (Tq, nH, nKV, D, page_size, window, ring_pages, starts, extra kernel kwargs)
+    "q1_gqa4_d64_full": (1, 8, 2, 64, 8, None, None, STARTS, {}),
+    "q5_gqa4_d128_window": (5, 4, 1, 128, 8, 12, None, STARTS, {}),
+    "q1_mha_d16_full": (1, 2, 2, 16, 16, None, None, STARTS, {}),
+    "q5_gqa4_d32_ring": (5, 4, 1, 32, 8, 10, 2, [45, 29, 0, 3], {}),
+    "q5_gqa2_d64_splits": (5, 4, 2, 64, 8, None, None, [70, 33, 0, 2], {"k_splits": 3}),
+    "q5_gqa4_d16_window_splits_rowblocks": (5, 8, 2, 16, 8, 11, None, [61, 30, 0, 1],
+                                            {"k_splits": 2, "block_rows": 16}),
+}
+
+
+@pytest.mark.parametrize("name", list(PREP_CASES))
+def test_kernel_prepares_queries_f32(name):
+    Tq, nH, nKV, D, ps, window, ring, starts, kw = PREP_CASES[name]
+    c = build_case(7, Tq=Tq, nH=nH, nKV=nKV, D=D, page_size=ps, starts=starts, n_valid=_valid(Tq),
+                   window=window, ring_pages=ring)
+    raw, q_norm, rope_pos, inv_freq, tables = prep_inputs(c, 8, jnp.float32)
+    out = run_kernel_prep(c, raw, q_norm, tables, jnp.float32, **kw)
+    assert out.shape == c.q.shape and out.dtype == jnp.float32
+    assert_padding_zero(c, out)
+    ref = reference_on(c, prepared_queries(raw, q_norm, rope_pos, inv_freq), jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_prepares_queries_as_the_model(dtype):
+    """The reference with q_norm and RoPE's tables equals the reference on the model's queries, bit for bit."""
+    c = build_case(9, Tq=5, nH=4, nKV=1, D=32, page_size=8, starts=STARTS, n_valid=_valid(5), window=10,
+                   ring_pages=2)
+    raw, q_norm, rope_pos, inv_freq, tables = prep_inputs(c, 10, dtype)
+    _, kp, vp, table, qpos = c.args(dtype)
+    out = pa.paged_attention_reference(raw, kp, vp, table, qpos, window=c.window, ring_pages=c.ring_pages,
+                                       q_norm=q_norm, rope=tables, eps=EPS)
+    queries = prepared_queries(raw, q_norm, rope_pos, inv_freq)
+    np.testing.assert_array_equal(np.asarray(ai.normed_and_roped_queries(raw, q_norm, *tables, eps=EPS)),
+                                  np.asarray(queries))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(reference_on(c, queries, dtype)))
+
+
+@pytest.mark.parametrize("window,ring,splits", [(None, None, None), (None, None, 3), (10, 2, None)])
+def test_kernel_prepares_queries_bf16(window, ring, splits):
+    """bf16: against the reference on the model's queries, and against today's two kernels (attention_inputs, then
+    the paged kernel on its queries)."""
+    c = build_case(11, Tq=5, nH=8, nKV=2, D=64, page_size=8, starts=[44, 17, 0, 3], n_valid=_valid(5),
+                   window=window, ring_pages=ring)
+    raw, q_norm, rope_pos, inv_freq, tables = prep_inputs(c, 12, jnp.bfloat16)
+    out = run_kernel_prep(c, raw, q_norm, tables, jnp.bfloat16, k_splits=splits)
+    assert out.dtype == jnp.bfloat16
+    assert_padding_zero(c, out)
+    queries = prepared_queries(raw, q_norm, rope_pos, inv_freq)
+    ref = reference_on(c, queries, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+    kernel_queries, _ = ai.attention_inputs(raw, None, None, q_norm, None, rope_pos, inv_freq, eps=EPS,
+                                            interpret=INTERPRET)
+    two_kernels = pa.paged_attention(kernel_queries, *c.args(jnp.bfloat16)[1:], window=c.window,
+                                     ring_pages=c.ring_pages, k_splits=splits, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(two_kernels, np.float32), atol=3e-2,
+                               rtol=3e-2)
+
+
+def test_prep_argument_checks():
+    c = build_case(13, Tq=2, nH=2, nKV=1, D=16, page_size=8, starts=[9, 3], n_valid=[2, 1])
+    raw, q_norm, _, _, (cos, sin) = prep_inputs(c, 14, jnp.float32)
+    args = c.args()[1:]
+    for fn in (functools.partial(pa.paged_attention, interpret=INTERPRET), pa.paged_attention_reference):
+        with pytest.raises(ValueError, match="q_norm"):
+            fn(raw, *args, q_norm=q_norm[:8], rope=(cos, sin), eps=EPS)
+        with pytest.raises(ValueError, match="rope"):
+            fn(raw, *args, q_norm=q_norm, rope=(cos, sin[:, :1]), eps=EPS)
+        with pytest.raises(ValueError, match="rope"):
+            fn(raw, *args, q_norm=q_norm, rope=(cos[..., :4], sin[..., :4]), eps=EPS)
+        with pytest.raises(ValueError, match="q_norm and rope"):
+            fn(raw, *args, q_norm=q_norm, eps=EPS)
+        with pytest.raises(ValueError, match="q_norm and rope"):
+            fn(raw, *args, rope=(cos, sin), eps=EPS)
+        with pytest.raises(ValueError, match="eps"):
+            fn(raw, *args, q_norm=q_norm, rope=(cos, sin))
+
+
+def _interpreted_kernel(monkeypatch):
+    """`attend_paged(impl="pallas")` through the kernel in interpret mode off the GPU."""
+    monkeypatch.setattr(pa, "paged_attention", functools.partial(pa.paged_attention, interpret=INTERPRET))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(monkeypatch, dtype):
+    """PagedDraftKV, kernel path: prepare hands the projections back, attend has the kernel rope them at the
+    projections' positions P = lengths while masking at P-1 with window W+1; as today's path (queries prepared,
+    then attended), which the "xla" view runs."""
+    from gemma4_mtp_jax.config import SLIDING
+    from gemma4_mtp_jax.kv_state import PagedDraftKV
+    from gemma4_mtp_jax.model.attention import Projections
+
+    _interpreted_kernel(monkeypatch)
+    W = 9
+    lengths = np.array([41, 14, 0, 7], np.int32)
+    c = build_case(15, Tq=1, nH=4, nKV=2, D=32, page_size=4, starts=list(lengths - 1), n_valid=[1, 1, 0, 1],
+                   window=W + 1, ring_pages=4)
+    raw, q_norm, _, inv_freq, _ = prep_inputs(c, 16, dtype)
+    _, kp, vp, table, _ = c.args(dtype)
+    p = Projections(raw, None, None, q_norm, None, jnp.asarray(lengths)[:, None], inv_freq, EPS)
+    outs = {}
+    for impl in ("pallas", "xla"):
+        view = PagedDraftKV({5: (kp, vp)}, {SLIDING: table}, jnp.asarray(lengths), {0: 5}, {0: SLIDING}, 4, impl)
+        q, view = view.prepare(0, p)
+        assert isinstance(q, Projections) == (impl == "pallas")
+        outs[impl] = np.asarray(view.attend(0, q, p.positions, W), np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(outs["pallas"], outs["xla"], atol=tol, rtol=tol)
+    assert np.all(outs["pallas"][2] == 0)
+
+
+def test_target_view_q_only_layer(monkeypatch):
+    """PagedKV, kernel path: a Q-only layer (k None) gets its projections back and the kernel norms and ropes them
+    at the layer's positions; an owning layer still gets queries."""
+    from gemma4_mtp_jax.config import FULL
+    from gemma4_mtp_jax.kv_state import PagedKV
+    from gemma4_mtp_jax.model.attention import Projections
+
+    _interpreted_kernel(monkeypatch)
+    c = build_case(17, Tq=5, nH=4, nKV=1, D=32, page_size=8, starts=STARTS, n_valid=_valid(5))
+    raw, q_norm, _, inv_freq, _ = prep_inputs(c, 18, jnp.float32)
+    _, kp, vp, table, qpos = c.args()
+    p = Projections(raw, None, None, q_norm, None, qpos, inv_freq, EPS)
+    outs = {}
+    for impl in ("pallas", "xla"):
+        view = PagedKV({3: (kp, vp)}, {FULL: table}, qpos, {3: FULL, 7: FULL}, 8, None, impl)
+        q, view = view.prepare(7, p)
+        assert isinstance(q, Projections) == (impl == "pallas")
+        outs[impl] = np.asarray(view.attend(3, q, qpos, None))
+    np.testing.assert_allclose(outs["pallas"], outs["xla"], atol=1e-5, rtol=1e-5)

@@ -69,6 +69,24 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return x * cos + rotated * sin
 
 
+def rope_tables(positions: Array, inv_freq: Array, dtype) -> tuple[Array, Array]:
+    """RoPE's (cos, sin) at `positions` [...], [..., D/2] each, rounded to `dtype` as `apply_rope` rounds them: what
+    the paged-attention kernel takes to rope a Q-only layer's queries (computing them in the kernel spilled)."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+
+def normed_and_roped_queries(q: Array, q_norm: Array, cos: Array, sin: Array, *, eps: float) -> Array:
+    """`apply_rope(rms_norm(q, eps, q_norm), ...)` with RoPE's tables given: q [..., T, nH, D], cos / sin
+    [..., T, D/2] from `rope_tables`. The same values in the same rounding as `normed_and_roped`'s queries."""
+    x = rms_norm(q, eps, q_norm)
+    cos = jnp.concatenate([cos, cos], axis=-1)[..., None, :].astype(x.dtype)
+    sin = jnp.concatenate([sin, sin], axis=-1)[..., None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
 def write_pages(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset: Array) -> tuple[Array, Array]:
     """Scatter k, v [..., nKV, D] into the pools [nKV, num_pages, page_size, D] at (page, offset) [...]."""
     kp, vp = pages

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped_queries
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
@@ -60,7 +61,7 @@ _SQUEEZED = getattr(pl, "squeezed", None)  # pl.squeezed (newer JAX) == None in 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages):
+def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm=None, rope=None, eps=None):
     B, Tq, nH, D = q.shape
     nKV, _, _, Dk = k_pages.shape
     if k_pages.shape != v_pages.shape:
@@ -75,6 +76,17 @@ def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages):
         raise ValueError(f"q_positions {q_positions.shape} != {(B, Tq)}")
     if ring_pages is not None and not 0 < ring_pages <= page_table.shape[1]:
         raise ValueError(f"ring_pages={ring_pages} must be in 1..{page_table.shape[1]} (the page-table width)")
+    if (q_norm is None) != (rope is None):
+        raise ValueError(f"q_norm and rope go together (raw queries need both): got q_norm "
+                         f"{None if q_norm is None else q_norm.shape} and rope {None if rope is None else 'tables'}")
+    if q_norm is not None:
+        if q_norm.shape != (D,):
+            raise ValueError(f"q_norm {q_norm.shape} != ({D},) (the head dim)")
+        if len(rope) != 2 or any(t.shape != (B, Tq, D // 2) for t in rope) or D % 2:
+            raise ValueError(f"rope must be (cos, sin), each [B, Tq, D/2] = {(B, Tq, D // 2)}, got "
+                             f"{[getattr(t, 'shape', t) for t in rope]}")
+        if eps is None:
+            raise ValueError("eps (q_norm's epsilon) must be given with q_norm")
 
 
 def slot_positions(q_positions: Array, num_slots: int, ring: bool) -> Array:
@@ -92,9 +104,13 @@ def slot_positions(q_positions: Array, num_slots: int, ring: bool) -> Array:
 
 
 def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
-                              *, window: int | None = None, ring_pages: int | None = None) -> Array:
-    """Plain-XLA paged attention (see the module docstring). Gathers each sequence's pages into a dense copy."""
-    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages)
+                              *, window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
+                              rope: tuple[Array, Array] | None = None, eps: float | None = None) -> Array:
+    """Plain-XLA paged attention (see the module docstring). Gathers each sequence's pages into a dense copy. With
+    `q_norm` and `rope`, q is the raw projection, turned into queries first (`normed_and_roped_queries`)."""
+    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
+    if q_norm is not None:
+        q = normed_and_roped_queries(q, q_norm, *rope, eps=eps)
     B, Tq, nH, D = q.shape
     nKV, num_pages, page_size, _ = k_pages.shape
     width = page_table.shape[1] if ring_pages is None else ring_pages
@@ -240,10 +256,10 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
     return KernelConfig(int(br), int(bk), int(k_splits), int(warps()), int(st))
 
 
-def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, page_size: int, block_k: int,
+def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, block_k: int,
                             window: int | None, ring_slots: int | None, ring_pages: int | None,
                             table_width: int, k_splits: int, block_rows: int, q_len: int, num_heads: int,
-                            group: int):
+                            group: int, eps: float | None):
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
     The query rows are read straight from q's own layout (no padded copy of q) and, without key splits, the output
@@ -256,7 +272,17 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
     rows = page * page_size + offset). Outputs: o_ref [B * Tq * nH, D] in q's layout (normalized over this
     program's keys), or with k_splits > 1 the split's o_ref [R, D] and m_ref, l_ref [R] float32 (running max and
     softmax denominator), merged in XLA.
+
+    With `eps` (a Q-only layer's raw queries): after q_ref come q_norm_ref [D] and cos_ref, sin_ref [B * Tq, D/2]
+    (RoPE's tables per query token, in q's dtype), and each loaded row is q_norm'ed and roped as
+    `attention_inputs` does it: RMSNorm in float32, times the weight, rounded to q's dtype; then x * cos +
+    rotate_half(x) * sin in that dtype. rotate_half's swapped halves come from a second load of the row at the
+    other half's columns (Triton cannot concatenate the halves).
     """
+    if eps is None:
+        k_ref, v_ref, *out_refs = refs
+    else:
+        q_norm_ref, cos_ref, sin_ref, k_ref, v_ref, *out_refs = refs
     b, h = pl.program_id(0), pl.program_id(1)
     j = pl.program_id(2) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     real = j < q_len * group
@@ -265,6 +291,9 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
     cols = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[-1]), 1)
     pos = load(pos_ref.at[b * q_len + t], real, -1)
     q = load(q_ref.at[q_row[:, None], cols], real[:, None], 0)
+    if eps is not None:
+        q = _normed_and_roped(q, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, b * q_len + t, real, cols, eps)
+    q = q.astype(k_ref.dtype)
     rows, D = q.shape
 
     # Visible key range of the block's rows: [lo, hi]. All-padding blocks get an empty range.
@@ -333,6 +362,29 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, k_ref, v_ref, *out_refs, 
         store(o_ref.at[q_row[:, None], cols], o, real[:, None])
 
 
+def _normed_and_roped(x, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, token, real, cols, eps: float):
+    """Rows x [R, D] of raw queries (q_ref's rows q_row, of query tokens `token`) q_norm'ed and roped, in x's dtype
+    (see `_paged_attention_kernel`)."""
+    dtype = x.dtype
+    D = x.shape[-1]
+    half = D // 2
+    first = cols < half  # [1, D]
+    other = jnp.where(first, cols + half, cols - half)  # the column rotate_half takes each column from
+    w_cols = lax.broadcasted_iota(jnp.int32, (D,), 0)
+    w_other = jnp.where(w_cols < half, w_cols + half, w_cols - half)
+    all_d = w_cols < D
+    y = load(q_ref.at[q_row[:, None], other], real[:, None], 0).astype(jnp.float32)  # x's halves swapped
+    x = x.astype(jnp.float32)
+    r = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / D + eps)  # [R, 1]
+    x = (x * r * load(q_norm_ref.at[w_cols], all_d).astype(jnp.float32)[None, :]).astype(dtype)
+    y = (y * r * load(q_norm_ref.at[w_other], all_d).astype(jnp.float32)[None, :]).astype(dtype)
+    rotated = jnp.where(first, -y, y)  # rotate_half(x) = [-x2, x1]
+    table_cols = jnp.where(first, cols, cols - half)
+    cos = load(cos_ref.at[token[:, None], table_cols], real[:, None], 0).astype(dtype)
+    sin = load(sin_ref.at[token[:, None], table_cols], real[:, None], 0).astype(dtype)
+    return x * cos + rotated * sin
+
+
 def _merge_kernel(m_ref, l_ref, o_ref, out_ref, *, k_splits: int, splits_pow2: int, padded_rows: int, batch: int,
                   kv_heads: int, q_len: int, num_heads: int, group: int, block_d: int):
     """One program: one query row of one sequence and KV head, one block_d-wide slice of D, over every key split.
@@ -393,9 +445,9 @@ def _merge_splits(o: Array, m: Array, l: Array) -> Array:
     return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config"))
-def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, window, ring_pages, interpret,
-                            config: KernelConfig):
+@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps"))
+def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm, rope, *, window, ring_pages,
+                            interpret, config: KernelConfig, eps):
     B, Tq, nH, D = q.shape
     nKV, num_pages, page_size, _ = k_pages.shape
     G = nH // nKV
@@ -406,7 +458,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
     width = page_table.shape[1]
     S = config.k_splits
 
-    qf = q.astype(k_pages.dtype).reshape(B * Tq * nH, D)  # free: the kernel reads rows in q's own layout
+    # free: the kernel reads rows in q's own layout (raw queries in their own dtype, for the norm's rounding)
+    qf = (q if q_norm is not None else q.astype(k_pages.dtype)).reshape(B * Tq * nH, D)
     pos = q_positions.astype(jnp.int32).reshape(B * Tq)
     kf = k_pages.reshape(nKV, num_pages * page_size, D)  # free: pages are contiguous rows
     vf = v_pages.reshape(nKV, num_pages * page_size, D)
@@ -416,12 +469,20 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
     kernel = functools.partial(
         _paged_attention_kernel, page_size=page_size, block_k=config.block_k, window=window,
         ring_slots=None if ring_pages is None else ring_pages * page_size, ring_pages=ring_pages,
-        table_width=width, k_splits=S, block_rows=br, q_len=Tq, num_heads=nH, group=G)
+        table_width=width, k_splits=S, block_rows=br, q_len=Tq, num_heads=nH, group=G,
+        eps=None if q_norm is None else float(eps))
     whole = lambda b, h, r, s: (0, 0)  # noqa: E731  (indexed inside the kernel)
     in_specs = [
         pl.BlockSpec((B * Tq,), lambda b, h, r, s: (0,)),  # mask positions, token-major
         pl.BlockSpec((sq, width), lambda b, h, r, s: (b, 0)),  # page table row
         pl.BlockSpec((B * Tq * nH, D), whole),  # q rows
+    ]
+    args = [pos, table, qf]
+    if q_norm is not None:
+        in_specs += [pl.BlockSpec((D,), lambda b, h, r, s: (0,)),  # q_norm's weight
+                     pl.BlockSpec((B * Tq, D // 2), whole), pl.BlockSpec((B * Tq, D // 2), whole)]  # cos, sin
+        args += [q_norm, *(t.astype(q.dtype).reshape(B * Tq, D // 2) for t in rope)]
+    in_specs += [
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # K pool of head h
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # V pool of head h
     ]
@@ -444,7 +505,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=f"paged_attention_r{br}_k{config.block_k}_s{S}",
-    )(pos, table, qf, kf, vf)
+    )(*args, kf, vf)
     if S == 1:
         return res.reshape(B, Tq, nH, D).astype(q.dtype)
     o, m, l = res
@@ -453,13 +514,19 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, *, win
 
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
-                    window: int | None = None, ring_pages: int | None = None, interpret: bool = False,
+                    window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
+                    rope: tuple[Array, Array] | None = None, eps: float | None = None, interpret: bool = False,
                     block_rows: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> Array:
     """Pallas paged attention (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
     `paged_attention_reference`; the keyword-only tiling arguments override `kernel_config`'s plan. Raises
-    ValueError when no tiling of these shapes fits the device (`attend_paged` falls back to XLA instead)."""
-    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages)
+    ValueError when no tiling of these shapes fits the device (`attend_paged` falls back to XLA instead).
+
+    A Q-only layer's raw projection q [B, Tq, nH, D] goes in with `q_norm` (its weight [D]), `rope` = (cos, sin)
+    [B, Tq, D/2] each (`attention_inputs.rope_tables` at the layer's RoPE positions, which may differ from the mask
+    positions `q_positions`) and `eps`: the kernel norms and ropes each query row as it loads it, sparing the
+    layer an `attention_inputs` kernel, with that kernel's rounding."""
+    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
     config = _plan(q, k_pages, page_table, window, ring_pages, block_rows=block_rows, block_k=block_k,
                    k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
     if config is None:
@@ -467,8 +534,9 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
                          f"{default_budget().name or 'this device'} (the kernel needs a power-of-two head dim "
                          f">= 16 and page size, and tiles within {default_budget().smem_per_block} bytes of shared "
                          f"memory); use the XLA path")
-    return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, window=window,
-                                   ring_pages=ring_pages, interpret=interpret, config=config)
+    return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm,
+                                   None if rope is None else tuple(rope), window=window, ring_pages=ring_pages,
+                                   interpret=interpret, config=config, eps=None if q_norm is None else float(eps))
 
 
 def _plan(q, k_pages, page_table, window, ring_pages, **overrides) -> KernelConfig | None:
@@ -482,10 +550,15 @@ def _log_fallback(q_shape, pages_shape, dtype_name: str) -> None:
                 "path", q_shape, pages_shape, dtype_name)
 
 
-def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
-                 window: int | None = None, ring_pages: int | None = None, impl: str = "auto") -> Array:
+def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
+                 q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None, *,
+                 window: int | None = None, ring_pages: int | None = None, eps: float | None = None,
+                 impl: str = "auto") -> Array:
     """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel on GPU
-    when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere."""
+    when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere.
+    With `q_norm`, `cos`, `sin` (positional, so that `sharding.head_parallel` passes them on, replicated), q is a
+    Q-only layer's raw projection (see `paged_attention`)."""
+    prep = {} if q_norm is None else dict(q_norm=q_norm, rope=(cos, sin), eps=eps)
     if impl == "auto":
         impl = "xla"
         if on_gpu():
@@ -494,8 +567,9 @@ def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_
             else:
                 _log_fallback(tuple(q.shape), tuple(k_pages.shape), jnp.dtype(k_pages.dtype).name)
     if impl == "pallas":
-        return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages)
+        return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages,
+                               **prep)
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, window=window,
-                                         ring_pages=ring_pages)
+                                         ring_pages=ring_pages, **prep)
     raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")

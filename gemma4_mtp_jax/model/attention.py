@@ -1,10 +1,12 @@
 """The K/V views the decoder layers attend through (the attention math itself is `kernels.dense_attention`).
 
 Every decoder layer reaches K/V only through a view: `prepare` (a layer hands over its raw q / k / v projections
-and gets its attention queries back; a layer that owns K/V has its new keys and values stored) and `attend` (read
-the K/V of a given layer). The dense views here hold K/V of the tokens at hand; the paged KV state plugs in behind
-the same two calls, so the layers never know where K/V live, and it may turn the projections into queries and
-paged K/V in one kernel (`kernels.attention_inputs`).
+and gets back what the view's `attend` takes as its queries; a layer that owns K/V has its new keys and values
+stored) and `attend` (read the K/V of a given layer). The layer passes `prepare`'s result to `attend` untouched.
+The dense views here return the queries themselves; the paged KV state plugs in behind the same two calls, so the
+layers never know where K/V live. It may turn the projections into queries and paged K/V in one kernel
+(`kernels.attention_inputs`), and for a Q-only layer hand the projections back for the paged-attention kernel to
+norm and rope the queries as it loads them.
 """
 
 from __future__ import annotations
@@ -43,9 +45,13 @@ class Projections:
 
 
 class KVView(Protocol):
-    def prepare(self, layer: int, p: Projections) -> tuple[Array, "KVView"]: ...
+    """`prepare` returns (queries, view): the queries as `attend` takes them, an Array [B, T, nH, D] of normed and
+    roped queries or anything else the view's `attend` accepts (the paged views: a Q-only layer's `Projections`);
+    `attend(layer, queries, q_pos, window)` attends them to layer `layer`'s K/V at mask positions q_pos."""
 
-    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array: ...
+    def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "KVView"]: ...
+
+    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array: ...
 
 
 @flax.struct.dataclass
