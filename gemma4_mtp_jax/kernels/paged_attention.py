@@ -504,7 +504,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         out_shape=out_shape,
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
-        name=f"paged_attention_r{br}_k{config.block_k}_s{S}",
+        name=f"paged_attention_r{br}_k{config.block_k}_s{S}" + ("" if q_norm is None else "_qrope"),
     )(*args, kf, vf)
     if S == 1:
         return res.reshape(B, Tq, nH, D).astype(q.dtype)
