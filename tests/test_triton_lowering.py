@@ -86,6 +86,24 @@ def test_paged_attention_lowers(name, nH, nKV, D, window, B, Tq, ctx):
     assert f"paged_attention_r{cfg.block_rows}_k{cfg.block_k}_s{cfg.k_splits}" in text
 
 
+@pytest.mark.parametrize("B,Tq", [(2, 1), (16, 1), (2, 5), (16, 5)], ids=lambda v: str(v))
+@pytest.mark.parametrize("name,nH,nKV,D,window", ATTENTION[:2], ids=[a[0] for a in ATTENTION[:2]])
+def test_paged_attention_with_query_prep_lowers(name, nH, nKV, D, window, B, Tq):
+    """E2B's Q-only layers (its KV-shared target layers, the assistant's): the kernel q_norms and ropes the raw
+    projection (q_norm [D], RoPE's cos / sin [B, Tq, D/2]) as it loads the query rows."""
+    page_size, ctx = 16, 4096
+    width = ctx // page_size
+    ring = None if window is None else -(-(window + Tq + 1) // page_size)
+    pages = _spec((nKV, B * (ring or width) + 1, page_size, D))
+    args = (_spec((B, Tq, nH, D)), pages, pages, _spec((B, ring or width), I32), _spec((B, Tq), I32), _spec((D,)),
+            _spec((B, Tq, D // 2)), _spec((B, Tq, D // 2)))
+    cfg = pa.kernel_config(args[0].shape, pages.shape, args[3].shape, window=window, ring_pages=ring)
+    text = lowered_for_cuda(lambda q, kp, vp, t, pos, w, cos, sin: pa.paged_attention(
+        q, kp, vp, t, pos, window=window, ring_pages=ring, q_norm=w, rope=(cos, sin), eps=1e-6), *args)
+    assert triton_calls(text) >= 1
+    assert f"paged_attention_r{cfg.block_rows}_k{cfg.block_k}_s{cfg.k_splits}_qrope" in text
+
+
 @pytest.mark.parametrize("T", [1, 2, 16])
 def test_centroid_head_lowers(T):
     """E2B's assistant head: 2048 centroids, the 32 best kept, 128 rows each, 256 wide."""
