@@ -22,6 +22,12 @@ Two implementations with the same signature:
   in float32. Long contexts split the key range over several programs (flash-decoding), merged afterwards in
   XLA. Sequences whose rows are all padding run zero iterations.
 
+Q-only layers (E2B's KV-shared target layers, every assistant layer): both take, optionally, `q_norm` (the
+weight [D]), `rope` = (cos, sin) [B, Tq, D/2] (`attention_inputs.rope_tables` at the layer's RoPE positions, which
+for the assistant differ from the mask positions) and `eps`; q is then the raw projection, q_norm'ed and roped as
+`attention_inputs` does it (the reference with its math; the kernel as it loads each query row, sparing the layer
+that kernel). RoPE's tables come from XLA, not from the kernel: computing cos / sin in the kernel spilled.
+
 `attend_paged(..., impl="auto")` picks the kernel on GPU and the reference elsewhere. The tiling comes from
 `kernel_config`: the largest blocks whose shared memory (`smem_bytes`, calibrated on the H200) and registers fit
 the device's budget (`device_budget.py`); where none fits, the XLA path runs instead, with one log line.
