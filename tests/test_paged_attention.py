@@ -532,3 +532,52 @@ def test_target_view_q_only_layer(monkeypatch):
         assert isinstance(q, Projections) == (impl == "pallas")
         outs[impl] = np.asarray(view.attend(3, q, qpos, None))
     np.testing.assert_allclose(outs["pallas"], outs["xla"], atol=1e-5, rtol=1e-5)
+
+
+TP_CHILD = r"""
+import functools, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+import test_paged_attention as t
+from gemma4_mtp_jax.config import SLIDING
+from gemma4_mtp_jax.kernels import paged_attention as pa
+from gemma4_mtp_jax.kv_state import PagedDraftKV
+from gemma4_mtp_jax.model.attention import Projections
+
+pa.paged_attention = functools.partial(pa.paged_attention, interpret=True)
+W, lengths = 9, np.array([41, 14, 0, 7], np.int32)
+c = t.build_case(19, Tq=1, nH=4, nKV=2, D=32, page_size=4, starts=list(lengths - 1), n_valid=[1, 1, 0, 1],
+                 window=W + 1, ring_pages=4)
+raw, q_norm, _, inv_freq, _ = t.prep_inputs(c, 20, jnp.float32)
+_, kp, vp, table, _ = c.args()
+p = Projections(raw, None, None, q_norm, None, jnp.asarray(lengths)[:, None], inv_freq, t.EPS)
+outs = {}
+for impl in ("pallas", "xla"):
+    def f(kp, vp, table, p):
+        view = PagedDraftKV({5: (kp, vp)}, {SLIDING: table}, jnp.asarray(lengths), {0: 5}, {0: SLIDING}, 4, impl)
+        q, view = view.prepare(0, p)
+        assert isinstance(q, Projections) == (impl == "pallas")
+        return view.attend(0, q, p.positions, W)
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("tp",))):
+        text = jax.jit(f).lower(kp, vp, table, p).as_text()
+        assert "shard_map" in text or "sdy.manual_computation" in text, "attention not split by heads"
+        outs[impl] = np.asarray(jax.jit(f)(kp, vp, table, p))
+np.testing.assert_allclose(outs["pallas"], outs["xla"], atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+def test_draft_view_kernel_path_under_tensor_parallelism():
+    """Under a 2-way "tp" mesh (CPU devices, in a child process) `head_parallel` hands each device its heads of
+    the raw q and the whole q_norm weight and RoPE tables: the same result as today's path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip(),
+               PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", TP_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
