@@ -581,3 +581,16 @@ def test_draft_view_kernel_path_under_tensor_parallelism():
                PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", TP_CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_auto_fallback_prepares_queries_in_xla(monkeypatch):
+    """Where no kernel tiling fits, attend_paged(impl="auto") with raw queries norms and ropes them in XLA (the
+    model's math, bit for bit) and attends through the reference."""
+    c = build_case(21, Tq=2, nH=4, nKV=1, D=32, page_size=8, starts=[12, 3], n_valid=[2, 1], window=7)
+    raw, q_norm, rope_pos, inv_freq, (cos, sin) = prep_inputs(c, 22, jnp.float32)
+    want = np.asarray(reference_on(c, prepared_queries(raw, q_norm, rope_pos, inv_freq), jnp.float32))
+    monkeypatch.setattr(pa, "on_gpu", lambda: True)
+    monkeypatch.setattr(pa, "default_budget", lambda: GpuBudget(1024, 132, "tiny"))
+    out = pa.attend_paged(raw, *c.args()[1:], q_norm, cos, sin, window=c.window, ring_pages=c.ring_pages, eps=EPS,
+                          impl="auto")
+    np.testing.assert_array_equal(np.asarray(out), want)
