@@ -1,9 +1,9 @@
 """Probe: the gate|up kernel (kernels/gate_up.py) at E2B's MLP shape, per tiling, against XLA's kernels for the same
 math. NOT a test.
 
-    python benchmarks/probe_gate_up.py [--rows 2 16 80] [--layers 8] [--tilings 16,256,4,3 32,256,4,3 ...]
+    python benchmarks/probe_gate_up.py [--intermediate 6144] [--rows 2 16 80] [--layers 8] [--tilings 16,256,4,3 32,256,4,3 ...]
 
-A program of `--layers` MLPs (H 1536, I 6144, each with its own weights: 8 layers are 453 MB, far past the 50 MB L2,
+A program of `--layers` MLPs (H 1536, I 6144 or 12288, each with its own weights: 8 layers of 6144 are 453 MB, past the 50 MB L2,
 so every layer's weights come from HBM) chained through down_proj, x <- mlp(x), as `feed_forward.mlp` runs them:
 `xla` is the model's plain path (XLA's gate|up GEMM, the GELU x up fusion, down_proj's GEMM); `nN_kK_wW_sS` the
 kernel with block_n N, block_k K, W warps and S pipeline stages writing h, then the same down_proj GEMM.
@@ -36,7 +36,7 @@ from gemma4_mtp_jax.kernels import gate_up as gu  # noqa: E402
 from gemma4_mtp_jax.kernels.device_budget import default_budget  # noqa: E402
 from gemma4_mtp_jax.kernels.split_k import split_matmul  # noqa: E402
 
-H, I = 1536, 6144  # E2B's hidden and MLP widths (its double-wide layers: I = 12288)
+H = 1536  # E2B's hidden width; its MLP is 6144 wide, 12288 in its double-wide layers (--intermediate)
 # block_n, block_k, warps, stages: the default, each knob moved from it, and wider column blocks for more rows.
 TILINGS = ["16,256,4,3", "16,256,4,1", "16,256,4,2", "16,512,4,2", "16,256,8,3", "16,512,8,3",
            "32,256,4,3", "32,512,4,2", "32,256,8,3", "64,256,4,3", "64,256,8,2", "64,512,8,2"]
@@ -69,10 +69,12 @@ def gate_up_us(prof: dict, L: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--intermediate", type=int, default=6144, help="I: 6144, or 12288 (the double-wide layers)")
     ap.add_argument("--rows", type=int, nargs="+", default=[2, 16, 80])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tilings", nargs="+", default=TILINGS, help="block_n,block_k,warps,stages")
     args = ap.parse_args()
+    I = args.intermediate
     L = args.layers
     key = jax.random.PRNGKey(0)
     rnd = lambda i, shape, scale=1.0: (jax.random.normal(jax.random.fold_in(key, i), shape) * scale  # noqa: E731

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Run 128 (issue 10), one call under END s (default 330): which of the thirty-fifth session's cuts make E2B's greedy
+# Run 128 (issue 10), one call under END s (default 380): which of the thirty-fifth session's cuts make E2B's greedy
 # step faster. Carry `.whl`, `.baseline` (main at 1257e9e), `.mid` (bdc0270: RoPE's constant inverse frequencies,
 # attention_inputs' [N, .] join, triton_ops) and `.branch` (5849553: .mid + the per-layer-input and gate|up kernels
 # at run 127's tilings); this tree adds the query prep in the paged kernel. Set GIT_COMMIT.
-# bench_spec.py at E2B, B = 2 and 16, k = 4, context 4096 in each tree, then main's again (the run's own noise).
+# bench_spec.py at E2B, B = 2 and 16, k = 4, context 4096 in each tree, then main's again (the run's own noise), then
+# the gate|up probe at E2B's double-wide MLP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run128
-end=${END:-330}
+end=${END:-380}
 for d in .baseline .mid .branch; do
   for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do [ -e "$d/$f" ] || cp "$f" "$d/$f"; done
 done
@@ -24,6 +25,9 @@ spec() {  # spec NAME ROOT: bench_spec.py in the tree at ROOT, its JSON to $res/
   spec pli_gate_up "$PWD/.branch"
   spec query_prep "$PWD"
   spec main_again "$PWD/.baseline"
+  # E2B's 20 double-wide MLPs (I = 12288), which run 127's probe did not cover.
+  run env OUT=$res timeout $(lim 60) python3 benchmarks/probe_gate_up.py --intermediate 12288 --rows 2 16 \
+      --tilings 32,256,4,3 16,256,4,3 64,256,4,3 32,512,4,2
   python3 - "$res" <<'PY'
 import json, os, sys
 res = sys.argv[1]
