@@ -4,7 +4,8 @@ math. NOT a test.
     python benchmarks/probe_gate_up.py [--intermediate 6144] [--rows 2 16 80] [--layers 8] [--tilings N,K,W,S ...]
 
 A program of `--layers` MLPs (H 1536, I 6144 or 12288, each with its own weights: 8 layers at 6144 are 453 MB, far
-past the 50 MB L2, so every layer's weights come from HBM) chained through down_proj, x <- mlp(x), as `feed_forward.mlp` runs them:
+past the 50 MB L2, so every layer's weights come from HBM) chained through down_proj, x <- mlp(x), as
+`feed_forward.mlp` runs them:
 `xla` is the model's plain path (XLA's gate|up GEMM, the GELU x up fusion, down_proj's GEMM); `nN_kK_wW_sS` the
 kernel with block_n N, block_k K, W warps and S pipeline stages writing h, then the same down_proj GEMM.
 Printed per variant: kernels per layer (optimized HLO), pipelined device time per layer (median), the weights'
