@@ -58,33 +58,32 @@ def rms_norm(x: Array, eps: float, weight: Array | None = None) -> Array:
     return y.astype(x.dtype)
 
 
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Neox "rotate_half" RoPE. x: [..., T, heads, D]; positions: [..., T]."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
-    ang = jnp.concatenate([ang, ang], axis=-1)[..., None, :]  # [..., T, 1, D]
-    # transformers casts cos/sin to the activation dtype before the products.
-    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
 def rope_tables(positions: Array, inv_freq: Array, dtype) -> tuple[Array, Array]:
-    """RoPE's (cos, sin) at `positions` [...], [..., D/2] each, rounded to `dtype` as `apply_rope` rounds them: what
-    the paged-attention kernel takes to rope a Q-only layer's queries (computing them in the kernel spilled)."""
+    """RoPE's (cos, sin) at `positions` [...], [..., D/2] each, rounded to `dtype` (transformers casts them to the
+    activations' dtype before the products). The paged-attention kernel takes them to rope a Q-only layer's queries
+    (computing them in the kernel spilled)."""
     ang = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
 
 
-def normed_and_roped_queries(q: Array, q_norm: Array, cos: Array, sin: Array, *, eps: float) -> Array:
-    """`apply_rope(rms_norm(q, eps, q_norm), ...)` with RoPE's tables given: q [..., T, nH, D], cos / sin
-    [..., T, D/2] from `rope_tables`. The same values in the same rounding as `normed_and_roped`'s queries."""
-    x = rms_norm(q, eps, q_norm)
+def rope_with_tables(x: Array, cos: Array, sin: Array) -> Array:
+    """Neox "rotate_half" RoPE of x [..., T, heads, D] with `rope_tables`' cos / sin [..., T, D/2]."""
     cos = jnp.concatenate([cos, cos], axis=-1)[..., None, :].astype(x.dtype)
     sin = jnp.concatenate([sin, sin], axis=-1)[..., None, :].astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Neox "rotate_half" RoPE. x: [..., T, heads, D]; positions: [..., T]."""
+    return rope_with_tables(x, *rope_tables(positions, inv_freq, x.dtype))
+
+
+def normed_and_roped_queries(q: Array, q_norm: Array, cos: Array, sin: Array, *, eps: float) -> Array:
+    """`apply_rope(rms_norm(q, eps, q_norm), ...)` with RoPE's tables given: q [..., T, nH, D], cos / sin
+    [..., T, D/2] from `rope_tables`. The same values in the same rounding as `normed_and_roped`'s queries."""
+    return rope_with_tables(rms_norm(q, eps, q_norm), cos, sin)
 
 
 def write_pages(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset: Array) -> tuple[Array, Array]:
