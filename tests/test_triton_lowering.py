@@ -18,10 +18,8 @@ from gemma4_mtp_jax.kernels import attention_inputs as ai
 from gemma4_mtp_jax.kernels import centroid_head as ch
 from gemma4_mtp_jax.kernels import device_budget as db
 from gemma4_mtp_jax.kernels import feed_forward as ff
-from gemma4_mtp_jax.kernels import gate_up as gu
 from gemma4_mtp_jax.kernels import grouped_matmul as gm
 from gemma4_mtp_jax.kernels import paged_attention as pa
-from gemma4_mtp_jax.kernels import per_layer_input as pli
 from gemma4_mtp_jax.kernels import split_k as sk
 
 TRITON = "__gpu$xla.gpu.triton"  # the custom call a Pallas kernel lowered by Triton becomes
@@ -130,20 +128,6 @@ def test_feed_forward_block_lowers(B):
     assert triton_calls(lowered_for_cuda(block, *args)) == 1
 
 
-@pytest.mark.parametrize("rows", [2, 16, 80])
-@pytest.mark.parametrize("H,I", [(1536, 6144), (1536, 12288), (2560, 10240)], ids=["e2b", "e2b_wide", "e4b"])
-def test_gate_up_lowers(H, I, rows, monkeypatch):
-    """E2B's MLP (H = 3 x 512; I 6144, 12288 in its double-wide layers) and E4B's (H = 5 x 512): decode, B = 16
-    decode, a B = 16 verify of k = 4; at the plan's tiling and the widest blocks the probe sweeps."""
-    monkeypatch.setattr(gu, "on_gpu", lambda: True)
-    tiling = gu.plan(rows, H, I, BF16)
-    assert tiling is not None
-    for t in (tiling, gu.Tiling(64, 512, 8, 3)):
-        text = lowered_for_cuda(lambda x, g, u, t=t: gu.gate_up(x, g, u, tiling=t), _spec((rows, 1, H)),
-                                _spec((I, H)), _spec((I, H)))
-        assert triton_calls(text) == 1
-
-
 @pytest.mark.parametrize("rows,S", [(2, 8), (16, 16), (80, 4)])
 def test_split_k_kernels_lower(rows, S):
     """E2B's residual kernel after a split o_proj / down_proj (N = 1536, both norms and the layer scalar), and the
@@ -161,26 +145,6 @@ def test_split_k_kernels_lower(rows, S):
         return sk.gelu_gate(sk.SplitSum(p, BF16), mult, jnp.int32(3), impl="pallas")
 
     assert triton_calls(lowered_for_cuda(gelu_gate, _spec((S, rows, 1, 256), F32), _spec((L, rows, 1, 256)))) == 1
-
-
-@pytest.mark.parametrize("rows", [2, 16, 80])
-@pytest.mark.parametrize("name,H,L", [("e2b", 1536, 35), ("e4b", 2560, 42)])
-def test_per_layer_input_lowers(name, H, L, rows, monkeypatch):
-    """E2B's / E4B's per-layer-input path (P = 256; H = 3 x 512 and 5 x 512, contracted in 512-wide blocks) at
-    decode and B = 16 decode at the planned tiling, and at the B = 16 verify's 80 rows (which the plan leaves to XLA)
-    at the decode tiling; the layer index a traced scalar."""
-    P = 256
-    monkeypatch.setattr(pli, "on_gpu", lambda: True)
-    tiling = pli.plan(min(rows, pli.PLAN_MAX_ROWS), H, P, BF16)
-    assert tiling is not None, "the planner finds no tiling for a real shape"
-
-    def per_layer_input(x, gate_w, stack, index, proj_w):
-        return pli.per_layer_input(x, gate_w, stack, index, proj_w, **tiling._asdict()).partials
-
-    text = lowered_for_cuda(per_layer_input, _spec((rows, 1, H)), _spec((P, H)), _spec((L, rows, 1, P)),
-                            _spec((), I32), _spec((H, P)))
-    assert triton_calls(text) == 1
-    assert f"per_layer_input_h{H}_p{P}_c{tiling.chunk}_b{tiling.block_h}" in text
 
 
 @pytest.mark.parametrize("mode", ["q", "k", "kv"])

@@ -35,7 +35,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import on_gpu
-from gemma4_mtp_jax.kernels.gate_up import Tiling, gate_up, gate_up_reference
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split_matmul, with_reference_vjp
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot_t, load, store
 
@@ -63,12 +62,10 @@ def _gelu_tanh(x: Array) -> Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def mlp(x: Array, gate: Array, up: Array, down: Array, splits: int = 1,
-        tiling: Tiling | None = None) -> Array | SplitSum:
+def mlp(x: Array, gate: Array, up: Array, down: Array, splits: int = 1) -> Array | SplitSum:
     """down(gelu_tanh(gate(x)) * up(x)) with PyTorch-layout weights (gate, up [I, H], down [H, I]); down_proj split
-    in `splits` parts of its contraction (a SplitSum) when splits > 1. With a `tiling` (kernels/gate_up.py's
-    `plan`), gelu_tanh(gate(x)) * up(x) is one kernel instead of XLA's GEMM and elementwise fusion."""
-    h = gate_up_reference(x, gate, up) if tiling is None else gate_up(x, gate, up, tiling=tiling)
+    in `splits` parts of its contraction (a SplitSum) when splits > 1."""
+    h = _gelu_tanh(split_matmul(x, gate, 1)) * split_matmul(x, up, 1)
     return split_matmul(h, down, splits)
 
 

@@ -13,9 +13,7 @@ still runs one GEMM kernel over S x (column tiles) programs), and the consumer a
   next_weight) — post_attention_layernorm + residual + pre_feedforward_layernorm, post_feedforward_layernorm +
   residual, or post_per_layer_input_norm + residual;
 - `gelu_gate(y, multiplier, index)`: gelu_tanh(y) * multiplier[index] — the per-layer-input gate, reading its
-  layer's per-layer input out of the stack of all layers' (so no kernel copies the slice out first). At decode in
-  bfloat16 the whole per-layer-input path is one kernel of its own (kernels/per_layer_input.py); this one serves
-  where that one has no plan (float32 activations).
+  layer's per-layer input out of the stack of all layers' (so no kernel copies the slice out first).
 `y` may also be a plain array (a projection that was not split): then both are the model's plain XLA math.
 
 Two implementations with one contract: the `*_reference` functions (plain XLA: the sum, then the model's math) and

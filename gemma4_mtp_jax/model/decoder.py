@@ -9,11 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig
-from gemma4_mtp_jax.kernels import per_layer_input as pli
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
-from gemma4_mtp_jax.kernels.gate_up import plan as plan_gate_up
-from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits, split_matmul
+from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
 from gemma4_mtp_jax.sharding import tensor_parallel_size
@@ -78,9 +76,7 @@ class DecoderLayer(nn.Module):
 
     The post-norms of o_proj and down_proj (and the per-layer-input gate) go through kernels/split_k.py, which adds
     the partial products of a projection split along its contraction in the same kernel; for an unsplit projection
-    it is the plain math; `split_k` False keeps every projection whole. At decode on the GPU the per-layer input's
-    gate, GELU and projection are one kernel (kernels/per_layer_input.py) whose partials the last residual kernel
-    adds. `per_layer_input` is (the stack of every
+    it is the plain math; `split_k` False keeps every projection whole. `per_layer_input` is (the stack of every
     layer's [L, B, T, P], this layer's index).
 
     The norm that reads the layer's output (the next layer's input_layernorm, or the model's final norm) is applied
@@ -117,10 +113,7 @@ class DecoderLayer(nn.Module):
         else:
             x, mlp_input = add_normed(a, residual, post_attention, eps=eps, next_weight=pre_feedforward)
             splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H, self.split_k)
-            # gelu(gate) * up in the GEMM's kernel; tensor parallelism shards gate and up: XLA's path.
-            tiling = None if tensor_parallel_size() > 1 else plan_gate_up(
-                math.prod(mlp_input.shape[:-1]), H, lc.intermediate_size, mlp_input.dtype)
-            f = mlp(mlp_input, splits, tiling)
+            f = mlp(mlp_input, splits)
         residual = x
         if cfg.enable_moe_block:
             weights, idx = Router(cfg.num_experts, cfg.top_k_experts, eps, pd, name="router")(residual)
@@ -136,19 +129,9 @@ class DecoderLayer(nn.Module):
                                scale=None if P else layer_scalar, next_weight=None if P else next_norm)
 
         if P:
-            # The checkpoint's Linear modules, read as bare weights (same names, [out, in]) for the kernel.
-            gate_w = Weight((P, H), pd, name="per_layer_input_gate")()
-            proj_w = Weight((H, P), pd, name="per_layer_projection")()
-            # Under tensor parallelism XLA's path, as for every split-K projection: the SPMD partitioner cannot split
-            # a Pallas call (the per-layer weights are replicated, but no device has run the kernel under a mesh).
-            tiling = None if not self.split_k or tensor_parallel_size() > 1 else pli.plan(
-                math.prod(x.shape[:-1]), H, P, x.dtype)
-            if tiling is not None:  # gate, GELU x the layer's input and the projection's partials in one kernel
-                projection = pli.per_layer_input(x, gate_w, *per_layer_input, proj_w, **tiling._asdict())
-            else:
-                gate = split_matmul(x, gate_w, splits_for(x, H, P, self.split_k))
-                g = gelu_gate(gate, *per_layer_input)
-                projection = split_matmul(g, proj_w, splits_for(g, P, H, self.split_k))
+            gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P, self.split_k))
+            g = gelu_gate(gate, *per_layer_input)
+            projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H, self.split_k))
             x, x_next = add_normed(projection, x, norm_weight("post_per_layer_input_norm"), eps=eps,
                                    scale=layer_scalar, next_weight=next_norm)
         return x, x_next, kv

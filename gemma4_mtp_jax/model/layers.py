@@ -17,7 +17,6 @@ import numpy as np
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import feed_forward_block, mlp
-from gemma4_mtp_jax.kernels.gate_up import Tiling
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
 from gemma4_mtp_jax.sharding import expert_parallel
@@ -96,9 +95,8 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj = Weight((I, H), pd), Weight((I, H), pd)
         self.down_proj = Weight((H, I), pd)
 
-    def __call__(self, x: Array, splits: int = 1, tiling: Tiling | None = None) -> Array | SplitSum:
-        """`tiling`: gelu(gate) * up through kernels/gate_up.py's kernel, as its `plan` gives it (None: XLA's)."""
-        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits, tiling)
+    def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
+        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits)
 
     def block(self, a: Array | SplitSum, residual: Array, post_attention_norm: Array, pre_feedforward_norm: Array,
               *, eps: float, splits: int) -> tuple[Array, SplitSum]:

@@ -21,9 +21,8 @@ Array = jax.Array
 def layer_major(ple: Array) -> Array:
     """The per-layer inputs [B, T, L, P] as [L, B, T, P], materialized once: left to itself, XLA re-computes the
     normed projection inside each layer's slice (one extra kernel per layer). Each layer gets the whole stack and
-    its index: at decode the per-layer-input kernel (kernels/per_layer_input.py) reads its slice in place; where
-    XLA slices it (larger calls), each slice is copied out by a kernel of its own (35 at E2B, benchmarks/RESULTS.md
-    run 44)."""
+    its index: at decode the split-K gate kernel reads its slice in place; where XLA slices it (larger calls),
+    each slice is copied out by a kernel of its own (35 at E2B, benchmarks/RESULTS.md run 44)."""
     return jax.lax.optimization_barrier(jnp.moveaxis(ple, -2, 0))
 
 
@@ -107,7 +106,7 @@ class Gemma4Target(nn.Module):
         # tracing 60 layers one by one took 2-6 s per step program at 31B, the critical path of start-up.
         traced_once = hasattr(kv, "only") and norms is not None
         for i, layer in enumerate(self.layers):
-            # The whole stack and the layer's index: the per-layer-input kernel reads the layer's slice.
+            # The whole stack and the layer's index: the kernel after per_layer_input_gate reads the layer's slice.
             ple_i = None if ple is None else (ple, jnp.int32(i))
             next_norm = None if norms is None else norms[i + 1]
             if traced_once:
