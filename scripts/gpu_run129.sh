@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run 129 (issue 10), one call under END s (default 300), prepared in the thirty-fifth session. Carry `.whl`,
+# `.baseline` (main at 1257e9e, before that session's cuts) and `.mid` (5849553: the per-layer-input and gate|up
+# kernels, reverted in 85024af). Set GIT_COMMIT.
+# 1. main as landed against 1257e9e, E2B greedy (bench_spec.py, B = 2 and 16, k = 4, context 4096), main's tree
+#    first and last (the run's own noise): run 128 never timed the landed combination as a whole.
+# 2. Where the per-layer-input kernel loses on the H200 (run 128: the step 3.6 % slower with it and gate|up): its
+#    probe from .mid at 2 and 16 rows with each variant's kernels traced.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_common.sh run129
+end=${END:-300}
+for d in .baseline .mid; do
+  for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do [ -e "$d/$f" ] || cp "$f" "$d/$f"; done
+done
+spec() {  # spec NAME ROOT: bench_spec.py in the tree at ROOT, its JSON to $res/spec_NAME
+  mkdir -p "$res/spec_$1"
+  run env OUT=$res/spec_$1 PYTHONPATH=$2:/tmp/site timeout $(lim 80) python3 "$2/benchmarks/bench_spec.py" \
+      --models e2b --batch 2 16 --k 4 --context 4096 --repeats 20
+}
+{
+  echo "== commit ${GIT_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+  spec before "$PWD/.baseline"
+  spec landed "$PWD"
+  spec before_again "$PWD/.baseline"
+  run env OUT=$res PYTHONPATH=$PWD/.mid:/tmp/site timeout $(lim 60) python3 .mid/benchmarks/probe_per_layer_input.py \
+      --rows 2 16 --tilings 16,256,4 32,512,4 --profile
+  echo "== $(date +%T) done, $((end - SECONDS)) s left"
+} > "$out/run129.log" 2>&1
+grep -v "cuda_timer\|^W12\|^I12\|^E12\|^{'\|^{\"" "$out/run129.log" | tail -n 80
