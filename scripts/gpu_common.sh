@@ -70,9 +70,19 @@ gpu_tests() {
 }
 # Two trees in one call: main's carried as .baseline (without the demo pair's weights, over the carry limit; the
 # same files in both trees, copied in here), this tree the branch. root_of main|branch: a tree's root.
-use_baseline() {
-  local f
-  for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do cp --update=none "$f" ".baseline/$f"; done
+use_trees() {  # use_trees DIR...: the demo pair's weights (left out of each carried tree) copied into each
+  local d f
+  for d in "$@"; do
+    for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do [ -e "$d/$f" ] || cp "$f" "$d/$f"; done
+  done
+}
+use_baseline() { use_trees .baseline; }
+# spec_tree NAME ROOT: bench_spec.py at E2B (B = 2 and 16, k = 4, context 4096) in the tree at ROOT, within 80 s and
+# the deadline, its JSON to $res/spec_NAME.
+spec_tree() {
+  mkdir -p "$res/spec_$1"
+  run env OUT=$res/spec_$1 PYTHONPATH=$2:/tmp/site timeout $(lim 80) python3 "$2/benchmarks/bench_spec.py" \
+      --models e2b --batch 2 16 --k 4 --context 4096 --repeats 20
 }
 root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
 # kernels_both ARGS...: benchmarks/kernel_count.py ARGS in each tree (autotuning off), to $res/kernels_{main,branch};

@@ -9,22 +9,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run128
 end=${END:-380}
-for d in .baseline .mid .branch; do
-  for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do [ -e "$d/$f" ] || cp "$f" "$d/$f"; done
-done
-spec() {  # spec NAME ROOT: bench_spec.py in the tree at ROOT, its JSON to $res/spec_NAME
-  mkdir -p "$res/spec_$1"
-  run env OUT=$res/spec_$1 PYTHONPATH=$2:/tmp/site timeout $(lim 80) python3 "$2/benchmarks/bench_spec.py" \
-      --models e2b --batch 2 16 --k 4 --context 4096 --repeats 20
-}
+use_trees .baseline .mid .branch
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-  spec main "$PWD/.baseline"
-  spec rope_join "$PWD/.mid"
-  spec pli_gate_up "$PWD/.branch"
-  spec query_prep "$PWD"
-  spec main_again "$PWD/.baseline"
+  spec_tree main "$PWD/.baseline"
+  spec_tree rope_join "$PWD/.mid"
+  spec_tree pli_gate_up "$PWD/.branch"
+  spec_tree query_prep "$PWD"
+  spec_tree main_again "$PWD/.baseline"
   # E2B's 20 double-wide MLPs (I = 12288), which run 127's probe did not cover.
   run env OUT=$res timeout $(lim 60) python3 benchmarks/probe_gate_up.py --intermediate 12288 --rows 2 16 \
       --tilings 32,256,4,3 16,256,4,3 64,256,4,3 32,512,4,2

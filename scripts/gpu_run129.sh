@@ -10,20 +10,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run129
 end=${END:-300}
-for d in .baseline .mid; do
-  for f in gemma4_mtp_jax/demo_pair/*/model.safetensors; do [ -e "$d/$f" ] || cp "$f" "$d/$f"; done
-done
-spec() {  # spec NAME ROOT: bench_spec.py in the tree at ROOT, its JSON to $res/spec_NAME
-  mkdir -p "$res/spec_$1"
-  run env OUT=$res/spec_$1 PYTHONPATH=$2:/tmp/site timeout $(lim 80) python3 "$2/benchmarks/bench_spec.py" \
-      --models e2b --batch 2 16 --k 4 --context 4096 --repeats 20
-}
+use_trees .baseline .mid
 {
   echo "== commit ${GIT_COMMIT:-unknown}"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-  spec before "$PWD/.baseline"
-  spec landed "$PWD"
-  spec before_again "$PWD/.baseline"
+  spec_tree before "$PWD/.baseline"
+  spec_tree landed "$PWD"
+  spec_tree before_again "$PWD/.baseline"
   run env OUT=$res PYTHONPATH=$PWD/.mid:/tmp/site timeout $(lim 60) python3 .mid/benchmarks/probe_per_layer_input.py \
       --rows 2 16 --tilings 16,256,4 32,512,4 --profile
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
