@@ -84,6 +84,23 @@ spec_tree() {
   run env OUT=$res/spec_$1 PYTHONPATH=$2:/tmp/site timeout $(lim 80) python3 "$2/benchmarks/bench_spec.py" \
       --models e2b --batch 2 16 --k 4 --context 4096 --repeats 20
 }
+# spec_table NAME...: the pipelined decode / verify / speculative ms of each spec_tree NAME's run, spec / decode and
+# the decode against the copy roofline of that run's own probe.
+spec_table() {
+  python3 - "$res" "$@" <<'PY'
+import json, os, sys
+res = sys.argv[1]
+print(f"{'tree':14s} {'B':>2s} {'decode':>8s} {'verify':>8s} {'spec':>8s} {'spec/dec':>8s} {'roof':>5s}  (ms, pipelined; roof: the decode's roofline share)")
+for name in sys.argv[2:]:
+    path = os.path.join(res, f"spec_{name}", "bench_spec.json")
+    if not os.path.exists(path):
+        print(f"{name:14s} (no result)"); continue
+    for r in json.load(open(path))["rows"]:
+        d, v, s = r["decode_pipelined_ms"], r["verify_pipelined_ms"], r["spec_pipelined_ms"]
+        roof = r.get("decode_roofline_ms", float("nan")) / d
+        print(f"{name:14s} {r['batch']:2d} {d:8.3f} {v:8.3f} {s:8.3f} {s / d:8.3f} {roof:5.0%}")
+PY
+}
 root_of() { [ "$1" = main ] && echo "$PWD/.baseline" || echo "$PWD"; }
 # kernels_both ARGS...: benchmarks/kernel_count.py ARGS in each tree (autotuning off), to $res/kernels_{main,branch};
 # "{tree}" in an argument becomes the tree's name (--dump-hlo "$res/hlo_{tree}").
