@@ -16,7 +16,7 @@ use_trees .branch .baseline
   spec_tree main "$PWD"
   spec_tree merge_proj "$PWD/.branch"
   # The new kernel's tests compiled on the GPU (the whole suite does not fit this session's budget).
-  run env PYTHONPATH=$PWD/.mp:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
+  run env PYTHONPATH=$PWD/.branch:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
       timeout $(lim 60) python3 -m pytest -q -n 8 -p no:cacheprovider .branch/tests/test_merge_project.py > "$res/tests.log" 2>&1
   tail -3 "$res/tests.log"
   # Each tree took 45-56 s in run 128; the rest only while one more fits.
