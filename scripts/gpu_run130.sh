@@ -16,8 +16,9 @@ use_trees .branch .baseline
   spec_tree main "$PWD"
   spec_tree merge_proj "$PWD/.branch"
   # The new kernel's tests compiled on the GPU (the whole suite does not fit this session's budget).
-  run env PYTHONPATH=$PWD/.branch:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
-      timeout $(lim 60) python3 -m pytest -q -n 8 -p no:cacheprovider .branch/tests/test_merge_project.py > "$res/tests.log" 2>&1
+  # (In the branch's own directory: `python -m` puts the working directory, main's package, first on sys.path.)
+  (cd .branch && run env PYTHONPATH=$PWD:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
+      timeout $(lim 60) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_merge_project.py > "$res/tests.log" 2>&1)
   tail -3 "$res/tests.log"
   # Each tree took 45-56 s in run 128; the rest only while one more fits.
   [ $((end - SECONDS)) -gt 60 ] && spec_tree main_again "$PWD"
