@@ -1,0 +1,167 @@
+"""The paged kernel's key splits merged and multiplied by o_proj in one kernel, one float32 partial per head.
+
+Where the paged-attention kernel splits a sequence's keys over several programs (flash-decoding), a merge kernel
+combines the splits into [B * Tq * nH, D] and o_proj's GEMM then reads the merged rows: two kernels. At decode o_proj
+is already split along its contraction into parts whose partial products the kernel after it adds (a `SplitSum`:
+kernels/split_k.py's residual kernels, kernels/feed_forward.py's block). A head's columns of o_proj's contraction
+need only that head's merged rows, so one kernel can do both: program (h, c) merges head h's splits for every query
+row (float32, `_merge_splits`' math: each split's share exp(m - max m) * l of the softmax mass), rounds the merged
+rows to the activations' dtype (what the merge kernel wrote and the GEMM read) and multiplies them by block c of
+o_proj's columns of head h, writing partial h: [nH, ..., N] float32 for the kernel after it to add. One kernel less
+per attention layer wherever keys are split.
+
+Two implementations with one contract: `merge_project_reference` (plain XLA: the splits merged, then
+`split_matmul` in one part per head) and `merge_project` (the Pallas kernel, Triton lowering on the GPU; it runs
+in interpret mode where the splits came from the paged kernel in interpret mode). `use_merge_project` says from
+the shapes alone whether a projection goes this way; the model falls back to merging, then o_proj, otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from gemma4_mtp_jax.kernels.device_budget import default_budget
+from gemma4_mtp_jax.kernels.paged_attention import KeySplits, merge_key_splits_reference
+from gemma4_mtp_jax.kernels.split_k import MAX_WEIGHT_BYTES, SplitSum, split_matmul
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
+
+Array = jax.Array
+
+__all__ = ["use_merge_project", "merge_project", "merge_project_reference"]
+
+BLOCK_ROWS = 16  # the query rows (B * Tq) a program holds: the smallest tensor-core tile
+MAX_ROWS = BLOCK_ROWS
+BLOCK_K = 128  # rows of o_proj's contraction per dot
+# Columns of o_proj per program: 128 x 512 tiles spilled registers (an earlier, lost version of this kernel), and
+# a 512-wide head's merged rows take registers of their own.
+BLOCK_N = 256
+BLOCK_N_WIDE_HEAD = 64
+MIN_BLOCK_N = 32
+_NEG = -1e30  # the paged kernel's "minus infinity": a padding row's running max
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def use_merge_project(rows: int, num_heads: int, head_dim: int, N: int, parts: int, itemsize: int = 2) -> bool:
+    """Whether o_proj (contraction num_heads * head_dim, N columns, weights of `itemsize` bytes), which the plan
+    splits in `parts` parts for the kernel after it to add, takes the key splits through this kernel: at most
+    MAX_ROWS query rows, a split projection (parts > 1: its consumer adds partials, here one per head), weights
+    within split_k's budget (larger ones keep XLA's autotuned GEMM), and a power-of-two head dim >= 16."""
+    return (1 < parts and 1 < num_heads and rows <= MAX_ROWS and N >= 16 and head_dim >= 16 and _is_pow2(head_dim)
+            and num_heads * head_dim * N * itemsize <= MAX_WEIGHT_BYTES)
+
+
+def _tiling(num_heads: int, head_dim: int, N: int) -> tuple[int, int, int]:
+    """(columns per program, contraction per dot, warps)."""
+    bn = BLOCK_N if head_dim <= 256 else BLOCK_N_WIDE_HEAD
+    bn = min(bn, max(MIN_BLOCK_N, 1 << (N - 1).bit_length()))
+    # A few programs would leave most SMs idle while each streams its share of the weights (the assistant's
+    # 256-wide o_proj over 4 heads is 4 programs at 256 columns): narrower blocks, at the price of each re-reading
+    # its head's splits.
+    while num_heads * -(-N // bn) < default_budget().num_sms // 2 and bn > MIN_BLOCK_N:
+        bn //= 2
+    bk = min(BLOCK_K, head_dim)
+    return bn, bk, 8 if bn * bk > 128 * 128 else 4
+
+
+def _kernel(m_ref, l_ref, o_ref, w_ref, out_ref, *, splits: int, rows: int, batch: int, kv_heads: int,
+            padded_rows: int, q_len: int, group: int, head_dim: int, N: int, block_n: int, block_k: int, dtype):
+    """One program: head h, columns c * block_n .. of o_proj, every query row r = b * q_len + t.
+
+    m_ref, l_ref [S * B * nKV * R] float32 and o_ref [S * B * nKV * R, D]: the paged kernel's splits (row j of KV
+    head kvh holds token j // group of head kvh * group + j % group); w_ref [N, nH * D] o_proj's weight; out_ref
+    [nH, rows, N] float32, the heads' partial products."""
+    h, c = pl.program_id(0), pl.program_id(1)
+    r = lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0)
+    real = r < rows
+    b, t = r // q_len, r % q_len
+    row = (b * kv_heads + h // group) * padded_rows + t * group + h % group  # [16] in each split's rows
+    stride = batch * kv_heads * padded_rows  # rows per split
+
+    def stats(s):
+        return load(m_ref.at[s * stride + row], real, _NEG), load(l_ref.at[s * stride + row], real, 0.0)
+
+    m_max = lax.fori_loop(0, splits, lambda s, mx: jnp.maximum(mx, stats(s)[0]),
+                          jnp.full((BLOCK_ROWS,), _NEG, jnp.float32))
+
+    def share(s):  # split s's share of the softmax mass, unnormalized
+        m, l = stats(s)
+        return jnp.exp(m - m_max) * l
+
+    total = lax.fori_loop(0, splits, lambda s, acc: acc + share(s), jnp.zeros((BLOCK_ROWS,), jnp.float32))
+    seen = total > 0
+    n = c * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    n_live = n < N
+    out = jnp.zeros((BLOCK_ROWS, block_n), jnp.float32)
+    for k0 in range(0, head_dim, block_k):  # the head's contraction a block at a time: the merged rows, then o_proj
+        d = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+
+        def add_split(s, acc):
+            o = load(o_ref.at[(s * stride + row)[:, None], d], real[:, None], 0)
+            return acc + share(s)[:, None] * o.astype(jnp.float32)
+
+        acc = lax.fori_loop(0, splits, add_split, jnp.zeros((BLOCK_ROWS, block_k), jnp.float32))
+        merged = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None], 0.0).astype(dtype)
+        w = load(w_ref.at[n[:, None], h * head_dim + d], n_live[:, None], 0).astype(dtype)  # [bn, bk]
+        out = out + dot(merged, w, trans_b=True)
+    store(out_ref.at[h, r[:, None], n[None, :]], out, real[:, None] & n_live[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("q_len", "num_heads", "dtype", "interpret"))
+def _merge_project_pallas(o, m, l, w, *, q_len: int, num_heads: int, dtype, interpret: bool) -> Array:
+    S, B, nKV, R, D = o.shape
+    N = w.shape[0]
+    rows = B * q_len
+    bn, bk, warps = _tiling(num_heads, D, N)
+    kernel = functools.partial(_kernel, splits=S, rows=rows, batch=B, kv_heads=nKV, padded_rows=R, q_len=q_len,
+                               group=num_heads // nKV, head_dim=D, N=N, block_n=bn, block_k=bk, dtype=dtype)
+    whole = lambda shape: pl.BlockSpec(shape, lambda h, c: (0,) * len(shape))  # noqa: E731  (indexed inside)
+    stats = S * B * nKV * R
+    partials = pl.pallas_call(
+        kernel,
+        grid=(num_heads, -(-N // bn)),
+        in_specs=[whole((stats,)), whole((stats,)), whole((stats, D)), whole(w.shape)],
+        out_specs=whole((num_heads, rows, N)),
+        out_shape=jax.ShapeDtypeStruct((num_heads, rows, N), jnp.float32),
+        compiler_params=compiler_params(warps, interpret=interpret),
+        interpret=interpret,
+        name=f"merge_project_s{S}_d{D}_n{bn}",
+    )(m.reshape(stats), l.reshape(stats), o.reshape(stats, D), w)
+    return partials.reshape(num_heads, B, q_len, N)
+
+
+def _check(splits: KeySplits, w: Array) -> None:
+    S, B, nKV, R, D = splits.o.shape
+    nH = splits.num_heads
+    if (splits.m.shape != (S, B, nKV, R) or splits.l.shape != (S, B, nKV, R) or nH % nKV or nH < 2
+            or R < splits.q_len * (nH // nKV) or w.ndim != 2 or w.shape[1] != nH * D):
+        raise ValueError(f"merge_project: splits o {splits.o.shape}, m {splits.m.shape}, l {splits.l.shape} of "
+                         f"{splits.q_len} tokens x {nH} heads (at least 2) do not fit w {w.shape} ([N, nH * D])")
+
+
+def merge_project_reference(splits: KeySplits, w: Array) -> SplitSum:
+    """o_proj (w [N, nH * D], PyTorch layout) of the merged splits, rounded to their dtype, as nH partial products
+    [nH, B, Tq, N] float32, one per head: the merge, then `split_matmul` in one part per head."""
+    _check(splits, w)
+    x = merge_key_splits_reference(splits)
+    B, T, nH, D = x.shape
+    return split_matmul(x.reshape(B, T, nH * D), w, nH)
+
+
+def merge_project(splits: KeySplits, w: Array) -> SplitSum:
+    """`merge_project_reference` through the kernel, at most MAX_ROWS query rows (B * Tq)."""
+    _check(splits, w)
+    B, rows = splits.o.shape[1], splits.o.shape[1] * splits.q_len
+    if rows > MAX_ROWS:
+        raise ValueError(f"merge_project: {rows} query rows (B={B} x Tq={splits.q_len}), at most {MAX_ROWS}")
+    dtype = jnp.dtype(splits.dtype)
+    p = _merge_project_pallas(splits.o, splits.m, splits.l, w, q_len=splits.q_len, num_heads=splits.num_heads,
+                              dtype=dtype, interpret=splits.interpret)
+    return SplitSum(p, dtype)
