@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import default_budget
-from gemma4_mtp_jax.kernels.paged_attention import KeySplits, merge_key_splits_reference
+from gemma4_mtp_jax.kernels.paged_attention import KeySplits, _next_pow2, merge_key_splits_reference
 from gemma4_mtp_jax.kernels.split_k import MAX_WEIGHT_BYTES, SplitSum, split_matmul
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
@@ -41,7 +41,7 @@ BLOCK_K = 128  # rows of o_proj's contraction per dot
 # a 512-wide head's merged rows take registers of their own.
 BLOCK_N = 256
 BLOCK_N_WIDE_HEAD = 64
-MIN_BLOCK_N = 32
+MIN_BLOCK_N = 64
 _NEG = -1e30  # the paged kernel's "minus infinity": a padding row's running max
 
 
@@ -85,17 +85,19 @@ def _kernel(m_ref, l_ref, o_ref, w_ref, out_ref, *, splits: int, rows: int, batc
     row = (b * kv_heads + h // group) * padded_rows + t * group + h % group  # [16] in each split's rows
     stride = batch * kv_heads * padded_rows  # rows per split
 
-    def stats(s):
-        return load(m_ref.at[s * stride + row], real, _NEG), load(l_ref.at[s * stride + row], real, 0.0)
-
-    m_max = lax.fori_loop(0, splits, lambda s, mx: jnp.maximum(mx, stats(s)[0]),
-                          jnp.full((BLOCK_ROWS,), _NEG, jnp.float32))
+    # Every split's statistics in one load ([splits, rows], a power of two of splits): the largest max and the
+    # softmax mass relative to it, as `_merge_splits` takes them. (Two loops over the splits instead spilled a few
+    # bytes at some split counts, 17 and 33 at D = 512.)
+    every = lax.broadcasted_iota(jnp.int32, (_next_pow2(splits), 1), 0)
+    at, live = every * stride + row[None, :], (every < splits) & real[None, :]
+    m = load(m_ref.at[at], live, _NEG)
+    m_max = jnp.max(m, axis=0)
+    total = jnp.sum(jnp.exp(m - m_max[None, :]) * load(l_ref.at[at], live, 0.0), axis=0)
 
     def share(s):  # split s's share of the softmax mass, unnormalized
-        m, l = stats(s)
-        return jnp.exp(m - m_max) * l
+        m = load(m_ref.at[s * stride + row], real, _NEG)
+        return jnp.exp(m - m_max) * load(l_ref.at[s * stride + row], real, 0.0)
 
-    total = lax.fori_loop(0, splits, lambda s, acc: acc + share(s), jnp.zeros((BLOCK_ROWS,), jnp.float32))
     seen = total > 0
     n = c * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     n_live = n < N
