@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import default_budget
-from gemma4_mtp_jax.kernels.paged_attention import KeySplits, _next_pow2, merge_key_splits_reference
+from gemma4_mtp_jax.kernels.paged_attention import KeySplits, _is_pow2, _next_pow2, merge_key_splits_reference
 from gemma4_mtp_jax.kernels.split_k import MAX_WEIGHT_BYTES, SplitSum, split_matmul
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
@@ -41,12 +41,10 @@ BLOCK_K = 128  # rows of o_proj's contraction per dot
 # a 512-wide head's merged rows take registers of their own.
 BLOCK_N = 256
 BLOCK_N_WIDE_HEAD = 64
+# Narrower blocks re-read their head's splits for little work, and 32 columns spilled at D = 512 in an earlier form
+# of this kernel (ptxas, the assistant's full layer at B = 16).
 MIN_BLOCK_N = 64
 _NEG = -1e30  # the paged kernel's "minus infinity": a padding row's running max
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def use_merge_project(rows: int, num_heads: int, head_dim: int, N: int, parts: int, itemsize: int = 2) -> bool:
@@ -61,7 +59,7 @@ def use_merge_project(rows: int, num_heads: int, head_dim: int, N: int, parts: i
 def _tiling(num_heads: int, head_dim: int, N: int) -> tuple[int, int, int]:
     """(columns per program, contraction per dot, warps)."""
     bn = BLOCK_N if head_dim <= 256 else BLOCK_N_WIDE_HEAD
-    bn = min(bn, max(MIN_BLOCK_N, 1 << (N - 1).bit_length()))
+    bn = min(bn, max(MIN_BLOCK_N, _next_pow2(N)))
     # A few programs would leave most SMs idle while each streams its share of the weights (the assistant's
     # 256-wide o_proj over 4 heads is 4 programs at 256 columns): narrower blocks, at the price of each re-reading
     # its head's splits.
