@@ -73,9 +73,10 @@ class Attention(nn.Module):
         # merges each head's splits and applies its columns (kernels/merge_project.py).
         by_heads = use_merge_project(B * T, nH, D, H, parts, jnp.dtype(x.dtype).itemsize)
         out = kv.attend(lc.kv_source, q, positions, window, merge=not by_heads)
-        if isinstance(out, KeySplits):
-            return merge_project(out, o_proj), kv
-        return split_matmul(out.reshape(B, T, nH * D), o_proj, parts), kv
+        with jax.named_scope("o_proj"):  # the kernels' scope the Linear it replaced gave them, for profiles
+            if isinstance(out, KeySplits):
+                return merge_project(out, o_proj), kv
+            return split_matmul(out.reshape(B, T, nH * D), o_proj, parts), kv
 
 
 class DecoderLayer(nn.Module):
