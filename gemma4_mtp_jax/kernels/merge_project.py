@@ -75,43 +75,39 @@ def _kernel(m_ref, l_ref, o_ref, w_ref, out_ref, *, splits: int, rows: int, batc
 
     m_ref, l_ref [S * B * nKV * R] float32 and o_ref [S * B * nKV * R, D]: the paged kernel's splits (row j of KV
     head kvh holds token j // group of head kvh * group + j % group); w_ref [N, nH * D] o_proj's weight; out_ref
-    [nH, rows, N] float32, the heads' partial products."""
+    [nH, rows, N] float32, the heads' partial products.
+
+    Each query row's splits come in one load ([splits, D], as the merge kernel takes them), one row after another:
+    a loop over the splits instead would wait on the L2 once per split and block of D (256 times at 64 splits)."""
     h, c = pl.program_id(0), pl.program_id(1)
-    r = lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0)
-    real = r < rows
-    b, t = r // q_len, r % q_len
-    row = (b * kv_heads + h // group) * padded_rows + t * group + h % group  # [16] in each split's rows
+    r = lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS, 1), 0)
+    every = lax.broadcasted_iota(jnp.int32, (_next_pow2(splits), 1), 0)  # [Sp, 1]
+    live = every < splits
     stride = batch * kv_heads * padded_rows  # rows per split
-
-    # Every split's statistics in one load ([splits, rows], a power of two of splits): the largest max and the
-    # softmax mass relative to it, as `_merge_splits` takes them. (Two loops over the splits instead spilled a few
-    # bytes at some split counts, 17 and 33 at D = 512.)
-    every = lax.broadcasted_iota(jnp.int32, (_next_pow2(splits), 1), 0)
-    at, live = every * stride + row[None, :], (every < splits) & real[None, :]
-    m = load(m_ref.at[at], live, _NEG)
-    m_max = jnp.max(m, axis=0)
-    total = jnp.sum(jnp.exp(m - m_max[None, :]) * load(l_ref.at[at], live, 0.0), axis=0)
-
-    def share(s):  # split s's share of the softmax mass, unnormalized
-        m = load(m_ref.at[s * stride + row], real, _NEG)
-        return jnp.exp(m - m_max) * load(l_ref.at[s * stride + row], real, 0.0)
-
-    seen = total > 0
     n = c * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     n_live = n < N
+
+    chunks = [k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1) for k0 in range(0, head_dim, block_k)]
+
+    def merge_row(i, merged):  # query row i's merged output, put in row i of each chunk's [16, bk]
+        b, t = lax.div(i, jnp.int32(q_len)), lax.rem(i, jnp.int32(q_len))  # a Python 1 lowers as a bool
+        at = every * stride + (b * kv_heads + h // group) * padded_rows + t * group + h % group  # [Sp, 1]
+        m = load(m_ref.at[at], live, _NEG)
+        w = jnp.exp(m - jnp.max(m)) * load(l_ref.at[at], live, 0.0)  # each split's share of the softmax mass
+        total = jnp.sum(w)
+        out = []
+        for d, acc in zip(chunks, merged):
+            x = jnp.sum(w * load(o_ref.at[at, d], live, 0).astype(jnp.float32), axis=0, keepdims=True)  # [1, bk]
+            x = jnp.where(total > 0, x / jnp.where(total > 0, total, 1.0), 0.0)
+            out.append(jnp.where(r == i, x, acc))
+        return tuple(out)
+
+    merged = lax.fori_loop(0, rows, merge_row, tuple(jnp.zeros((BLOCK_ROWS, block_k), jnp.float32) for _ in chunks))
     out = jnp.zeros((BLOCK_ROWS, block_n), jnp.float32)
-    for k0 in range(0, head_dim, block_k):  # the head's contraction a block at a time: the merged rows, then o_proj
-        d = k0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-
-        def add_split(s, acc):
-            o = load(o_ref.at[(s * stride + row)[:, None], d], real[:, None], 0)
-            return acc + share(s)[:, None] * o.astype(jnp.float32)
-
-        acc = lax.fori_loop(0, splits, add_split, jnp.zeros((BLOCK_ROWS, block_k), jnp.float32))
-        merged = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None], 0.0).astype(dtype)
-        w = load(w_ref.at[n[:, None], h * head_dim + d], n_live[:, None], 0).astype(dtype)  # [bn, bk]
-        out = out + dot(merged, w, trans_b=True)
-    store(out_ref.at[h, r[:, None], n[None, :]], out, real[:, None] & n_live[None, :])
+    for d, x in zip(chunks, merged):  # the head's contraction a block at a time
+        w_tile = load(w_ref.at[n[:, None], h * head_dim + d], n_live[:, None], 0).astype(dtype)  # [bn, bk]
+        out = out + dot(x.astype(dtype), w_tile, trans_b=True)
+    store(out_ref.at[h, r, n[None, :]], out, (r < rows) & n_live[None, :])
 
 
 @functools.partial(jax.jit, static_argnames=("q_len", "num_heads", "dtype", "interpret"))
