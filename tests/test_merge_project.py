@@ -119,6 +119,26 @@ def test_fallbacks():
         mp.merge_project(splits, w[:, :-1])
 
 
+def test_splits_past_the_weight_block_are_merged_first(monkeypatch):
+    """`splits_fit` at E2B's shapes (decode: full layers 64 splits, sliding 4), and `project_key_splits` taking the
+    merge kernel, then o_proj in parts, where the splits do not fit: the same partial sums, through the other path."""
+    assert mp.splits_fit(4, 2, 8, 256, 1536) and mp.splits_fit(4, 16, 8, 256, 1536)  # sliding layers
+    assert not mp.splits_fit(64, 2, 8, 512, 1536) and not mp.splits_fit(17, 16, 8, 512, 1536)  # full layers
+    splits, w = _splits("verify_gqa", jnp.float32)
+    B, S = splits.o.shape[1], splits.o.shape[0]
+    rows, D, N = B * splits.q_len, splits.o.shape[-1], w.shape[0]
+    assert mp.splits_fit(S, rows, splits.num_heads, D, N)
+    kernel = mp.merge_project
+    calls = []
+    monkeypatch.setattr(mp, "merge_project", lambda *a: calls.append("kernel") or kernel(*a))
+    fused = mp.project_key_splits(splits, w, splits.num_heads)
+    monkeypatch.setattr(mp, "_tiling", lambda *a: (S * rows - 1, 16, 4))  # one split row past the block
+    merged_first = mp.project_key_splits(splits, w, splits.num_heads)
+    assert calls == ["kernel"] and isinstance(merged_first, SplitSum)
+    np.testing.assert_allclose(np.asarray(merged_first.partials.sum(0)), np.asarray(fused.partials.sum(0)),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_no_splits_come_back_merged():
     """merge=False hands splits back only where the kernel split the keys: one split, and the XLA path, give the
     merged output, as merge=True does."""
@@ -163,7 +183,8 @@ def test_tiny_e2b_paged_forward_through_the_kernels(monkeypatch, tiny_ckpts, jax
                                                                  k_splits=2))
     monkeypatch.setattr(ai, "attention_inputs", functools.partial(ai.attention_inputs, interpret=INTERPRET))
     calls = []  # how each o_proj traced went: through merge_project, or the merged rows' matmul
-    monkeypatch.setattr(decoder, "merge_project", lambda *a: calls.append("merged") or mp.merge_project(*a))
+    kernel = mp.merge_project
+    monkeypatch.setattr(mp, "merge_project", lambda *a: calls.append("merged") or kernel(*a))
     monkeypatch.setattr(decoder, "split_matmul", lambda *a: calls.append("matmul") or split_matmul(*a))
 
     B, P, ps = 2, 20, 4

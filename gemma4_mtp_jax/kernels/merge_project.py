@@ -26,13 +26,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import default_budget
-from gemma4_mtp_jax.kernels.paged_attention import KeySplits, _is_pow2, _next_pow2, merge_key_splits_reference
+from gemma4_mtp_jax.kernels.paged_attention import (KeySplits, _is_pow2, _next_pow2, merge_key_splits,
+                                                    merge_key_splits_reference)
 from gemma4_mtp_jax.kernels.split_k import MAX_WEIGHT_BYTES, SplitSum, split_matmul
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
 
-__all__ = ["use_merge_project", "merge_project", "merge_project_reference"]
+__all__ = ["use_merge_project", "splits_fit", "project_key_splits", "merge_project", "merge_project_reference"]
 
 BLOCK_ROWS = 16  # the query rows (B * Tq) a program holds: the smallest tensor-core tile
 MAX_ROWS = BLOCK_ROWS
@@ -54,6 +55,14 @@ def use_merge_project(rows: int, num_heads: int, head_dim: int, N: int, parts: i
     within split_k's budget (larger ones keep XLA's autotuned GEMM), and a power-of-two head dim >= 16."""
     return (1 < parts and 1 < num_heads and rows <= MAX_ROWS and N >= 16 and head_dim >= 16 and _is_pow2(head_dim)
             and num_heads * head_dim * N * itemsize <= MAX_WEIGHT_BYTES)
+
+
+def splits_fit(splits: int, rows: int, num_heads: int, head_dim: int, N: int) -> bool:
+    """Whether each program's re-read of its head's splits (splits x rows rows of head_dim) stays within its own
+    block of o_proj's columns (block_n rows of head_dim). Past that, the merge kernel's single read of the splits
+    costs less than the kernel this one saves: E2B's full-attention layers split 4096 keys 64 ways at decode (24 MB
+    of re-reads a layer at B = 2, against 12.6 MB of weights), its sliding layers 4 ways."""
+    return splits * rows <= _tiling(num_heads, head_dim, N)[0]
 
 
 def _tiling(num_heads: int, head_dim: int, N: int) -> tuple[int, int, int]:
@@ -149,6 +158,17 @@ def merge_project_reference(splits: KeySplits, w: Array) -> SplitSum:
     x = merge_key_splits_reference(splits)
     B, T, nH, D = x.shape
     return split_matmul(x.reshape(B, T, nH * D), w, nH)
+
+
+def project_key_splits(splits: KeySplits, w: Array, parts: int) -> SplitSum | Array:
+    """o_proj (w [N, nH * D]) of the key splits: merged and projected in one kernel where they fit (`splits_fit`),
+    else merged by the merge kernel, then projected in `parts` parts (`split_matmul`), as a merged output is."""
+    S, B = splits.o.shape[:2]
+    D, N = splits.o.shape[-1], w.shape[0]
+    if splits_fit(S, B * splits.q_len, splits.num_heads, D, N):
+        return merge_project(splits, w)
+    x = merge_key_splits(splits)
+    return split_matmul(x.reshape(B, splits.q_len, -1), w, parts)
 
 
 def merge_project(splits: KeySplits, w: Array) -> SplitSum:

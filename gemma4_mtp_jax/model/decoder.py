@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
-from gemma4_mtp_jax.kernels.merge_project import merge_project, use_merge_project
+from gemma4_mtp_jax.kernels.merge_project import project_key_splits, use_merge_project
 from gemma4_mtp_jax.kernels.paged_attention import KeySplits
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits, split_matmul
 from gemma4_mtp_jax.model.attention import KVView, Projections
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         out = kv.attend(lc.kv_source, q, positions, window, merge=not by_heads)
         with jax.named_scope("o_proj"):  # the kernels' scope the Linear it replaced gave them, for profiles
             if isinstance(out, KeySplits):
-                return merge_project(out, o_proj), kv
+                return project_key_splits(out, o_proj, parts), kv
             return split_matmul(out.reshape(B, T, nH * D), o_proj, parts), kv
 
 
