@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
 from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, rope_tables
 from gemma4_mtp_jax.kernels.device_budget import on_gpu
-from gemma4_mtp_jax.kernels.paged_attention import KeySplits, attend_paged
+from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
 from gemma4_mtp_jax.sharding import head_parallel, tensor_parallel_size
 
@@ -150,13 +150,11 @@ def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:
 
 
 def _attend(q: Array | Projections, kp: Array, vp: Array, table: Array, mask_pos: Array, *, window: int | None,
-            ring_pages: int | None, attention_impl: str, merge: bool) -> Array | KeySplits:
+            ring_pages: int | None, attention_impl: str) -> Array:
     """`attend_paged` on each device's heads (`head_parallel`). For Projections (a Q-only layer's raw q), q_norm's
     weight and RoPE's tables at the projections' own positions go along, replicated, for the kernel to norm and
-    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA. `merge` False:
-    the kernel's key splits may come back unmerged, on one device (`head_parallel` splits one array by heads)."""
-    merge = merge or tensor_parallel_size() > 1
-    fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl, merge=merge)
+    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA."""
+    fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl)
     if not isinstance(q, Projections):
         return head_parallel(fn, q, kp, vp, table, mask_pos)
     cos, sin = rope_tables(q.positions, q.inv_freq, q.q.dtype)
@@ -205,12 +203,11 @@ class PagedKV:
         """This view with the pages `view` (from `only(layers)`) wrote put back under their own layers."""
         return self.replace(pages={**self.pages, **{i: view.pages[r] for r, i in layers.items()}})
 
-    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None, merge: bool = True
-               ) -> Array | KeySplits:
+    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         group = self.layer_group[layer]
         kp, vp = self.pages[layer]
         return _attend(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
-                       attention_impl=self.attention_impl, merge=merge)
+                       attention_impl=self.attention_impl)
 
 
 @flax.struct.dataclass
@@ -236,12 +233,10 @@ class PagedDraftKV:
             raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
         return _queries_only(p, self.attention_impl), self
 
-    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None, merge: bool = True
-               ) -> Array | KeySplits:
+    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         """Queries roped at P (the projections' positions) attending with mask position P-1 and window W+1."""
         group = self.layer_group[layer]
         kp, vp = self.pages[self.source[layer]]
         newest = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)
         return _attend(q, kp, vp, self.tables[group], newest, window=None if window is None else window + 1,
-                       ring_pages=self.ring_pages if group == SLIDING else None, attention_impl=self.attention_impl,
-                       merge=merge)
+                       ring_pages=self.ring_pages if group == SLIDING else None, attention_impl=self.attention_impl)

@@ -19,7 +19,6 @@ from gemma4_mtp_jax.kernels import centroid_head as ch
 from gemma4_mtp_jax.kernels import device_budget as db
 from gemma4_mtp_jax.kernels import feed_forward as ff
 from gemma4_mtp_jax.kernels import grouped_matmul as gm
-from gemma4_mtp_jax.kernels import merge_project as mp
 from gemma4_mtp_jax.kernels import paged_attention as pa
 from gemma4_mtp_jax.kernels import split_k as sk
 
@@ -101,34 +100,6 @@ def test_paged_attention_with_query_prep_lowers(name, nH, nKV, D, window, B, Tq)
         q, kp, vp, t, pos, window=window, ring_pages=ring, q_norm=w, rope=(cos, sin), eps=1e-6), *args)
     assert triton_calls(text) >= 1
     assert f"paged_attention_r{cfg.block_rows}_k{cfg.block_k}_s{cfg.k_splits}_qrope" in text
-
-
-# E2B's Q-only layers (its KV-shared target layers, then the assistant's): (name, nH, D, window, o_proj's N).
-Q_ONLY = [("e2b_sliding", 8, 256, 512, 1536), ("e2b_full", 8, 512, None, 1536),
-          ("e2b_assistant_sliding", 4, 256, 512, 256), ("e2b_assistant_full", 4, 512, None, 256)]
-
-
-@pytest.mark.parametrize("B,Tq", [(2, 1), (16, 1), (3, 5)], ids=lambda v: str(v))
-@pytest.mark.parametrize("name,nH,D,window,N", Q_ONLY, ids=[a[0] for a in Q_ONLY])
-def test_merge_project_lowers(name, nH, D, window, N, B, Tq):
-    """The paged kernel's key splits, unmerged, into o_proj's per-head partials: two kernels, no merge kernel."""
-    page_size, ctx = 16, 4096
-    width = ctx // page_size
-    ring = None if window is None else -(-(window + Tq + 1) // page_size)
-    pages = _spec((1, B * (ring or width) + 1, page_size, D))
-    args = (_spec((B, Tq, nH, D)), pages, pages, _spec((B, ring or width), I32), _spec((B, Tq), I32), _spec((D,)),
-            _spec((B, Tq, D // 2)), _spec((B, Tq, D // 2)), _spec((N, nH * D)))
-    cfg = pa.kernel_config(args[0].shape, pages.shape, args[3].shape, window=window, ring_pages=ring)
-    assert cfg.k_splits > 1 and mp.use_merge_project(B * Tq, nH, D, N, parts=nH)
-
-    def attend_project(q, kp, vp, t, pos, w, cos, sin, o_proj):
-        splits = pa.paged_attention(q, kp, vp, t, pos, window=window, ring_pages=ring, q_norm=w, rope=(cos, sin),
-                                    eps=1e-6, merge=False)
-        return mp.merge_project(splits, o_proj).partials
-
-    text = lowered_for_cuda(attend_project, *args)
-    assert triton_calls(text) == 2
-    assert f"merge_project_s{cfg.k_splits}_d{D}" in text and "paged_attention_merge" not in text
 
 
 @pytest.mark.parametrize("T", [1, 2, 16])

@@ -19,9 +19,8 @@ Two implementations with the same signature:
   its KV head (rows padded to a power of two >= 16 for the tensor-core dots), walks only the key blocks the rows
   can see -- [max(0, min_q - window + 1), max_q], a dynamic trip count -- gathers each block's K/V rows through
   the page table with masked loads (keys outside the visible range are never read), and runs an online softmax
-  in float32. Long contexts split the key range over several programs (flash-decoding), merged afterwards by a
-  kernel of their own (or, `merge=False`, handed back as `KeySplits` for kernels/merge_project.py, which merges
-  them on the way into o_proj). Sequences whose rows are all padding run zero iterations.
+  in float32. Long contexts split the key range over several programs (flash-decoding), merged afterwards in
+  XLA. Sequences whose rows are all padding run zero iterations.
 
 Q-only layers (E2B's KV-shared target layers, every assistant layer): both take, optionally, `q_norm` (the
 weight [D]), `rope` = (cos, sin) [B, Tq, D/2] (`attention_inputs.rope_tables` at the layer's RoPE positions, which
@@ -45,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -453,42 +451,9 @@ def _merge_splits(o: Array, m: Array, l: Array) -> Array:
     return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-class KeySplits(NamedTuple):
-    """The paged kernel's output left unmerged, for a consumer that merges the key splits itself
-    (kernels/merge_project.py): each split's normalized output o [S, B, nKV, R, D] and its softmax statistics m, l
-    [S, B, nKV, R] float32, rows in the kernel's split layout (row j of KV head h: query token j // G of head
-    h * G + j % G). The merged output is [B, q_len, num_heads, D] in `dtype`; `interpret`: how the kernel that made
-    them ran, for the one that merges them to run the same way."""
-
-    o: Array
-    m: Array
-    l: Array
-    q_len: int
-    num_heads: int
-    dtype: jnp.dtype
-    interpret: bool
-
-
-def merge_key_splits(splits: KeySplits) -> Array:
-    """The splits merged into [B, q_len, num_heads, D] by the merge kernel (what `paged_attention` returns)."""
-    o, m, l, q_len, num_heads, dtype, interpret = splits
-    return _merge_splits_pallas(o, m, l, q_len=q_len, num_heads=num_heads, dtype=dtype,
-                                interpret=interpret).reshape(o.shape[1], q_len, num_heads, o.shape[-1])
-
-
-def merge_key_splits_reference(splits: KeySplits) -> Array:
-    """`merge_key_splits` in plain XLA: `_merge_splits`, the rows put back in q's layout, rounded to the dtype."""
-    S, B, nKV, R, D = splits.o.shape
-    G = splits.num_heads // nKV
-    merged = _merge_splits(splits.o, splits.m, splits.l)[:, :, :splits.q_len * G]  # [B, nKV, Tq * G, D]
-    merged = merged.reshape(B, nKV, splits.q_len, G, D).transpose(0, 2, 1, 3, 4)
-    return merged.reshape(B, splits.q_len, splits.num_heads, D).astype(splits.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps", "merge"))
+@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps"))
 def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm, rope, *, window, ring_pages,
-                            interpret, config: KernelConfig, eps, merge: bool = True):
-    """The output [B, Tq, nH, D]; with key splits and `merge` False, the splits' (o, m, l) unmerged."""
+                            interpret, config: KernelConfig, eps):
     B, Tq, nH, D = q.shape
     nKV, num_pages, page_size, _ = k_pages.shape
     G = nH // nKV
@@ -549,22 +514,19 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
     )(*args, kf, vf)
     if S == 1:
         return res.reshape(B, Tq, nH, D).astype(q.dtype)
-    if not merge:
-        return res
-    return merge_key_splits(KeySplits(*res, Tq, nH, q.dtype, interpret))
+    o, m, l = res
+    return _merge_splits_pallas(o, m, l, q_len=Tq, num_heads=nH, dtype=q.dtype,
+                                interpret=interpret).reshape(B, Tq, nH, D)
 
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
                     window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
                     rope: tuple[Array, Array] | None = None, eps: float | None = None, interpret: bool = False,
                     block_rows: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None, merge: bool = True
-                    ) -> Array | KeySplits:
+                    num_warps: int | None = None, num_stages: int | None = None) -> Array:
     """Pallas paged attention (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
     `paged_attention_reference`; the keyword-only tiling arguments override `kernel_config`'s plan. Raises
     ValueError when no tiling of these shapes fits the device (`attend_paged` falls back to XLA instead).
-    `merge` False: where the plan splits the keys, the splits come back unmerged (`KeySplits`), for a consumer
-    that merges them in its own kernel; without splits the kernel's output is already merged, and comes back as is.
 
     A Q-only layer's raw projection q [B, Tq, nH, D] goes in with `q_norm` (its weight [D]), `rope` = (cos, sin)
     [B, Tq, D/2] each (`attention_inputs.rope_tables` at the layer's RoPE positions, which may differ from the mask
@@ -578,13 +540,9 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
                          f"{default_budget().name or 'this device'} (the kernel needs a power-of-two head dim "
                          f">= 16 and page size, and tiles within {default_budget().smem_per_block} bytes of shared "
                          f"memory); use the XLA path")
-    out = _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm,
-                                  None if rope is None else tuple(rope), window=window, ring_pages=ring_pages,
-                                  interpret=interpret, config=config, eps=None if q_norm is None else float(eps),
-                                  merge=merge)
-    if isinstance(out, tuple):
-        return KeySplits(*out, q.shape[1], q.shape[2], q.dtype, interpret)
-    return out
+    return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm,
+                                   None if rope is None else tuple(rope), window=window, ring_pages=ring_pages,
+                                   interpret=interpret, config=config, eps=None if q_norm is None else float(eps))
 
 
 def _plan(q, k_pages, page_table, window, ring_pages, **overrides) -> KernelConfig | None:
@@ -601,12 +559,11 @@ def _log_fallback(q_shape, pages_shape, dtype_name: str) -> None:
 def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
                  q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None, *,
                  window: int | None = None, ring_pages: int | None = None, eps: float | None = None,
-                 impl: str = "auto", merge: bool = True) -> Array | KeySplits:
+                 impl: str = "auto") -> Array:
     """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel on GPU
     when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere.
     With `q_norm`, `cos`, `sin` (positional, so that `sharding.head_parallel` passes them on, replicated), q is a
-    Q-only layer's raw projection (see `paged_attention`). `merge` False: the kernel's key splits may come back
-    unmerged (`KeySplits`, see `paged_attention`); the reference always merges."""
+    Q-only layer's raw projection (see `paged_attention`)."""
     prep = {} if q_norm is None else dict(q_norm=q_norm, rope=(cos, sin), eps=eps)
     if impl == "auto":
         impl = "xla"
@@ -617,7 +574,7 @@ def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_
                 _log_fallback(tuple(q.shape), tuple(k_pages.shape), jnp.dtype(k_pages.dtype).name)
     if impl == "pallas":
         return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages,
-                               merge=merge, **prep)
+                               **prep)
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, window=window,
                                          ring_pages=ring_pages, **prep)

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
-from gemma4_mtp_jax.kernels.paged_attention import KeySplits
 
 Array = jax.Array
 
@@ -48,14 +47,11 @@ class Projections:
 class KVView(Protocol):
     """`prepare` returns (queries, view): the queries as `attend` takes them, an Array [B, T, nH, D] of normed and
     roped queries or anything else the view's `attend` accepts (the paged views: a Q-only layer's `Projections`);
-    `attend(layer, queries, q_pos, window)` attends them to layer `layer`'s K/V at mask positions q_pos, an Array
-    [B, T, nH, D]. With `merge` False a view whose kernel splits the keys over programs may hand the splits back
-    unmerged (`KeySplits`) for the layer's o_proj to merge (kernels/merge_project.py); the dense views never do."""
+    `attend(layer, queries, q_pos, window)` attends them to layer `layer`'s K/V at mask positions q_pos."""
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "KVView"]: ...
 
-    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None, merge: bool = True
-               ) -> Array | KeySplits: ...
+    def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array: ...
 
 
 @flax.struct.dataclass
@@ -69,7 +65,7 @@ class DenseKV:
         q, k, v = p.normed_and_roped()
         return q, (self if k is None else self.replace(layers={**self.layers, layer: (k, v)}))
 
-    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None, merge: bool = True) -> Array:
+    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         k, v = self.layers[layer]
         return dot_product_attention(q, k, v, causal_window_mask(q_pos, self.positions, window))
 
@@ -91,7 +87,7 @@ class DraftKV:
             raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
         return p.normed_and_roped()[0], self
 
-    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None, merge: bool = True) -> Array:
+    def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         k, v = self.by_layer[layer]
         B, S = k.shape[:2]
         k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))

@@ -11,9 +11,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
-from gemma4_mtp_jax.kernels.merge_project import project_key_splits, use_merge_project
-from gemma4_mtp_jax.kernels.paged_attention import KeySplits
-from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits, split_matmul
+from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
 from gemma4_mtp_jax.sharding import tensor_parallel_size
@@ -66,17 +64,10 @@ class Attention(nn.Module):
                         rope_inv_freq(cfg.rope[lc.layer_type], D), cfg.rms_norm_eps)
         q, kv = kv.prepare(self.layer, p)
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
-        H = cfg.hidden_size
-        parts = splits_for(x, nH * D, H, self.split_k) if out_parts is None else out_parts
-        o_proj = Weight((H, nH * D), self.param_dtype, name="o_proj")()
-        # o_proj split by heads takes the keys' splits unmerged where the view's kernel splits them: one kernel
-        # merges each head's splits and applies its columns (kernels/merge_project.py).
-        by_heads = use_merge_project(B * T, nH, D, H, parts, jnp.dtype(x.dtype).itemsize)
-        out = kv.attend(lc.kv_source, q, positions, window, merge=not by_heads)
-        with jax.named_scope("o_proj"):  # the kernels' scope the Linear it replaced gave them, for profiles
-            if isinstance(out, KeySplits):
-                return project_key_splits(out, o_proj, parts), kv
-            return split_matmul(out.reshape(B, T, nH * D), o_proj, parts), kv
+        out = kv.attend(lc.kv_source, q, positions, window).reshape(B, T, nH * D)
+        o_proj = Linear(cfg.hidden_size, self.param_dtype, name="o_proj")
+        parts = splits_for(out, nH * D, cfg.hidden_size, self.split_k) if out_parts is None else out_parts
+        return o_proj(out, parts), kv
 
 
 class DecoderLayer(nn.Module):
