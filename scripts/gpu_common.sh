@@ -60,14 +60,16 @@ host_overhead() {
     mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
   done
 }
-# gpu_tests LIMIT FILES...: those test files compiled on the GPU (8 workers, autotuning off), within LIMIT seconds
-# and the deadline; the log to $res/tests.log, its tail printed.
-gpu_tests() {
-  local limit=$1; shift
-  run env GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 timeout $(lim "$limit") python3 -m pytest \
-      -q -n 8 -p no:cacheprovider "$@" > "$res/tests.log" 2>&1
+# tree_tests DIR LIMIT FILES...: those test files of the tree at DIR compiled on the GPU (8 workers, autotuning off),
+# run in DIR itself (`python -m` puts the working directory first on sys.path), within LIMIT seconds and the
+# deadline; the log to $res/tests.log, its tail printed. gpu_tests LIMIT FILES...: the same in this tree.
+tree_tests() {
+  local dir=$1 limit=$2; shift 2
+  (cd "$dir" && run env PYTHONPATH=$PWD:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
+      timeout $(lim "$limit") python3 -m pytest -q -n 8 -p no:cacheprovider "$@" > "$res/tests.log" 2>&1)
   tail -5 "$res/tests.log"
 }
+gpu_tests() { tree_tests "$PWD" "$@"; }
 # Two trees in one call: main's carried as .baseline (without the demo pair's weights, over the carry limit; the
 # same files in both trees, copied in here), this tree the branch. root_of main|branch: a tree's root.
 use_trees() {  # use_trees DIR...: the demo pair's weights (left out of each carried tree) copied into each

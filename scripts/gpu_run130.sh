@@ -18,10 +18,7 @@ use_trees .branch .mid
   spec_tree merge_proj "$PWD/.branch"
   spec_tree merge_proj_cap "$PWD/.mid"
   spec_table main merge_proj merge_proj_cap
-  # In the tree's own directory: `python -m` puts the working directory (main's package) first on sys.path.
-  (cd .mid && run env PYTHONPATH=$PWD:/tmp/site GEMMA4_TEST_JAX_PLATFORMS=cuda XLA_FLAGS=--xla_gpu_autotune_level=0 \
-      timeout $(lim 45) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_merge_project.py > "$res/tests.log" 2>&1)
-  tail -3 "$res/tests.log"
+  tree_tests .mid 45 tests/test_merge_project.py
   [ $((end - SECONDS)) -gt 55 ] && spec_tree main_again "$PWD" && spec_table main_again
   echo "== $(date +%T) done, $((end - SECONDS)) s left"
 } > "$out/run130.log" 2>&1
