@@ -41,8 +41,8 @@ from gemma4_mtp_jax.kernels.triton_ops import compiler_params
 
 Array = jax.Array
 
-__all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "shape_of", "reshaped", "add_normed", "add_normed_reference", "gelu_gate",
-           "gelu_gate_reference"]
+__all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "shape_of", "reshaped", "add_normed",
+           "add_normed_reference", "gelu_gate", "gelu_gate_reference"]
 
 MAX_ROWS = 16  # more rows than a decode batch: XLA's own GEMM plan is left alone (verify, prefill)
 # Larger weights keep XLA's autotuned plan: measured only at E2B (at most 36 MiB, down_proj of its 12288-wide
