@@ -46,7 +46,7 @@ def test_paged_forward_with_split_q_equals_plain(tiny_ckpts, monkeypatch, T):
     seen = []
 
     def kernel(q, *args, **kw):
-        seen.append(sk.shape_of(q) if not isinstance(q, sk.SplitSum) else (q.partials.shape[0],))
+        seen.append(q.partials.shape[0] if isinstance(q, sk.SplitSum) else 1)
         return pa_kernel(q, *args, interpret=INTERPRET, **kw)
 
     pa_kernel = pa.paged_attention
@@ -71,9 +71,9 @@ def test_paged_forward_with_split_q_equals_plain(tiny_ckpts, monkeypatch, T):
         seen.clear()
         hidden[impl], _ = forward_paged(target, layout, target.params, pages, tokens[:, PROMPT:],
                                         positions[:, PROMPT:], tables, attention_impl=impl)
-    # the kernel got q in 2 parts from each kind of Q-only layer (sliding, full), and whole q from the owning ones
-    assert sorted(s for s in seen if len(s) == 1) == [(2,), (2,)], seen
-    assert any(len(s) == 4 for s in seen), seen
+    # traced once per kind of layer: q in 2 parts from the two kinds of Q-only layer (sliding, full), whole q from
+    # the owning ones
+    assert seen.count(2) == 2 and 1 in seen and set(seen) == {1, 2}, seen
     want = np.asarray(plain[:, PROMPT:])
     np.testing.assert_allclose(np.asarray(hidden["pallas"]), np.asarray(hidden["xla"]), atol=5e-5, rtol=5e-5)
     np.testing.assert_allclose(np.asarray(hidden["pallas"]), want, atol=5e-5, rtol=5e-5)
