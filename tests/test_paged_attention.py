@@ -594,3 +594,80 @@ def test_auto_fallback_prepares_queries_in_xla(monkeypatch):
     out = pa.attend_paged(raw, *c.args()[1:], q_norm, cos, sin, window=c.window, ring_pages=c.ring_pages, eps=EPS,
                           impl="auto")
     np.testing.assert_array_equal(np.asarray(out), want)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Q-only layers whose q projection comes split along its contraction: the kernel adds the parts as it loads
+# ----------------------------------------------------------------------------------------------------------
+
+from gemma4_mtp_jax.kernels.split_k import SplitSum, total  # noqa: E402
+
+
+def split_raw(c: Case, seed: int, parts: int, dtype) -> SplitSum:
+    """`parts` float32 partial sums of a raw projection of c.q's shape. Their values are multiples of 1/64 below
+    8, so every order of adding them is exact: the kernel's sum and `total`'s are the same numbers."""
+    rng = np.random.default_rng(seed)
+    p = np.round(rng.standard_normal((parts, *c.q.shape)) * 3 * 64 / parts) / 64 + 0.5 / parts
+    return SplitSum(jnp.asarray(p, jnp.float32), jnp.dtype(dtype))
+
+
+SPLIT_Q_CASES = {
+    # name: (Tq, nH, nKV, D, page_size, window, ring_pages, starts, extra kernel kwargs)
+    "decode_gqa4_d64_full_splits": (1, 8, 2, 64, 8, None, None, STARTS, {"k_splits": 3}),
+    "decode_gqa4_d32_ring": (1, 4, 1, 32, 8, 10, 2, [45, 29, 0, 3], {}),
+    "verify_gqa4_d128_window": (5, 4, 1, 128, 8, 12, None, STARTS, {}),
+    "verify_gqa4_d16_window_splits_rowblocks": (5, 8, 2, 16, 8, 11, None, [61, 30, 0, 1],
+                                                {"k_splits": 2, "block_rows": 16}),
+}
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(SPLIT_Q_CASES))
+def test_kernel_adds_split_q(name, dtype, parts):
+    """The kernel on a SplitSum q equals the kernel on the summed q (bit for bit: the sums are exact, the rounding
+    to the activations' dtype the same) and the reference on the model's queries."""
+    Tq, nH, nKV, D, ps, window, ring, starts, kw = SPLIT_Q_CASES[name]
+    c = build_case(23, Tq=Tq, nH=nH, nKV=nKV, D=D, page_size=ps, starts=starts, n_valid=_valid(Tq), window=window,
+                   ring_pages=ring)
+    _, q_norm, rope_pos, inv_freq, tables = prep_inputs(c, 24, dtype)
+    q = split_raw(c, 25, parts, dtype)
+    raw = total(q)
+    out = run_kernel_prep(c, q, q_norm, tables, dtype, **kw)
+    assert out.shape == c.q.shape and out.dtype == dtype
+    assert_padding_zero(c, out)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(run_kernel_prep(c, raw, q_norm, tables, dtype, **kw), np.float32))
+    ref = reference_on(c, prepared_queries(raw, q_norm, rope_pos, inv_freq), dtype)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+
+
+def test_reference_sums_split_q():
+    """The XLA path adds a SplitSum's parts first (`split_k.total`): the reference on the summed q, exactly."""
+    c = build_case(26, Tq=5, nH=4, nKV=1, D=32, page_size=8, starts=STARTS, n_valid=_valid(5), window=10,
+                   ring_pages=2)
+    _, q_norm, _, _, tables = prep_inputs(c, 27, jnp.bfloat16)
+    _, kp, vp, table, qpos = c.args(jnp.bfloat16)
+    q = split_raw(c, 28, 4, jnp.bfloat16)
+    outs = [pa.attend_paged(x, kp, vp, table, qpos, q_norm, *tables, window=c.window, ring_pages=c.ring_pages,
+                            eps=EPS, impl="xla") for x in (q, total(q))]
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+
+
+def test_kernel_refuses_split_q_it_cannot_add():
+    """Parts only with the query prep, at most max_q_parts(D) = 4 of them, and none at head_dim 512."""
+    assert pa.max_q_parts(256) == 4 and pa.max_q_parts(512) == 1
+    c = build_case(29, Tq=1, nH=2, nKV=1, D=16, page_size=8, starts=[9, 3], n_valid=[1, 1])
+    _, q_norm, _, _, tables = prep_inputs(c, 30, jnp.float32)
+    args = c.args()[1:]
+    with pytest.raises(ValueError, match="query prep"):
+        pa.paged_attention(split_raw(c, 31, 2, jnp.float32), *args, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="at most 4"):
+        pa.paged_attention(split_raw(c, 31, 5, jnp.float32), *args, q_norm=q_norm, rope=tables, eps=EPS,
+                           interpret=INTERPRET)
+    wide = build_case(32, Tq=1, nH=2, nKV=1, D=512, page_size=8, starts=[9, 3], n_valid=[1, 1])
+    _, w_norm, _, _, w_tables = prep_inputs(wide, 33, jnp.float32)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        pa.paged_attention(split_raw(wide, 34, 2, jnp.float32), *wide.args()[1:], q_norm=w_norm, rope=w_tables,
+                           eps=EPS, interpret=INTERPRET)
