@@ -27,8 +27,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
 from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, rope_tables
 from gemma4_mtp_jax.kernels.device_budget import on_gpu
-from gemma4_mtp_jax.kernels.paged_attention import attend_paged, max_q_parts
-from gemma4_mtp_jax.kernels.split_k import SplitSum, total
+from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
 from gemma4_mtp_jax.sharding import head_parallel, tensor_parallel_size
 
@@ -134,7 +133,7 @@ def _inputs_impl(attention_impl: str) -> str:
 
 def _attention_inputs(p: Projections, attention_impl: str, **slots) -> tuple[Array, tuple[Array, Array] | None]:
     """(queries, the layer's pages with the new K/V written) from `p`; `slots`: pages, page, offset (with K/V)."""
-    return prepare_attention_inputs(total(p.q), p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
+    return prepare_attention_inputs(p.q, p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
                                     impl=_inputs_impl(attention_impl), **slots)
 
 
@@ -142,16 +141,6 @@ def _queries_in_kernel(attention_impl: str) -> bool:
     """Whether a Q-only layer hands its raw projections to the paged-attention kernel, which norms and ropes the
     queries as it loads them (one `attention_inputs` kernel less per Q-only layer): where the kernel may run."""
     return attention_impl == "pallas" or (attention_impl == "auto" and on_gpu())
-
-
-def _query_parts(parts: int, head_dim: int, attention_impl: str) -> int:
-    """How many of `parts` partial sums of a Q-only layer's split q projection the view takes unsummed: those the
-    paged kernel adds as it loads the query rows (`max_q_parts`), sparing the layer the kernel that sums the split
-    GEMM's parts; 1 where the queries are made outside that kernel, and under tensor parallelism (`head_parallel`
-    splits q by heads, not a SplitSum)."""
-    if not _queries_in_kernel(attention_impl) or tensor_parallel_size() > 1:
-        return 1
-    return min(parts, max_q_parts(head_dim))
 
 
 def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:
@@ -169,8 +158,6 @@ def _attend(q: Array | Projections, kp: Array, vp: Array, table: Array, mask_pos
     if not isinstance(q, Projections):
         return head_parallel(fn, q, kp, vp, table, mask_pos)
     cos, sin = rope_tables(q.positions, q.inv_freq, q.q.dtype)
-    if isinstance(q.q, SplitSum):  # one device only (`_query_parts`): nothing to split by heads
-        return fn(q.q, kp, vp, table, mask_pos, q.q_norm, cos, sin, eps=q.eps)
     return head_parallel(functools.partial(fn, eps=q.eps), q.q, kp, vp, table, mask_pos, q.q_norm, cos, sin)
 
 
@@ -216,9 +203,6 @@ class PagedKV:
         """This view with the pages `view` (from `only(layers)`) wrote put back under their own layers."""
         return self.replace(pages={**self.pages, **{i: view.pages[r] for r, i in layers.items()}})
 
-    def query_parts(self, parts: int, head_dim: int) -> int:
-        return _query_parts(parts, head_dim, self.attention_impl)
-
     def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         group = self.layer_group[layer]
         kp, vp = self.pages[layer]
@@ -248,9 +232,6 @@ class PagedDraftKV:
         if p.k is not None:
             raise ValueError(f"assistant layer {layer} tried to store K/V, but assistant layers are Q-only")
         return _queries_only(p, self.attention_impl), self
-
-    def query_parts(self, parts: int, head_dim: int) -> int:
-        return _query_parts(parts, head_dim, self.attention_impl)
 
     def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         """Queries roped at P (the projections' positions) attending with mask position P-1 and window W+1."""

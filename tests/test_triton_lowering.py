@@ -102,25 +102,6 @@ def test_paged_attention_with_query_prep_lowers(name, nH, nKV, D, window, B, Tq)
     assert f"paged_attention_r{cfg.block_rows}_k{cfg.block_k}_s{cfg.k_splits}_qrope" in text
 
 
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("B,Tq", [(2, 1), (16, 1), (2, 5)], ids=lambda v: str(v))
-def test_paged_attention_with_split_q_lowers(B, Tq, parts):
-    """E2B's sliding Q-only target layers at decode and a small verify: q_proj's float32 partial sums
-    [parts, B, Tq, nH, D], added by the kernel's query prep."""
-    _, nH, nKV, D, window = ATTENTION[0]
-    page_size = 16
-    ring = -(-(window + Tq + 1) // page_size)
-    pages = _spec((nKV, B * ring + 1, page_size, D))
-    args = (_spec((parts, B, Tq, nH, D), F32), pages, pages, _spec((B, ring), I32), _spec((B, Tq), I32),
-            _spec((D,)), _spec((B, Tq, D // 2)), _spec((B, Tq, D // 2)))
-    cfg = pa.kernel_config((B, Tq, nH, D), pages.shape, args[3].shape, window=window, ring_pages=ring)
-    text = lowered_for_cuda(lambda p, kp, vp, t, pos, w, cos, sin: pa.paged_attention(
-        sk.SplitSum(p, BF16), kp, vp, t, pos, window=window, ring_pages=ring, q_norm=w, rope=(cos, sin),
-        eps=1e-6), *args)
-    assert triton_calls(text) >= 1
-    assert f"paged_attention_r{cfg.block_rows}_k{cfg.block_k}_s{cfg.k_splits}_qrope_p{parts}" in text
-
-
 @pytest.mark.parametrize("T", [1, 2, 16])
 def test_centroid_head_lowers(T):
     """E2B's assistant head: 2048 centroids, the 32 best kept, 128 rows each, 256 wide."""

@@ -27,9 +27,6 @@ weight [D]), `rope` = (cos, sin) [B, Tq, D/2] (`attention_inputs.rope_tables` at
 for the assistant differ from the mask positions) and `eps`; q is then the raw projection, q_norm'ed and roped as
 `attention_inputs` does it (the reference with its math; the kernel as it loads each query row, sparing the layer
 that kernel). RoPE's tables come from XLA, not from the kernel: computing cos / sin in the kernel spilled.
-The kernel also takes that projection unsummed, as the `split_k.SplitSum` of a q_proj split along its contraction
-(at most `max_q_parts(D)` parts): it adds the parts as it loads each row, so the layer needs no kernel to add them
-(XLA splits such a skinny GEMM itself at decode, and adds the parts in a reduction kernel of its own).
 
 `attend_paged(..., impl="auto")` picks the kernel on GPU and the reference elsewhere. The tiling comes from
 `kernel_config`: the largest blocks whose shared memory (`smem_bytes`, calibrated on the H200) and registers fit
@@ -56,7 +53,6 @@ from jax.experimental import pallas as pl
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped_queries
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
-from gemma4_mtp_jax.kernels.split_k import SplitSum, shape_of, total
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
@@ -72,7 +68,7 @@ _SQUEEZED = getattr(pl, "squeezed", None)  # pl.squeezed (newer JAX) == None in 
 
 
 def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm=None, rope=None, eps=None):
-    B, Tq, nH, D = shape_of(q)
+    B, Tq, nH, D = q.shape
     nKV, _, _, Dk = k_pages.shape
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
@@ -113,15 +109,12 @@ def slot_positions(q_positions: Array, num_slots: int, ring: bool) -> Array:
     return hi - jnp.mod(hi - slot, num_slots)
 
 
-def paged_attention_reference(q: Array | SplitSum, k_pages: Array, v_pages: Array, page_table: Array,
-                              q_positions: Array, *, window: int | None = None, ring_pages: int | None = None,
-                              q_norm: Array | None = None, rope: tuple[Array, Array] | None = None,
-                              eps: float | None = None) -> Array:
+def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
+                              *, window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
+                              rope: tuple[Array, Array] | None = None, eps: float | None = None) -> Array:
     """Plain-XLA paged attention (see the module docstring). Gathers each sequence's pages into a dense copy. With
-    `q_norm` and `rope`, q is the raw projection, turned into queries first (`normed_and_roped_queries`); a
-    SplitSum q is summed first, as the matmul would have returned it."""
+    `q_norm` and `rope`, q is the raw projection, turned into queries first (`normed_and_roped_queries`)."""
     _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
-    q = total(q)
     if q_norm is not None:
         q = normed_and_roped_queries(q, q_norm, *rope, eps=eps)
     B, Tq, nH, D = q.shape
@@ -176,29 +169,6 @@ def kernel_supported(q_shape, k_pages_shape) -> bool:
     D = q_shape[-1]
     page_size = k_pages_shape[2]
     return _is_pow2(D) and D >= 16 and _is_pow2(page_size)
-
-
-MAX_Q_PARTS = 4  # partial sums of a split q projection the kernel adds as it loads its query rows
-
-
-def max_q_parts(head_dim: int) -> int:
-    """How many partial sums of a split q projection the kernel takes for this head dim (1: only whole q). Only up
-    to 256: each part is a float32 tile of the rows loaded twice (the row and its rotate-half partner), and at 512
-    an earlier build of the variant used all 255 registers and spilled 204 bytes."""
-    return MAX_Q_PARTS if head_dim <= 256 else 1
-
-
-def _check_parts(q: Array | SplitSum, q_norm: Array | None) -> None:
-    """The kernel adds a SplitSum's parts only in its query prep, and at most `max_q_parts(D)` of them."""
-    if not isinstance(q, SplitSum):
-        return
-    parts, D = q.partials.shape[0], q.partials.shape[-1]
-    if q_norm is None:
-        raise ValueError("q as unsummed parts (a SplitSum) needs the kernel's query prep: pass q_norm, rope and eps, "
-                         "or sum q first (split_k.total)")
-    if parts > max_q_parts(D):
-        raise ValueError(f"q has {parts} parts; the kernel adds at most {max_q_parts(D)} at head_dim {D} "
-                         f"(max_q_parts)")
 
 
 def smem_bytes(block_rows: int, block_k: int, head_dim: int, num_stages: int, itemsize: int) -> int:
@@ -295,7 +265,7 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
 def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, block_k: int,
                             window: int | None, ring_slots: int | None, ring_pages: int | None,
                             table_width: int, k_splits: int, block_rows: int, q_len: int, num_heads: int,
-                            group: int, eps: float | None, q_parts: int, q_dtype):
+                            group: int, eps: float | None):
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
     The query rows are read straight from q's own layout (no padded copy of q) and, without key splits, the output
@@ -314,9 +284,6 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     `attention_inputs` does it: RMSNorm in float32, times the weight, rounded to q's dtype; then x * cos +
     rotate_half(x) * sin in that dtype. rotate_half's swapped halves come from a second load of the row at the
     other half's columns (Triton cannot concatenate the halves).
-
-    With q_parts > 1 (only with `eps`), q_ref [q_parts * B * Tq * nH, D] float32 stacks the partial sums of the raw
-    projection (`split_k.SplitSum`); both loads of a row add its parts and round the sum to q_dtype (`_query_rows`).
     """
     if eps is None:
         k_ref, v_ref, *out_refs = refs
@@ -329,10 +296,9 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     q_row = (b * q_len + t) * num_heads + h * group + j % group  # [R] rows of q (and of the output)
     cols = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[-1]), 1)
     pos = load(pos_ref.at[b * q_len + t], real, -1)
-    q = _query_rows(q_ref, q_row, cols, real, q_parts, q_dtype)
+    q = load(q_ref.at[q_row[:, None], cols], real[:, None], 0)
     if eps is not None:
-        q = _normed_and_roped(q, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, b * q_len + t, real, cols, eps,
-                              q_parts)
+        q = _normed_and_roped(q, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, b * q_len + t, real, cols, eps)
     q = q.astype(k_ref.dtype)
     rows, D = q.shape
 
@@ -402,20 +368,7 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
         store(o_ref.at[q_row[:, None], cols], o, real[:, None])
 
 
-def _query_rows(q_ref, q_row, cols, real, q_parts: int, q_dtype) -> Array:
-    """q's rows q_row [R] at columns cols [1, D] (padding rows 0). With q_parts > 1, q_ref stacks that many float32
-    partial sums of q: added in float32 and rounded to q_dtype, as `split_k.total` (the summed matmul) rounds."""
-    rows = q_row[:, None]
-    x = load(q_ref.at[rows, cols], real[:, None], 0)
-    if q_parts == 1:
-        return x
-    stride = q_ref.shape[0] // q_parts  # rows of one part
-    for s in range(1, q_parts):
-        x = x + load(q_ref.at[rows + s * stride, cols], real[:, None], 0)
-    return x.astype(q_dtype)
-
-
-def _normed_and_roped(x, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, token, real, cols, eps: float, q_parts: int):
+def _normed_and_roped(x, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, token, real, cols, eps: float):
     """Rows x [R, D] of raw queries (q_ref's rows q_row, of query tokens `token`) q_norm'ed and roped, in x's dtype
     (see `_paged_attention_kernel`)."""
     dtype = x.dtype
@@ -426,7 +379,7 @@ def _normed_and_roped(x, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, token, real
     w_cols = lax.broadcasted_iota(jnp.int32, (D,), 0)
     w_other = jnp.where(w_cols < half, w_cols + half, w_cols - half)
     all_d = w_cols < D
-    y = _query_rows(q_ref, q_row, other, real, q_parts, dtype).astype(jnp.float32)  # x's halves swapped
+    y = load(q_ref.at[q_row[:, None], other], real[:, None], 0).astype(jnp.float32)  # x's halves swapped
     x = x.astype(jnp.float32)
     r = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / D + eps)  # [R, 1]
     x = (x * r * load(q_norm_ref.at[w_cols], all_d).astype(jnp.float32)[None, :]).astype(dtype)
@@ -498,13 +451,10 @@ def _merge_splits(o: Array, m: Array, l: Array) -> Array:
     return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps", "q_dtype"))
+@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps"))
 def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm, rope, *, window, ring_pages,
-                            interpret, config: KernelConfig, eps, q_dtype):
-    """q [B, Tq, nH, D], or with q_dtype the partials [S, B, Tq, nH, D] float32 of a SplitSum of that dtype."""
-    q_parts = 1 if q_dtype is None else q.shape[0]
-    dtype = q.dtype if q_dtype is None else jnp.dtype(q_dtype)
-    B, Tq, nH, D = q.shape[q.ndim - 4:]
+                            interpret, config: KernelConfig, eps):
+    B, Tq, nH, D = q.shape
     nKV, num_pages, page_size, _ = k_pages.shape
     G = nH // nKV
     rows = Tq * G
@@ -515,7 +465,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
     S = config.k_splits
 
     # free: the kernel reads rows in q's own layout (raw queries in their own dtype, for the norm's rounding)
-    qf = (q if q_norm is not None else q.astype(k_pages.dtype)).reshape(q_parts * B * Tq * nH, D)
+    qf = (q if q_norm is not None else q.astype(k_pages.dtype)).reshape(B * Tq * nH, D)
     pos = q_positions.astype(jnp.int32).reshape(B * Tq)
     kf = k_pages.reshape(nKV, num_pages * page_size, D)  # free: pages are contiguous rows
     vf = v_pages.reshape(nKV, num_pages * page_size, D)
@@ -526,18 +476,18 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         _paged_attention_kernel, page_size=page_size, block_k=config.block_k, window=window,
         ring_slots=None if ring_pages is None else ring_pages * page_size, ring_pages=ring_pages,
         table_width=width, k_splits=S, block_rows=br, q_len=Tq, num_heads=nH, group=G,
-        eps=None if q_norm is None else float(eps), q_parts=q_parts, q_dtype=dtype)
+        eps=None if q_norm is None else float(eps))
     whole = lambda b, h, r, s: (0, 0)  # noqa: E731  (indexed inside the kernel)
     in_specs = [
         pl.BlockSpec((B * Tq,), lambda b, h, r, s: (0,)),  # mask positions, token-major
         pl.BlockSpec((sq, width), lambda b, h, r, s: (b, 0)),  # page table row
-        pl.BlockSpec((q_parts * B * Tq * nH, D), whole),  # q rows (each part's in turn)
+        pl.BlockSpec((B * Tq * nH, D), whole),  # q rows
     ]
     args = [pos, table, qf]
     if q_norm is not None:
         in_specs += [pl.BlockSpec((D,), lambda b, h, r, s: (0,)),  # q_norm's weight
                      pl.BlockSpec((B * Tq, D // 2), whole), pl.BlockSpec((B * Tq, D // 2), whole)]  # cos, sin
-        args += [q_norm, *(t.astype(dtype).reshape(B * Tq, D // 2) for t in rope)]
+        args += [q_norm, *(t.astype(q.dtype).reshape(B * Tq, D // 2) for t in rope)]
     in_specs += [
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # K pool of head h
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # V pool of head h
@@ -560,17 +510,16 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         out_shape=out_shape,
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
-        name=(f"paged_attention_r{br}_k{config.block_k}_s{S}" + ("" if q_norm is None else "_qrope")
-              + ("" if q_parts == 1 else f"_p{q_parts}")),
+        name=f"paged_attention_r{br}_k{config.block_k}_s{S}" + ("" if q_norm is None else "_qrope"),
     )(*args, kf, vf)
     if S == 1:
-        return res.reshape(B, Tq, nH, D).astype(dtype)
+        return res.reshape(B, Tq, nH, D).astype(q.dtype)
     o, m, l = res
-    return _merge_splits_pallas(o, m, l, q_len=Tq, num_heads=nH, dtype=dtype,
+    return _merge_splits_pallas(o, m, l, q_len=Tq, num_heads=nH, dtype=q.dtype,
                                 interpret=interpret).reshape(B, Tq, nH, D)
 
 
-def paged_attention(q: Array | SplitSum, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
+def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
                     window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
                     rope: tuple[Array, Array] | None = None, eps: float | None = None, interpret: bool = False,
                     block_rows: int | None = None, block_k: int | None = None, k_splits: int | None = None,
@@ -582,26 +531,22 @@ def paged_attention(q: Array | SplitSum, k_pages: Array, v_pages: Array, page_ta
     A Q-only layer's raw projection q [B, Tq, nH, D] goes in with `q_norm` (its weight [D]), `rope` = (cos, sin)
     [B, Tq, D/2] each (`attention_inputs.rope_tables` at the layer's RoPE positions, which may differ from the mask
     positions `q_positions`) and `eps`: the kernel norms and ropes each query row as it loads it, sparing the
-    layer an `attention_inputs` kernel, with that kernel's rounding. That projection may come unsummed, a SplitSum
-    of at most `max_q_parts(D)` parts: the kernel adds them first, rounding as `split_k.total` does."""
+    layer an `attention_inputs` kernel, with that kernel's rounding."""
     _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
-    _check_parts(q, q_norm)
     config = _plan(q, k_pages, page_table, window, ring_pages, block_rows=block_rows, block_k=block_k,
                    k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
     if config is None:
-        raise ValueError(f"no kernel tiling fits q {shape_of(q)}, pages {k_pages.shape} {k_pages.dtype} on "
+        raise ValueError(f"no kernel tiling fits q {q.shape}, pages {k_pages.shape} {k_pages.dtype} on "
                          f"{default_budget().name or 'this device'} (the kernel needs a power-of-two head dim "
                          f">= 16 and page size, and tiles within {default_budget().smem_per_block} bytes of shared "
                          f"memory); use the XLA path")
-    split = isinstance(q, SplitSum)
-    return _paged_attention_pallas(q.partials if split else q, k_pages, v_pages, page_table, q_positions, q_norm,
+    return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm,
                                    None if rope is None else tuple(rope), window=window, ring_pages=ring_pages,
-                                   interpret=interpret, config=config, eps=None if q_norm is None else float(eps),
-                                   q_dtype=jnp.dtype(q.dtype).name if split else None)
+                                   interpret=interpret, config=config, eps=None if q_norm is None else float(eps))
 
 
 def _plan(q, k_pages, page_table, window, ring_pages, **overrides) -> KernelConfig | None:
-    return kernel_config(shape_of(q), k_pages.shape, page_table.shape, itemsize=jnp.dtype(k_pages.dtype).itemsize,
+    return kernel_config(q.shape, k_pages.shape, page_table.shape, itemsize=jnp.dtype(k_pages.dtype).itemsize,
                          window=window, ring_pages=ring_pages, **overrides)
 
 
@@ -611,14 +556,14 @@ def _log_fallback(q_shape, pages_shape, dtype_name: str) -> None:
                 "path", q_shape, pages_shape, dtype_name)
 
 
-def attend_paged(q: Array | SplitSum, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
+def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
                  q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None, *,
                  window: int | None = None, ring_pages: int | None = None, eps: float | None = None,
                  impl: str = "auto") -> Array:
     """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel on GPU
     when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere.
     With `q_norm`, `cos`, `sin` (positional, so that `sharding.head_parallel` passes them on, replicated), q is a
-    Q-only layer's raw projection (see `paged_attention`), whole or a SplitSum (summed in XLA on the XLA path)."""
+    Q-only layer's raw projection (see `paged_attention`)."""
     prep = {} if q_norm is None else dict(q_norm=q_norm, rope=(cos, sin), eps=eps)
     if impl == "auto":
         impl = "xla"
@@ -626,7 +571,7 @@ def attend_paged(q: Array | SplitSum, k_pages: Array, v_pages: Array, page_table
             if _plan(q, k_pages, page_table, window, ring_pages) is not None:
                 impl = "pallas"
             else:
-                _log_fallback(shape_of(q), tuple(k_pages.shape), jnp.dtype(k_pages.dtype).name)
+                _log_fallback(tuple(q.shape), tuple(k_pages.shape), jnp.dtype(k_pages.dtype).name)
     if impl == "pallas":
         return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages,
                                **prep)

@@ -41,8 +41,8 @@ from gemma4_mtp_jax.kernels.triton_ops import compiler_params
 
 Array = jax.Array
 
-__all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "shape_of", "reshaped", "add_normed",
-           "add_normed_reference", "gelu_gate", "gelu_gate_reference"]
+__all__ = ["SplitSum", "split_matmul", "plan_splits", "total", "add_normed", "add_normed_reference", "gelu_gate",
+           "gelu_gate_reference"]
 
 MAX_ROWS = 16  # more rows than a decode batch: XLA's own GEMM plan is left alone (verify, prefill)
 # Larger weights keep XLA's autotuned plan: measured only at E2B (at most 36 MiB, down_proj of its 12288-wide
@@ -93,18 +93,6 @@ def total(y: Array | SplitSum) -> Array:
     if isinstance(y, SplitSum):
         return jnp.sum(y.partials, axis=0).astype(y.dtype)
     return y
-
-
-def shape_of(y: Array | SplitSum) -> tuple[int, ...]:
-    """The shape of the matmul's result (a SplitSum's partials have one axis more, the parts)."""
-    return tuple(y.partials.shape[1:]) if isinstance(y, SplitSum) else tuple(y.shape)
-
-
-def reshaped(y: Array | SplitSum, shape: tuple[int, ...]) -> Array | SplitSum:
-    """y with its result reshaped to `shape`: a SplitSum stays unsummed, each part reshaped alike."""
-    if isinstance(y, SplitSum):
-        return SplitSum(y.partials.reshape(y.partials.shape[0], *shape), y.dtype)
-    return y.reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,8 +6,7 @@ stored) and `attend` (read the K/V of a given layer). The layer passes `prepare`
 The dense views here return the queries themselves; the paged KV state plugs in behind the same two calls, so the
 layers never know where K/V live. It may turn the projections into queries and paged K/V in one kernel
 (`kernels.attention_inputs`), and for a Q-only layer hand the projections back for the paged-attention kernel to
-norm and rope the queries as it loads them; such a layer's q projection may then come split along its contraction,
-its partial sums added by that kernel too (`query_parts`).
+norm and rope the queries as it loads them.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
-from gemma4_mtp_jax.kernels.split_k import SplitSum, total
 
 Array = jax.Array
 
@@ -29,10 +27,9 @@ Array = jax.Array
 class Projections:
     """A layer's raw projections and what turns them into attention inputs: q [B, T, nH, D] gets `q_norm` and RoPE;
     k [B, T, nKV, D] gets `k_norm` and RoPE, v (or, where v is None, the raw k: attention_k_eq_v) an RMSNorm
-    without a weight. k None: the layer has queries only (it reads another layer's K/V, or is the assistant's).
-    q may be unsummed, a `SplitSum` of [S, B, T, nH, D] partials, where the view asked for parts (`query_parts`)."""
+    without a weight. k None: the layer has queries only (it reads another layer's K/V, or is the assistant's)."""
 
-    q: Array | SplitSum
+    q: Array
     k: Array | None
     v: Array | None
     q_norm: Array  # [D]
@@ -43,18 +40,14 @@ class Projections:
 
     def normed_and_roped(self) -> tuple[Array, Array | None, Array | None]:
         """(queries, keys, values) in plain XLA; keys and values None for a layer with queries only."""
-        return normed_and_roped(total(self.q), self.k, self.v, self.q_norm, self.k_norm, self.positions, self.inv_freq,
+        return normed_and_roped(self.q, self.k, self.v, self.q_norm, self.k_norm, self.positions, self.inv_freq,
                                 eps=self.eps)
 
 
 class KVView(Protocol):
     """`prepare` returns (queries, view): the queries as `attend` takes them, an Array [B, T, nH, D] of normed and
     roped queries or anything else the view's `attend` accepts (the paged views: a Q-only layer's `Projections`);
-    `attend(layer, queries, q_pos, window)` attends them to layer `layer`'s K/V at mask positions q_pos.
-    `query_parts(parts, head_dim)`: how many of `parts` partial sums of a Q-only layer's q projection, split along
-    its contraction, `prepare` takes unsummed (1: q whole, the views that make the queries in XLA)."""
-
-    def query_parts(self, parts: int, head_dim: int) -> int: ...
+    `attend(layer, queries, q_pos, window)` attends them to layer `layer`'s K/V at mask positions q_pos."""
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "KVView"]: ...
 
@@ -67,9 +60,6 @@ class DenseKV:
 
     positions: Array  # [B, T]
     layers: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
-
-    def query_parts(self, parts: int, head_dim: int) -> int:
-        return 1
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array, "DenseKV"]:
         q, k, v = p.normed_and_roped()
@@ -91,9 +81,6 @@ class DraftKV:
 
     by_layer: dict[int, tuple[Array, Array]]
     lengths: Array  # [B] committed tokens = the query position
-
-    def query_parts(self, parts: int, head_dim: int) -> int:
-        return 1
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array, "DraftKV"]:
         if p.k is not None:

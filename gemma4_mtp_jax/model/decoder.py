@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from gemma4_mtp_jax.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
-from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits, reshaped
+from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
 from gemma4_mtp_jax.sharding import tensor_parallel_size
@@ -37,8 +37,7 @@ def residual_norms(params: dict, num_layers: int) -> list[Array]:
 class Attention(nn.Module):
     """q_norm'ed, RoPE'd queries; layers that own K/V also project, norm and rope K (V: v_norm, no weight)
     and store them in the view (which does all of it, `KVView.prepare`); every layer then attends to the K/V
-    of its `kv_source`. A Q-only layer splits its q projection along the contraction where the view takes the
-    parts unsummed (`KVView.query_parts`: the paged kernel adds them as it loads the queries)."""
+    of its `kv_source`."""
 
     cfg: TextConfig
     layer: int
@@ -54,10 +53,7 @@ class Attention(nn.Module):
         D, nH, nKV = lc.head_dim, cfg.num_heads, lc.num_kv_heads
         norm_weight = lambda name: Weight((D,), self.param_dtype, nn.initializers.ones, name=name)()  # noqa: E731
 
-        q_parts = 1
-        if lc.kv_mode == "reuse":
-            q_parts = kv.query_parts(splits_for(x, x.shape[-1], nH * D, self.split_k), D)
-        q = reshaped(Linear(nH * D, self.param_dtype, name="q_proj")(x, q_parts), (B, T, nH, D))
+        q = Linear(nH * D, self.param_dtype, name="q_proj")(x).reshape(B, T, nH, D)
         k = v = k_norm = None
         if lc.kv_mode != "reuse":
             k = Linear(nKV * D, self.param_dtype, name="k_proj")(x).reshape(B, T, nKV, D)
