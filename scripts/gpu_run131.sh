@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run 131 (issue 10), one call under END s (default 300), prepared in the thirty-sixth session. Carry `.whl` and
 # `.branch` (q-split: a Q-only layer's q_proj in float32 parts, added by the paged kernel as it loads the query rows;
-# in main's history, see RESULTS.md's thirty-sixth section for the commit). Set GIT_COMMIT.
+# in main's history as the merge 72ddbaf, reverted in a7cd3e5: `git archive 72ddbaf` into .branch). Set GIT_COMMIT.
 # bench_spec.py at E2B (B = 2 and 16, k = 4, context 4096): main, q-split, main again, q-split again (the run's own
 # noise, both ways), then q-split's paged-kernel tests compiled on the GPU while time is left.
 set -uo pipefail
