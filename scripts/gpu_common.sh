@@ -60,6 +60,11 @@ host_overhead() {
     mv "$res/bench_host_overhead.json" "$res/host_overhead${spec:+_spec}.json"
   done
 }
+# header: the first lines of a run's log, the commit under test ($GIT_COMMIT) and the GPU.
+header() {
+  echo "== commit ${GIT_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+}
 # tree_tests DIR LIMIT FILES...: those test files of the tree at DIR compiled on the GPU (8 workers, autotuning off),
 # run in DIR itself (`python -m` puts the working directory first on sys.path), within LIMIT seconds and the
 # deadline; the log to $res/tests.log, its tail printed. gpu_tests LIMIT FILES...: the same in this tree.

@@ -12,8 +12,7 @@ cd "$(dirname "$0")/.."
 end=${END:-300}
 use_trees .baseline .mid
 {
-  echo "== commit ${GIT_COMMIT:-unknown}"
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+  header
   spec_tree before "$PWD/.baseline"
   spec_tree landed "$PWD"
   spec_tree before_again "$PWD/.baseline"

@@ -12,8 +12,7 @@ cd "$(dirname "$0")/.."
 end=${END:-200}
 use_trees .branch .mid
 {
-  echo "== commit ${GIT_COMMIT:-unknown}"
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+  header
   spec_tree main "$PWD"
   spec_tree merge_proj "$PWD/.branch"
   spec_tree merge_proj_cap "$PWD/.mid"

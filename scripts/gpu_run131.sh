@@ -10,8 +10,7 @@ cd "$(dirname "$0")/.."
 end=${END:-300}
 use_trees .branch
 {
-  echo "== commit ${GIT_COMMIT:-unknown}"
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+  header
   spec_tree main "$PWD"
   spec_tree q_split "$PWD/.branch"
   spec_tree main_again "$PWD"
