@@ -3,7 +3,8 @@
 # `.branch` (q-split: a Q-only layer's q_proj in float32 parts, added by the paged kernel as it loads the query rows;
 # in main's history as the merge 72ddbaf, reverted in a7cd3e5: `git archive 72ddbaf` into .branch). Set GIT_COMMIT.
 # bench_spec.py at E2B (B = 2 and 16, k = 4, context 4096): main, q-split, main again, q-split again (the run's own
-# noise, both ways), then q-split's kernel tests (test_paged_attention, test_q_split) compiled on the GPU while time is left.
+# noise, both ways), then q-split's kernel tests (test_paged_attention, test_q_split) compiled on the GPU while time
+# is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_common.sh run131
