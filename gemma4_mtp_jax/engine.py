@@ -41,7 +41,7 @@ from gemma4_mtp_jax.runtime import Assistant, Target, shapes_only
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams, any_sampled
 from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
 from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
-from gemma4_mtp_jax.step import CompiledSteps
+from gemma4_mtp_jax.step import CompiledSteps, quick_compiles
 from gemma4_mtp_jax.xla_env import allocator_memory
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,9 @@ class EngineConfig:
     # With compile_at_start: compile the smallest batch bucket's step programs and the smallest prefill bucket's
     # program before the engine is returned, and the others in a background thread. The engine serves at once,
     # with batches and prefill chunks no larger than the buckets compiled so far; a cold start is then ready in
-    # the time of three programs instead of all of them, and serving still never compiles.
+    # the time of three programs instead of all of them, and serving still never compiles. On the GPU those three
+    # compile without XLA's GEMM autotuning, which is about half of a small program's compile time, and their tuned
+    # versions replace them once the other buckets' programs are compiled (`Engine._quick_start`).
     compile_in_background: bool = False
     # Drafts per round when an assistant is given (k); None: the assistant's num_assistant_tokens, else 4.
     num_speculative_tokens: int | None = None
@@ -367,8 +369,8 @@ class Engine:
             cache = ExecutableCache.open(cfg.executable_cache_dir)
             with self._out_of_memory_explained("compiling the step programs (XLA's autotuner runs them)"):
                 self.compile_times = self.steps.compile_all(*self._first_buckets(), progress, cache=cache,
-                                                            given=compiled_ahead)
-            if cfg.compile_in_background and (batch[1:] or prefill[1:]):
+                                                            given=compiled_ahead, autotune=not self._quick_start())
+            if cfg.compile_in_background and (batch[1:] or prefill[1:] or self.steps.untuned):
                 self._warm_up = threading.Thread(target=self._compile_rest, args=(batch[1:], prefill[1:], progress,
                                                                                    cache), name="gemma4-compile")
                 self._all_compiled = False
@@ -380,18 +382,32 @@ class Engine:
         batch, prefill = self._all_buckets
         return ([batch[0]], [prefill[0]]) if self.config.compile_in_background else (batch, prefill)
 
+    def _quick_start(self) -> bool:
+        """Whether the first buckets' programs compile without autotuning (compile_in_background, where XLA
+        autotunes): they serve until `_compile_rest` replaces them, so the engine is ready sooner."""
+        return self.config.compile_in_background and quick_compiles()
+
     def _compile_rest(self, batch: list[int], prefill: list[int], progress, cache: ExecutableCache | None) -> None:
-        """The warm-up thread (compile_in_background): the programs of the buckets left out at start-up."""
+        """The warm-up thread (compile_in_background): the programs of the buckets left out at start-up, then the
+        first buckets' programs again with autotuning where they were compiled without. A program replaced between
+        two steps is the same computation, its GEMMs tiled otherwise (their sums rounded in another order, as
+        between two batch buckets): the next step runs the tuned one."""
         t0 = time.perf_counter()
         try:
             times = self.steps.compile_all(batch, prefill, progress, cache=cache, stop=self._stop_warm_up)
+            self.compile_times.update(times)
+            if not self._stop_warm_up.is_set():
+                log.info("compiled the last %d programs in the background in %.1fs: every bucket in use",
+                         len(times), time.perf_counter() - t0)
+            if self.steps.untuned and not self._stop_warm_up.is_set():
+                t0, untuned = time.perf_counter(), len(self.steps.untuned)
+                tuned = progress and (lambda name, seconds: progress(f"{name} (autotuned)", seconds))
+                self.compile_times.update(self.steps.compile_all(*self._first_buckets(), tuned, cache=cache,
+                                                                 stop=self._stop_warm_up))
+                log.info("%d of the first programs replaced by their autotuned versions in %.1fs",
+                         untuned - len(self.steps.untuned), time.perf_counter() - t0)
         except Exception:
-            log.exception("compiling the larger buckets' programs failed: serving goes on with the buckets compiled")
-            return
-        self.compile_times.update(times)
-        if not self._stop_warm_up.is_set():
-            log.info("compiled the last %d programs in the background in %.1fs: every bucket in use", len(times),
-                     time.perf_counter() - t0)
+            log.exception("compiling in the background failed: serving goes on with the programs compiled so far")
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait until the background compiling is over (compile_in_background); True when it is."""
@@ -1020,5 +1036,6 @@ def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | N
     if cache is None:
         return {}
     ahead = Engine(target, dataclasses.replace(config, compile_at_start=False), assistant=assistant)
-    ahead.steps.compile_all(*ahead._first_buckets(), progress, cache=cache, stop=stop)
+    ahead.steps.compile_all(*ahead._first_buckets(), progress, cache=cache, stop=stop,
+                            autotune=not ahead._quick_start())
     return ahead.steps.by_key

@@ -71,10 +71,21 @@ _TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_
 
 _options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once
 
+# XLA's GEMM autotuning, off: about half of a small program's compile time (run 109: 2.1 of the demo pair's 4.6 s),
+# and a step up to twice as slow (E2B's decode in run 61). So only programs that serve while their tuned
+# replacements compile go without it (`quick_compiles`, Engine's first programs).
+UNTUNED = {"xla_gpu_autotune_level": "0"}
 
-def compile_lowered(lowered: jax.stages.Lowered) -> Any:
-    """A lowered step program compiled with `compiler_options()`, or without them where this XLA refuses them."""
-    options = compiler_options()
+
+def quick_compiles() -> bool:
+    """Whether compiling without autotuning is quicker here: only XLA:GPU autotunes."""
+    return on_gpu()
+
+
+def compile_lowered(lowered: jax.stages.Lowered, autotune: bool = True) -> Any:
+    """A lowered step program compiled with `compiler_options()`, or without them where this XLA refuses them;
+    `autotune` False: without XLA's GEMM autotuning as well (UNTUNED)."""
+    options = compiler_options() | ({} if autotune else UNTUNED)
     if options and not _options_rejected:
         try:
             return lowered.compile(compiler_options=options)
@@ -140,6 +151,8 @@ class CompiledSteps:
     # With an executable cache: every program compile_all compiled, loaded or was given, by its cache key (what
     # `engine.compile_ahead` hands the engine built after the weights load).
     by_key: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Programs compiled without autotuning (compile_all(autotune=False)) and not yet replaced by tuned ones.
+    untuned: set[str] = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
@@ -419,7 +432,8 @@ class CompiledSteps:
 
     def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
                     threads: int | None = None, cache: ExecutableCache | None = None,
-                    stop: threading.Event | None = None, given: dict[str, Any] | None = None) -> dict[str, float]:
+                    stop: threading.Event | None = None, given: dict[str, Any] | None = None,
+                    autotune: bool = True) -> dict[str, float]:
         """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
         program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
         thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
@@ -429,7 +443,10 @@ class CompiledSteps:
         compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time in its
         thread), or its load. Once `stop` is set no further program is lowered (those compiling finish). `given`:
         programs compiled already, by cache key (another CompiledSteps' `by_key` of the same configuration); one
-        found there is taken as it is, like a load (its name goes into `restored`)."""
+        found there is taken as it is, like a load (its name goes into `restored`). `autotune` False: the programs
+        not found are compiled without XLA's GEMM autotuning (`compile_lowered`), quicker to compile and slower to
+        run; they are not stored in the cache, and their names go into `untuned` until a tuned compile replaces
+        them."""
         progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times = {}
@@ -458,7 +475,11 @@ class CompiledSteps:
             for fut in done:
                 name, store, t_lower, key, args = pending.pop(fut)
                 (compiled, storable), t_compile = fut.result()
-                keep(name, store, compiled, t_lower + t_compile, key)
+                keep(name, store, compiled, t_lower + t_compile, key, None if autotune else "untuned")
+                if not autotune:  # not stored: a later start should find only tuned programs in the cache
+                    self.untuned.add(name)
+                    continue
+                self.untuned.discard(name)
                 if cache is not None and storable:
                     cache.store(key, compiled, args, out_like)
 
@@ -475,6 +496,8 @@ class CompiledSteps:
                 if key in given:
                     self.restored.append(name)
                     keep(name, store, given[key], 0.0, key, "compiled ahead")
+                    if not autotune:  # compiled ahead the same way (compile_ahead), unless it was loaded there
+                        self.untuned.add(name)
                     continue
                 compiled, t_load = load.result() if load is not None else (None, 0.0)
                 if compiled is not None:
@@ -483,7 +506,9 @@ class CompiledSteps:
                     continue
                 t0 = time.perf_counter()
                 low = jitted.lower(*args)
-                fut = pool.submit(timed, compile_for_cache, functools.partial(compile_lowered, low))
+                compile = functools.partial(compile_lowered, low) if autotune else \
+                    functools.partial(compile_lowered, low, autotune=False)
+                fut = pool.submit(timed, compile_for_cache, compile)
                 pending[fut] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))

@@ -490,27 +490,34 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
     """compile_in_background: the engine is back once the smallest batch bucket's and prefill bucket's programs
     are compiled. Until the others are, it runs at most that batch and prefills in chunks of that bucket, never
     compiling on its own thread; the tokens are those of an engine that compiled everything first, and once the
-    background is done it batches as wide as max_num_seqs."""
+    background is done it batches as wide as max_num_seqs.
+
+    Where XLA autotunes (the GPU; here said so), the three first programs compile without autotuning, and the
+    background, once the other buckets' are done, replaces them with tuned ones, which serve the same tokens."""
     import threading
 
+    from gemma4_mtp_jax import engine as engine_mod
     from gemma4_mtp_jax import step as step_mod
     from gemma4_mtp_jax.engine import Engine
 
     real, gate, calls = step_mod.compile_lowered, threading.Event(), []
 
-    def gated(lowered):
+    def gated(lowered, autotune=True):
         if threading.current_thread() is threading.main_thread():
             raise AssertionError("the engine compiled a program on its own thread")
-        calls.append(lowered)
+        calls.append(autotune)
         if len(calls) > 3:  # the three start-up programs go through; the background waits for the gate
             assert gate.wait(300)
-        return real(lowered)
+        return real(lowered, autotune)
 
     monkeypatch.setattr(step_mod, "compile_lowered", gated)
+    monkeypatch.setattr(engine_mod, "quick_compiles", lambda: True)
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
     engine = Engine(target, _engine_config(compile_in_background=True))  # batch buckets [2, 4], prefill [4, 8]
+    first = {"decode[2]": engine.steps.decode[(2, False)], "prefill[1x4]": engine.steps.prefill[(1, 4)]}
     try:
         assert engine.programs_ready() == (3, 6)
+        assert calls == [False] * 3 and engine.steps.untuned == {"decode[2]", "decode[2,sampled]", "prefill[1x4]"}
         prompts = _prompts(11, [3, 9, 20, 5])
 
         def serve(eng):
@@ -525,6 +532,9 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
         assert widest == 2 and engine.programs_ready() == (3, 6)
         gate.set()
         assert engine.wait_for_programs(300) and engine.programs_ready() == (6, 6)
+        assert calls == [False] * 3 + [True] * 6 and engine.steps.untuned == set()
+        assert engine.steps.decode[(2, False)] is not first["decode[2]"]
+        assert engine.steps.prefill[(1, 4)] is not first["prefill[1x4]"]
         late, widest = serve(engine)
         assert widest == 4
         reference, _ = serve(engines("e2b"))

@@ -105,6 +105,31 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
     assert _tokens(found) == want
 
 
+def test_untuned_programs_compiled_ahead_are_replaced_and_only_tuned_ones_stored(pair, tiny_ckpts, tmp_path,
+                                                                                monkeypatch):
+    """Where XLA autotunes (the GPU; here said so) and the engine compiles in the background, compile_ahead
+    compiles the first programs without autotuning and stores none of them. The engine handed them serves with them
+    until its background thread has compiled their tuned versions, which it stores for the next start."""
+    from gemma4_mtp_jax import engine as engine_mod
+    from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+    from gemma4_mtp_jax.engine import Engine, compile_ahead
+
+    monkeypatch.setattr(engine_mod, "quick_compiles", lambda: True)
+    target, assistant = pair
+    p = tiny_ckpts["e2b"]
+    shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
+    config = _config(tmp_path, compile_in_background=True, max_num_seqs=1, min_batch_bucket=1)
+    ahead = compile_ahead(shapes[0], config, shapes[1])
+    assert len(ahead) == 3 and list(tmp_path.glob("*.jaxexec")) == []
+    engine = Engine(target, config, assistant=assistant, compiled_ahead=ahead)
+    try:
+        assert len(engine.steps.untuned) == 3
+        assert engine.wait_for_programs(300) and engine.steps.untuned == set()
+        assert len(list(tmp_path.glob("*.jaxexec"))) == 3 and all(engine.steps.by_key[k] is not ahead[k] for k in ahead)
+    finally:
+        engine.close()
+
+
 def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp_path):
     """With JAX's persistent compilation cache on, an engine compiling programs already in it gets them back from
     it; on the CPU such an executable, serialized and loaded, fails when run ("Function ... not found"), so the
