@@ -460,9 +460,10 @@ class CompiledSteps:
             t0 = time.perf_counter()
             return fn(*args), time.perf_counter() - t0
 
-        def keep(name: str, store: Callable, compiled: Any, seconds: float, key: str | None,
+        def keep(name: str, store: Callable, compiled: Any, seconds: float, key: str | None, tuned: bool,
                  how: str | None = None) -> None:
             store(compiled)
+            (self.untuned.discard if tuned else self.untuned.add)(name)
             times[name] = seconds
             if key is not None:
                 self.by_key[key] = compiled
@@ -475,12 +476,9 @@ class CompiledSteps:
             for fut in done:
                 name, store, t_lower, key, args = pending.pop(fut)
                 (compiled, storable), t_compile = fut.result()
-                keep(name, store, compiled, t_lower + t_compile, key, None if autotune else "untuned")
-                if not autotune:  # not stored: a later start should find only tuned programs in the cache
-                    self.untuned.add(name)
-                    continue
-                self.untuned.discard(name)
-                if cache is not None and storable:
+                keep(name, store, compiled, t_lower + t_compile, key, autotune, None if autotune else "untuned")
+                # Untuned programs are not stored: a later start should find only tuned ones in the cache.
+                if cache is not None and storable and autotune:
                     cache.store(key, compiled, args, out_like)
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
@@ -495,20 +493,18 @@ class CompiledSteps:
                     break
                 if key in given:
                     self.restored.append(name)
-                    keep(name, store, given[key], 0.0, key, "compiled ahead")
-                    if not autotune:  # compiled ahead the same way (compile_ahead), unless it was loaded there
-                        self.untuned.add(name)
+                    # Taken as compiled the way this call compiles (compile_ahead decides as the engine does). One
+                    # that compile_ahead loaded from the cache counts as untuned: its replacement is then a load.
+                    keep(name, store, given[key], 0.0, key, autotune, "compiled ahead")
                     continue
                 compiled, t_load = load.result() if load is not None else (None, 0.0)
                 if compiled is not None:
                     self.restored.append(name)
-                    keep(name, store, compiled, t_load, key, "loaded from the executable cache")
+                    keep(name, store, compiled, t_load, key, True, "loaded from the executable cache")
                     continue
                 t0 = time.perf_counter()
                 low = jitted.lower(*args)
-                compile = functools.partial(compile_lowered, low) if autotune else \
-                    functools.partial(compile_lowered, low, autotune=False)
-                fut = pool.submit(timed, compile_for_cache, compile)
+                fut = pool.submit(timed, compile_for_cache, functools.partial(compile_lowered, low, autotune))
                 pending[fut] = (name, store, time.perf_counter() - t0, key, args)
                 take([fut for fut in pending if fut.done()])
             take(concurrent.futures.as_completed(list(pending)))

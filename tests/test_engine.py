@@ -448,7 +448,7 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
                 return self.name
         return [(n, lambda n=n: (Jitted(n), ()), lambda c, n=n: stored.__setitem__(n, c)) for n in names]
 
-    def fake_compile(low):
+    def fake_compile(low, autotune):
         lowered.set()
         return f"compiled {low}"
 
@@ -481,7 +481,7 @@ def test_compile_all_lowers_nothing_once_stopped(engines, monkeypatch):
 
     monkeypatch.setattr(steps, "programs", lambda batch, prefill: [
         (n, lambda n=n: (Jitted(n), ()), lambda c: None) for n in ("decode[4]", "decode[2]", "prefill[1x8]")])
-    monkeypatch.setattr(step_mod, "compile_lowered", lambda low: f"compiled {low}")
+    monkeypatch.setattr(step_mod, "compile_lowered", lambda low, autotune: f"compiled {low}")
     times = steps.compile_all([2, 4], [8], stop=stop)
     assert lowered == ["decode[4]"] and list(times) == ["decode[4]"]
 
@@ -502,7 +502,7 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
 
     real, gate, calls = step_mod.compile_lowered, threading.Event(), []
 
-    def gated(lowered, autotune=True):
+    def gated(lowered, autotune):
         if threading.current_thread() is threading.main_thread():
             raise AssertionError("the engine compiled a program on its own thread")
         calls.append(autotune)
