@@ -400,9 +400,9 @@ class Engine:
                 log.info("compiled the last %d programs in the background in %.1fs: every bucket in use",
                          len(times), time.perf_counter() - t0)
             if self.steps.untuned and not self._stop_warm_up.is_set():
+                # No progress per program: these fill no new bucket (the caller's count of programs stays right).
                 t0, untuned = time.perf_counter(), len(self.steps.untuned)
-                tuned = progress and (lambda name, seconds: progress(f"{name} (autotuned)", seconds))
-                self.compile_times.update(self.steps.compile_all(*self._first_buckets(), tuned, cache=cache,
+                self.compile_times.update(self.steps.compile_all(*self._first_buckets(), cache=cache,
                                                                  stop=self._stop_warm_up))
                 log.info("%d of the first programs replaced by their autotuned versions in %.1fs",
                          untuned - len(self.steps.untuned), time.perf_counter() - t0)
