@@ -396,7 +396,7 @@ class Engine:
         try:
             times = self.steps.compile_all(batch, prefill, progress, cache=cache, stop=self._stop_warm_up)
             self.compile_times.update(times)
-            if not self._stop_warm_up.is_set():
+            if times and not self._stop_warm_up.is_set():
                 log.info("compiled the last %d programs in the background in %.1fs: every bucket in use",
                          len(times), time.perf_counter() - t0)
             if self.steps.untuned and not self._stop_warm_up.is_set():
