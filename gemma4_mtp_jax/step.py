@@ -71,10 +71,11 @@ _TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_
 
 _options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once
 
-# XLA's GEMM autotuning, off: about half of a small program's compile time (run 109: 2.1 of the demo pair's 4.6 s),
-# and a step up to twice as slow (E2B's decode in run 61). So only programs that serve while their tuned
-# replacements compile go without it (`quick_compiles`, Engine's first programs).
-UNTUNED = {"xla_gpu_autotune_level": "0"}
+# XLA's GEMM autotuning, off: about half of a small program's compile time (run 109: 2.1 of the demo pair's 4.6 s).
+# Untuned, XLA's own Triton GEMMs take default tiles that made E2B's decode 2x and its B = 16 verify 6x slower (run
+# 135), so these programs leave GEMMs to cuBLAS, which picks its kernels by its own heuristics. Only programs that
+# serve while their tuned replacements compile go without tuning (`quick_compiles`, Engine's first programs).
+UNTUNED = {"xla_gpu_autotune_level": "0", "xla_gpu_enable_triton_gemm": "false"}
 
 
 def quick_compiles() -> bool:
