@@ -252,7 +252,7 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
             # (k_splits x rows x D) at most ~1/4 of the K/V bytes (max_keys x 2 x D); at most 64 splits. (A 1/8
             # cap left E2B's verify full-attention layer at 16 splits: 64 us, against 56 us at 32; run 39.) A
             # sliding window's few blocks get a split each: at E2B's decode, 9 splits of one 64-key block rather
-            # than 4 of two or three, which left 8 programs on the GPU at B = 2 and 64 at B = 16 (run 135).
+            # than 4 of two or three, which left 8 programs on the GPU at B = 2 and 64 at B = 16 (runs 135-136).
             rows_padded = n_row_blocks * br
             k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks,
                                   max_keys // (2 * rows_padded), 64))
