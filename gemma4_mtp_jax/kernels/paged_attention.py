@@ -254,12 +254,8 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
             # sliding window's few blocks get a split each: at E2B's decode, 9 splits of one 64-key block rather
             # than 4 of two or three, which left 8 programs on the GPU at B = 2 and 64 at B = 16 (runs 135-136).
             rows_padded = n_row_blocks * br
-            merge_cap = max_keys // (2 * rows_padded)
-            if window is not None and rows <= 64:
-                # A verify step's few rows over a window: its partials (9-10 splits x 48 rows x D in float32 at
-                # E2B) stay in L2, so each of the window's key blocks gets a split as at decode.
-                merge_cap = max_blocks
-            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks, merge_cap, 64))
+            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks,
+                                  max_keys // (2 * rows_padded), 64))
             # A prefill chunk's many rows are bound by arithmetic, not by K/V bytes, so the merge's cap above
             # leaves it one split, and its row blocks alone may not fill the SMs (E2B's full layer, 256 queries:
             # 64 programs on 132 SMs). So as many splits as keep the programs within one wave (run 78, after 2048
