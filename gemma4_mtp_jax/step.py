@@ -74,8 +74,9 @@ _options_rejected: list[str] = []  # the message of an XLA that refused compiler
 # XLA's GEMM autotuning, off: about half of a small program's compile time (run 109: 2.1 of the demo pair's 4.6 s).
 # Untuned, XLA's own Triton GEMMs take default tiles that made E2B's decode 2x and its B = 16 verify 6x slower (run
 # 135), so these programs leave GEMMs to cuBLAS, which picks its kernels by its own heuristics. Only programs that
-# serve while their tuned replacements compile go without tuning (`quick_compiles`, Engine's first programs).
-UNTUNED = {"xla_gpu_autotune_level": "0", "xla_gpu_enable_triton_gemm": "false"}
+# serve while their tuned replacements compile go without tuning (`quick_compiles`, Engine's first programs). Typed
+# values: XLA refuses the string "false" for a bool option (run 136), and a refused option compiles the program tuned.
+UNTUNED = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
 def quick_compiles() -> bool:

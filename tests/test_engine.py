@@ -854,6 +854,19 @@ def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
     assert sum("compiling without" in r.message for r in caplog.records) == 1
 
 
+def test_this_xla_takes_the_untuned_options(monkeypatch):
+    """The untuned programs' options (step.UNTUNED) are ones this XLA accepts: a refused option would compile the
+    program tuned after all, and every program after it without compiler_options() (run 136: XLA refused the
+    string 'false' for a bool option, and the server's first programs compiled tuned, slower to start)."""
+    from gemma4_mtp_jax import step
+
+    monkeypatch.setattr(step, "_options_rejected", [])
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    lowered = jax.jit(lambda x: x @ x).lower(a)
+    np.testing.assert_allclose(np.asarray(step.compile_lowered(lowered, autotune=False)(a)), a @ a)
+    assert step._options_rejected == []
+
+
 def test_step_inputs_and_result_move_in_one_array(engines):
     """Each program takes its per-row host inputs as one int32 array, donated, and returns its packed result over
     that array's first columns: on the GPU, two command-buffer nodes (the write into the state's staging buffer
