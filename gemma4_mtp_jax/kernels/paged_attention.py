@@ -248,13 +248,15 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
         if programs >= budget.num_sms:
             k_splits = 1
         else:
-            # ~2 programs per SM; >= 1 key block per split; the partial outputs the merge reads back
+            # ~2 programs per SM; >= 2 key blocks per split; the partial outputs the merge reads back
             # (k_splits x rows x D) at most ~1/4 of the K/V bytes (max_keys x 2 x D); at most 64 splits. (A 1/8
             # cap left E2B's verify full-attention layer at 16 splits: 64 us, against 56 us at 32; run 39.) A
             # sliding window's few blocks get a split each: at E2B's decode, 9 splits of one 64-key block rather
-            # than 4 of two or three, which left 8 programs on the GPU at B = 2 and 64 at B = 16 (runs 135-136).
+            # than 4 of two or three, which left 8 programs on the GPU at B = 2 and 64 at B = 16 (runs 135-136;
+            # full attention, unmeasured that way, keeps two blocks a split).
             rows_padded = n_row_blocks * br
-            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks,
+            blocks_per_split = 1 if window is not None else 2
+            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // blocks_per_split,
                                   max_keys // (2 * rows_padded), 64))
             # A prefill chunk's many rows are bound by arithmetic, not by K/V bytes, so the merge's cap above
             # leaves it one split, and its row blocks alone may not fill the SMs (E2B's full layer, 256 queries:
