@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run 137 (issue 10), one call under END s (default 330), prepared in the thirty-eighth session, not yet run. Carry
-# `.whl` and `.baseline` = main. Set GIT_COMMIT. This tree (verify-window-splits, merged into main and reverted:
+# `.whl` and `.baseline` = main. Set GIT_COMMIT. This tree (verify-window-splits-2, merged into main and reverted:
 # RESULTS.md's thirty-eighth session names the commits)
 # gives a verify's sliding layers a split per key block too (E2B: 10 splits of 64 keys, not 5), where main lets the
 # merge's cap on partials bind. Run 135's sweep read 33.6 us at 8 splits against 50-65 at 4-5 (one sample each),
