@@ -256,12 +256,8 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
             # full attention, unmeasured that way, keeps two blocks a split).
             rows_padded = n_row_blocks * br
             blocks_per_split = 1 if window is not None else 2
-            merge_cap = max_keys // (2 * rows_padded)
-            if window is not None and rows <= 64:
-                # A verify step's few rows over a window: its partials (9-10 splits x 48 rows x D in float32 at
-                # E2B) stay in L2, so each of the window's key blocks gets a split as at decode.
-                merge_cap = max_blocks
-            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // blocks_per_split, merge_cap, 64))
+            k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // blocks_per_split,
+                                  max_keys // (2 * rows_padded), 64))
             # A prefill chunk's many rows are bound by arithmetic, not by K/V bytes, so the merge's cap above
             # leaves it one split, and its row blocks alone may not fill the SMs (E2B's full layer, 256 queries:
             # 64 programs on 132 SMs). So as many splits as keep the programs within one wave (run 78, after 2048
