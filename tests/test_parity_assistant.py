@@ -161,3 +161,42 @@ def test_draft_steps_ragged_kv_lengths(tiny_ckpts, jax_models, family):
         h = jnp.asarray(np.stack([x["h"] for x in rows]))
         d = g.draft_step(assistant, target, tok, h, kv=kv, kv_lengths=kv_lengths)
         _check_step(f"{family} ragged kv_lengths [13, 21] step {s + 1}", d, rows, centroid)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_draft_steps_with_split_projections(tiny_ckpts, jax_models, family, monkeypatch):
+    """The assistant's o_proj and down_proj split along their contraction (as the 1024-wide drafters of 26B-A4B and
+    31B are at decode on the GPU), their partials summed by the residual kernels: still transformers' drafts. The
+    tiny widths are too narrow for `plan_splits`, so every even contraction is split in two here."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.model import decoder
+
+    g = import_gemma4_mtp_jax()
+    taken = []
+
+    def two_parts(rows, K, N, itemsize=2, budget=None):
+        taken.append((K, N))
+        return 2 if K % 2 == 0 else 1
+
+    monkeypatch.setattr(decoder, "plan_splits", two_parts)
+    jax.clear_caches()  # programs traced with the real plan must not be reused
+    try:
+        T = LENGTHS[-1]
+        tokens = prompt_tokens(family, T)
+        ref = hf_steps(tiny_ckpts, family, tokens)
+        assistant, target = _models(tiny_ckpts, jax_models, family)
+        kv = _hf_kv(tiny_ckpts, family, tokens)
+        kv_lengths = jnp.full((tokens.shape[0],), T, dtype=jnp.int32)
+        for s in range(NUM_STEPS):
+            rows = [r[s] for r in ref]
+            tok = jnp.asarray([x["token"] for x in rows], dtype=jnp.int32)
+            h = jnp.asarray(np.stack([x["h"] for x in rows]))
+            d = g.draft_step(assistant, target, tok, h, kv=kv, kv_lengths=kv_lengths)
+            _check_step(f"{family} split projections step {s + 1}", d, rows, _is_centroid(tiny_ckpts, family))
+        text = assistant.config.text
+        assert (text.intermediate_size, text.hidden_size) in taken, (
+            f"the assistant's down_proj was not planned for a split: {taken}")
+    finally:
+        jax.clear_caches()
