@@ -62,8 +62,7 @@ def test_reference_is_the_models_math():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("N,S,with_next,with_scale", [(64, 4, True, False), (1536, 8, True, True),
-                                                      (1536, 16, False, False), (80, 2, False, True),
-                                                      (1024, 16, True, True)])
+                                                      (1536, 16, False, False), (80, 2, False, True)])
 def test_add_normed_kernel_equals_reference(N, S, with_next, with_scale, dtype):
     x, w, res, nw, nw2 = _arrays(3, dtype, (2, 3, 4 * S), (N, 4 * S), (2, 3, N), (N,), (N,), scale=1.0)
     y = sk.split_matmul(x, w, S)

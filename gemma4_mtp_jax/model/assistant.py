@@ -66,10 +66,9 @@ class Gemma4Assistant(nn.Module):
     def setup(self):
         cfg, text, pd = self.cfg, self.cfg.text, self.param_dtype
         self.pre_projection = Linear(text.hidden_size, pd)
-        # Projections split along their contraction as in the target (`splits_for`): XLA splits the 1024-wide
-        # drafters' (26B-A4B, 31B) o_proj and down_proj itself and sums each in a kernel of its own, where the
-        # residual kernels can add the parts. The 256-wide drafters' feed-forward block plans its own parts.
-        self.layers = [DecoderLayer(text, i, pd, name=f"layers_{i}") for i in range(text.num_layers)]
+        # Its projections stay whole: XLA does not split the 256-wide matmuls' contraction, and the split-K kernels
+        # would only make each layer's input a buffer of its own (benchmarks/RESULTS.md, runs 82-84).
+        self.layers = [DecoderLayer(text, i, pd, split_k=False, name=f"layers_{i}") for i in range(text.num_layers)]
         self.norm = RMSNorm(text.rms_norm_eps, True, pd)
         self.post_projection = Linear(cfg.backbone_hidden_size, pd)
         if cfg.use_ordered_embeddings:
