@@ -19,11 +19,11 @@ from gemma4_mtp_jax.sharding import tensor_parallel_size
 Array = jax.Array
 
 
-def splits_for(x: Array, K: int, N: int) -> int:
+def splits_for(x: Array, K: int, N: int, split_k: bool = True) -> int:
     """How many parts the contraction of a projection of x (K -> N) is split into, its partials summed by the norm
-    kernel after it (kernels/split_k.py); 1 under tensor parallelism, whose row-parallel projections are sharded
-    along K and summed by an all-reduce."""
-    if tensor_parallel_size() > 1:
+    kernel after it (kernels/split_k.py); 1 without `split_k`, and under tensor parallelism, whose row-parallel
+    projections are sharded along K and summed by an all-reduce."""
+    if not split_k or tensor_parallel_size() > 1:
         return 1
     return plan_splits(math.prod(x.shape[:-1]), K, N, jnp.dtype(x.dtype).itemsize)
 
@@ -42,6 +42,7 @@ class Attention(nn.Module):
     cfg: TextConfig
     layer: int
     param_dtype: jnp.dtype = jnp.float32
+    split_k: bool = True
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, kv: KVView, out_parts: int | None = None
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         window = cfg.sliding_window if lc.layer_type == SLIDING else None
         out = kv.attend(lc.kv_source, q, positions, window).reshape(B, T, nH * D)
         o_proj = Linear(cfg.hidden_size, self.param_dtype, name="o_proj")
-        parts = splits_for(out, nH * D, cfg.hidden_size) if out_parts is None else out_parts
+        parts = splits_for(out, nH * D, cfg.hidden_size, self.split_k) if out_parts is None else out_parts
         return o_proj(out, parts), kv
 
 
@@ -75,7 +76,8 @@ class DecoderLayer(nn.Module):
 
     The post-norms of o_proj and down_proj (and the per-layer-input gate) go through kernels/split_k.py, which adds
     the partial products of a projection split along its contraction in the same kernel; for an unsplit projection
-    it is the plain math. `per_layer_input` is (the stack of every layer's [L, B, T, P], this layer's index).
+    it is the plain math; `split_k` False keeps every projection whole. `per_layer_input` is (the stack of every
+    layer's [L, B, T, P], this layer's index).
 
     The norm that reads the layer's output (the next layer's input_layernorm, or the model's final norm) is applied
     by the layer's last residual kernel when its weight is passed as `next_norm`: a norm on its own is a kernel per
@@ -85,6 +87,7 @@ class DecoderLayer(nn.Module):
     cfg: TextConfig
     layer: int
     param_dtype: jnp.dtype = jnp.float32
+    split_k: bool = True
 
     @nn.compact
     def __call__(self, x: Array, positions: Array, kv: KVView, per_layer_input: tuple[Array, Array] | None = None,
@@ -99,7 +102,7 @@ class DecoderLayer(nn.Module):
         residual = x
         block_splits = None if cfg.enable_moe_block or tensor_parallel_size() > 1 else plan_block(
             math.prod(x.shape[:-1]), H, lc.intermediate_size, x.dtype)
-        attention = Attention(cfg, self.layer, pd, name="self_attn")
+        attention = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")
         a, kv = attention(rms_norm(x, eps, input_norm) if normed_x is None else normed_x, positions, kv,
                           None if block_splits is None else input_parts(cfg.num_heads * lc.head_dim))
         post_attention = norm_weight("post_attention_layernorm")
@@ -109,7 +112,7 @@ class DecoderLayer(nn.Module):
             x, f = mlp.block(a, residual, post_attention, pre_feedforward, eps=eps, splits=block_splits)
         else:
             x, mlp_input = add_normed(a, residual, post_attention, eps=eps, next_weight=pre_feedforward)
-            splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H)
+            splits = 1 if cfg.enable_moe_block else splits_for(mlp_input, lc.intermediate_size, H, self.split_k)
             f = mlp(mlp_input, splits)
         residual = x
         if cfg.enable_moe_block:
@@ -126,9 +129,9 @@ class DecoderLayer(nn.Module):
                                scale=None if P else layer_scalar, next_weight=None if P else next_norm)
 
         if P:
-            gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P))
+            gate = Linear(P, pd, name="per_layer_input_gate")(x, splits_for(x, H, P, self.split_k))
             g = gelu_gate(gate, *per_layer_input)
-            projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H))
+            projection = Linear(H, pd, name="per_layer_projection")(g, splits_for(g, P, H, self.split_k))
             x, x_next = add_normed(projection, x, norm_weight("post_per_layer_input_norm"), eps=eps,
                                    scale=layer_scalar, next_weight=next_norm)
         return x, x_next, kv
