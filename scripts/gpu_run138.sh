@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run 138 (issue 10), one call under END s (default 480), prepared in the thirty-ninth session, not yet run. Carry
-# `.whl` and `.baseline` = main. Set GIT_COMMIT. This tree (assistant-split, merged into main and reverted:
-# RESULTS.md's thirty-ninth session names the commits) splits the 1024-wide drafters' (26B-A4B, 31B) o_proj and
+# `.whl` and `.baseline` = main. Set GIT_COMMIT. This tree (assistant-split, merged into main and reverted: restore
+# it with `git revert --no-commit 198ad9d c81bb7d`; RESULTS.md's thirty-ninth session names the commits) splits the 1024-wide drafters' (26B-A4B, 31B) o_proj and
 # down_proj along their contraction as the target's are, their parts summed by the residual kernels
 # (kernels/split_k.py) instead of by XLA's own reduction kernels: compiled for the H200 on the CPU, 31B's
 # speculative program holds 1096 kernels at B = 2 (main 1124) and 1032 at B = 16 (main 1060), 7 fewer a draft
