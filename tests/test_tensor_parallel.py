@@ -1,7 +1,8 @@
-"""Tensor parallelism on CPU devices (`--xla_force_host_platform_device_count`, in a child process: the device
-count is fixed when JAX starts): greedy output and speculative acceptance at TP = 2 and 4 equal TP = 1 for every
-tiny family, parameters and KV pages are split as sharding.py says, and serving compiles nothing after start-up.
-Clear errors for sizes the model cannot take."""
+"""Tensor parallelism in a child process (the device count is fixed when JAX starts): on CPU devices
+(`--xla_force_host_platform_device_count`), or on the GPUs when the suite runs on a machine with two or more:
+greedy output and speculative acceptance at TP = 2 (and 4) equal TP = 1 for every tiny family, parameters and KV
+pages are split as sharding.py says, and serving compiles nothing after start-up. Clear errors for sizes the model
+cannot take."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ PYTHONPATH = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
 CHILD = r"""
 import json, sys
 import jax
+jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 on a GPU too (conftest.py)
 import numpy as np
 from gemma4_mtp_jax.api import load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
@@ -62,11 +64,27 @@ print("RESULT " + json.dumps({"runs": out, "compiles_after_start": len(compiles)
 """
 
 
+def _gpus() -> int:
+    """The GPUs the suite runs on (0 off the GPU): with two or more, the children split the models over them."""
+    import jax
+
+    return len(jax.devices()) if jax.default_backend() == "gpu" else 0
+
+
+def _child_env(devices: int) -> dict[str, str]:
+    """A child's environment: the suite's GPUs when there are at least `devices` of them, else that many CPU
+    devices."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    if _gpus() >= devices:
+        return env | {"JAX_PLATFORMS": os.environ["JAX_PLATFORMS"]}
+    return env | {"JAX_PLATFORMS": "cpu",
+                  "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+
+
 def _run_child(tiny_ckpts, sizes: dict[str, list[int]], modes: dict[str, list[str]], devices: int):
     paths = {f: {"target": str(tiny_ckpts[f]["target"]), "assistant": str(tiny_ckpts[f]["assistant"]), "sizes": n,
                  "modes": modes[f]} for f, n in sizes.items()}
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": PYTHONPATH,
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+    env = _child_env(devices)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(paths)], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -78,10 +96,12 @@ def test_tensor_parallel_equals_one_device(tiny_ckpts):
     """TP = 2 for a26b and b31b, TP = 4 for e2b (the only tiny checkpoint whose heads 4 divides), in one process
     with four CPU devices, greedy and sampled rows: speculative for every family (its prefill and verify run the
     target's forward, its rounds the drafter over the split pages), plain decode for e2b. (Each engine costs ~20 s
-    of the CPU suite, so e2b at TP = 2 is left to the other families.)"""
-    sizes = {"e2b": [1, 4], "a26b": [1, 2], "b31b": [1, 2]}
+    of the CPU suite, so e2b at TP = 2 is left to the other families.) On a machine with two or three GPUs, e2b
+    runs at TP = 2 on them instead."""
+    e2b = 4 if _gpus() in (0, 1) or _gpus() >= 4 else 2
+    sizes = {"e2b": [1, e2b], "a26b": [1, 2], "b31b": [1, 2]}
     modes = {"e2b": ["plain", "spec"], "a26b": ["spec"], "b31b": ["spec"]}
-    got = _run_child(tiny_ckpts, sizes, modes, devices=4)
+    got = _run_child(tiny_ckpts, sizes, modes, devices=e2b)
     runs = got["runs"]
     for family, family_sizes in sizes.items():
         for n in family_sizes[1:]:
@@ -115,6 +135,7 @@ def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
 DP_CHILD = r"""
 import json, sys
 import jax
+jax.config.update("jax_default_matmul_precision", "highest")  # float32 means float32 on a GPU too (conftest.py)
 from gemma4_mtp_jax.api import load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
 from gemma4_mtp_jax.server.async_engine import Replicas
@@ -146,8 +167,7 @@ print("RESULT " + json.dumps({"outputs": outs, "replica_devices": [sorted(d) for
 def test_data_parallel_replicas_run_on_their_own_devices(tiny_ckpts):
     """Each replica's parameters and pages live on its own device and give the same output; the server's
     --data-parallel-size 2 builds one engine per device behind Replicas."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": PYTHONPATH,
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    env = _child_env(2)
     proc = subprocess.run([sys.executable, "-c", DP_CHILD, str(tiny_ckpts["b31b"]["target_plain"])], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
