@@ -116,7 +116,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     min_prefill_bucket: int = 16
     cache_dtype: str | None = None  # default: the target's parameter dtype
-    attention_impl: str = "auto"  # "auto" | "pallas" | "xla"
+    attention_impl: str = "auto"  # "auto" | "pallas" (every kernel, interpreted off the GPU) | "xla"
     compile_at_start: bool = True
     # With compile_at_start: compile the smallest batch bucket's step programs and the smallest prefill bucket's
     # program before the engine is returned, and the others in a background thread. The engine serves at once,

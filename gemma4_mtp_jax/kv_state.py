@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
 from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, rope_tables
-from gemma4_mtp_jax.kernels.device_budget import on_gpu
+from gemma4_mtp_jax.kernels.device_budget import kernels_chosen
 from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
 from gemma4_mtp_jax.sharding import head_parallel, tensor_parallel_size
@@ -140,7 +140,7 @@ def _attention_inputs(p: Projections, attention_impl: str, **slots) -> tuple[Arr
 def _queries_in_kernel(attention_impl: str) -> bool:
     """Whether a Q-only layer hands its raw projections to the paged-attention kernel, which norms and ropes the
     queries as it loads them (one `attention_inputs` kernel less per Q-only layer): where the kernel may run."""
-    return attention_impl == "pallas" or (attention_impl == "auto" and on_gpu())
+    return attention_impl == "pallas" or (attention_impl == "auto" and kernels_chosen())
 
 
 def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:

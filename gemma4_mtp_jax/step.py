@@ -28,7 +28,7 @@ from gemma4_mtp_jax.forward import decode_step, prefill_step
 from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
                                          read_rows, stop_check)
 from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
-from gemma4_mtp_jax.kernels.device_budget import on_gpu
+from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target, shapes_only
@@ -102,6 +102,16 @@ def _shapes(tree: Any, shardings: Any = None) -> Any:
     if shardings is None:
         return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
     return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _with_pallas_kernels(fn: Callable) -> Callable:
+    """fn, traced under `device_budget.pallas_kernels()` in whichever thread lowers it."""
+
+    def traced(*args):
+        with pallas_kernels():
+            return fn(*args)
+
+    return traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +236,8 @@ class CompiledSteps:
         return self._sds(shape, jnp.int32)
 
     def _jit(self, fn, donate: tuple[int, ...], out: Any):
+        if self.attention_impl == "pallas":  # the Pallas kernels throughout, interpreted off the GPU
+            fn = _with_pallas_kernels(fn)
         if self.placement is None:
             return jax.jit(fn, donate_argnums=donate)
         return _MeshJit(jax.jit(fn, donate_argnums=donate, out_shardings=out), self.placement)

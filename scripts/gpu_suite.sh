@@ -16,7 +16,7 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 # trainer's tests first, the engine's and server's in the second). Every tests/test_*.py is in exactly one part.
 part1=(tests/test_train_demo.py tests/test_train_assistant.py tests/test_paged_attention.py
        tests/test_attention_inputs.py tests/test_split_k.py tests/test_feed_forward.py tests/test_grouped_matmul.py
-       tests/test_centroid_head.py tests/test_triton_lowering.py
+       tests/test_centroid_head.py tests/test_triton_lowering.py tests/test_kernels_in_engine.py
        tests/test_param_pack.py tests/test_parity_target.py tests/test_parity_assistant.py tests/test_speculative.py
        tests/test_layering.py tests/test_loading.py tests/test_convert.py tests/test_orbax_io.py
        tests/test_safetensors_io.py tests/test_corpus.py tests/test_xla_env.py tests/test_input_pack.py)

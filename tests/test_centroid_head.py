@@ -316,7 +316,7 @@ def test_dispatcher_falls_back_when_no_tile_fits(monkeypatch, caplog):
     d = make_data(T, Ha, V, C, K, seed=9)
     args = (d["hn"], d["centroids"], d["ordered"], d["ordering"], K)
     want = ch.centroid_head(*args, impl="xla")
-    monkeypatch.setattr(ch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(ch, "_kernels_for", lambda x: True)
     monkeypatch.setattr(ch, "default_budget", lambda: GpuBudget(64, 132))
     ch._log_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger=ch.__name__):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import on_gpu
+from gemma4_mtp_jax.kernels.device_budget import kernels_chosen, kernels_interpreted
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, load, store
 
 Array = jax.Array
@@ -257,12 +257,14 @@ def prepare_attention_inputs(q: Array, k: Array | None, v: Array | None, q_norm:
                              pages: tuple[Array, Array] | None = None, page: Array | None = None,
                              offset: Array | None = None,
                              impl: str = "auto") -> tuple[Array, tuple[Array, Array] | None]:
-    """Through the kernel ("pallas"), the reference ("xla"), or "auto": the kernel on GPU, the reference elsewhere."""
+    """Through the kernel ("pallas"), the reference ("xla"), or "auto": the kernel where `kernels_chosen()` (a GPU),
+    the reference elsewhere."""
     if impl == "auto":
-        impl = "pallas" if on_gpu() else "xla"
+        impl = "pallas" if kernels_chosen() else "xla"
     kwargs = dict(eps=eps, pages=pages, page=page, offset=offset)
     if impl == "pallas":
-        return attention_inputs(q, k, v, q_norm, k_norm, positions, inv_freq, **kwargs)
+        return attention_inputs(q, k, v, q_norm, k_norm, positions, inv_freq, interpret=kernels_interpreted(),
+                                **kwargs)
     if impl == "xla":
         return attention_inputs_reference(q, k, v, q_norm, k_norm, positions, inv_freq, **kwargs)
     raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")

@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, is_gpu, on_gpu
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, is_gpu, kernels_chosen, kernels_interpreted
 
 Array = jax.Array
 log = logging.getLogger(__name__)
@@ -438,12 +438,14 @@ def centroid_sparse_logits(hn, scores, ordered_embedding, token_ordering, suppre
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _on_gpu(x) -> bool:
+def _kernels_for(x) -> bool:
+    """Whether "auto" takes the kernel for x: a concrete array's devices decide (all GPUs), a tracer's the programs
+    traced now (`kernels_chosen`)."""
     try:
         devs = x.devices()  # a concrete array
-        return all(is_gpu(d) for d in devs)
     except Exception:  # a tracer: decide by the device compiled for
-        return on_gpu()
+        return kernels_chosen()
+    return all(is_gpu(d) for d in devs) or kernels_interpreted()
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,7 +472,7 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
         raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
     scores = centroid_scores(hn, centroids)
     if impl == "auto":
-        use_pallas = (interpret or _on_gpu(hn)) and pallas_supported(hn, scores, ordered_embedding,
+        use_pallas = (interpret or _kernels_for(hn)) and pallas_supported(hn, scores, ordered_embedding,
                                                                        launch.get("block_rows"))
         R = ordered_embedding.shape[0] // scores.shape[1]
         if use_pallas and "block_rows" not in launch and default_config(
@@ -481,6 +483,7 @@ def centroid_head(hn, centroids, ordered_embedding, token_ordering, top_k, suppr
         use_pallas = impl == "pallas"
     if use_pallas:
         fn = centroid_argmax if mode == "argmax" else centroid_sparse_logits
-        return fn(hn, scores, ordered_embedding, token_ordering, suppress, top_k=top_k, interpret=interpret, **launch)
+        return fn(hn, scores, ordered_embedding, token_ordering, suppress, top_k=top_k,
+                  interpret=interpret or kernels_interpreted(), **launch)
     fn = centroid_argmax_reference if mode == "argmax" else centroid_sparse_logits_reference
     return fn(hn, scores, ordered_embedding, token_ordering, suppress, top_k=top_k)

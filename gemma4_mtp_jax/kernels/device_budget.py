@@ -8,8 +8,11 @@ tiling planned there is the one the H200 would run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
+from collections.abc import Iterator
 
 import jax
 
@@ -61,9 +64,36 @@ def target_device() -> jax.Device:
 
 
 def on_gpu() -> bool:
-    """Whether the programs traced now are compiled for a GPU: where every "auto" choice of a Pallas kernel over
-    XLA's math asks."""
+    """Whether the programs traced now are compiled for a GPU."""
     return is_gpu(target_device())
+
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def pallas_kernels() -> Iterator[None]:
+    """Trace programs with the Pallas kernels wherever they are compiled: every "auto" choice of a kernel over XLA's
+    math takes the kernel (where its shapes fit, as on a GPU), and off the GPU the kernels run in interpret mode.
+    So a machine without a GPU runs the GPU's programs, kernels included (slowly: each kernel's grid becomes a
+    loop). The setting is per thread and holds while the programs are traced."""
+    before = getattr(_mode, "pallas", False)
+    _mode.pallas = True
+    try:
+        yield
+    finally:
+        _mode.pallas = before
+
+
+def kernels_chosen() -> bool:
+    """Whether an "auto" choice of a Pallas kernel over XLA's math takes the kernel in the programs traced now: on
+    a GPU, and anywhere inside `pallas_kernels()`."""
+    return on_gpu() or getattr(_mode, "pallas", False)
+
+
+def kernels_interpreted() -> bool:
+    """Whether a Pallas kernel traced now runs in interpret mode: inside `pallas_kernels()` off the GPU."""
+    return getattr(_mode, "pallas", False) and not on_gpu()
 
 
 @functools.lru_cache(maxsize=None)

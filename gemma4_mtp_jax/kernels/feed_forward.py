@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import on_gpu
+from gemma4_mtp_jax.kernels.device_budget import kernels_chosen
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed_reference, split_matmul, with_reference_vjp
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot_t, load, store
 
@@ -75,7 +75,7 @@ def _pow2(n: int) -> bool:
 
 def plan_block(rows: int, H: int, I: int, dtype) -> int | None:
     """S (programs, each CHUNK columns of I) for a block of `rows` tokens, or None to keep XLA's kernels."""
-    if not on_gpu():
+    if not kernels_chosen():
         return None
     itemsize = jnp.dtype(dtype).itemsize
     if rows > MAX_ROWS or itemsize != 2 or 3 * H * I * itemsize > MAX_WEIGHT_BYTES:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.device_budget import default_budget, on_gpu
+from gemma4_mtp_jax.kernels.device_budget import default_budget, kernels_chosen, kernels_interpreted
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
@@ -244,11 +244,11 @@ def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, glu: bool = False,
 def grouped_matmul_auto(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, impl: str = "auto",
                         interpret: bool = False) -> Array:
     """The kernel ("pallas"; `interpret=True` runs it anywhere), the XLA reference ("xla"), or "auto": the kernel
-    on GPU, the reference elsewhere."""
+    where `kernels_chosen()` (a GPU), the reference elsewhere."""
     if impl == "auto":
-        impl = "pallas" if on_gpu() else "xla"
+        impl = "pallas" if kernels_chosen() else "xla"
     if impl == "pallas":
-        return grouped_matmul(x, w, group_sizes, glu=glu, interpret=interpret)
+        return grouped_matmul(x, w, group_sizes, glu=glu, interpret=interpret or kernels_interpreted())
     if impl == "xla":
         return grouped_matmul_reference(x, w, group_sizes, glu=glu)
     raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")

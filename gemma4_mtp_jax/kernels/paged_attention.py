@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped_queries
-from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, kernels_chosen, kernels_interpreted
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
@@ -564,21 +564,22 @@ def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_
                  q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None, *,
                  window: int | None = None, ring_pages: int | None = None, eps: float | None = None,
                  impl: str = "auto") -> Array:
-    """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel on GPU
-    when a tiling of these shapes fits the device (one log line per shape otherwise), the reference elsewhere.
+    """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel where
+    `kernels_chosen()` (a GPU) when a tiling of these shapes fits the device (one log line per shape otherwise), the
+    reference elsewhere.
     With `q_norm`, `cos`, `sin` (positional, so that `sharding.head_parallel` passes them on, replicated), q is a
     Q-only layer's raw projection (see `paged_attention`)."""
     prep = {} if q_norm is None else dict(q_norm=q_norm, rope=(cos, sin), eps=eps)
     if impl == "auto":
         impl = "xla"
-        if on_gpu():
+        if kernels_chosen():
             if _plan(q, k_pages, page_table, window, ring_pages) is not None:
                 impl = "pallas"
             else:
                 _log_fallback(tuple(q.shape), tuple(k_pages.shape), jnp.dtype(k_pages.dtype).name)
     if impl == "pallas":
         return paged_attention(q, k_pages, v_pages, page_table, q_positions, window=window, ring_pages=ring_pages,
-                               **prep)
+                               interpret=kernels_interpreted(), **prep)
     if impl == "xla":
         return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, window=window,
                                          ring_pages=ring_pages, **prep)

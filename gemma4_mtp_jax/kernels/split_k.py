@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
-from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, on_gpu
+from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, kernels_chosen, kernels_interpreted
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params
 
 Array = jax.Array
@@ -244,13 +244,13 @@ def _use_kernel(y, N: int, impl: str) -> bool:
         if impl == "pallas":
             raise ValueError(f"the split-K kernels need a width with a power-of-two factor >= 16, got N={N}")
         return False
-    return impl == "pallas" or on_gpu()
+    return impl == "pallas" or kernels_chosen()
 
 
 def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: float, next_weight: Array | None = None,
                scale: Array | None = None, impl: str = "auto", interpret: bool = False) -> tuple[Array, Array | None]:
-    """`add_normed_reference`, through the kernel when `y` is a SplitSum and impl is "pallas" or ("auto") the
-    backend is a GPU."""
+    """`add_normed_reference`, through the kernel when `y` is a SplitSum and impl is "pallas" or ("auto")
+    `kernels_chosen()` (a GPU)."""
     N = residual.shape[-1]
     if isinstance(y, SplitSum) and (y.partials.shape[1:] != residual.shape or weight.shape != (N,)
                                     or (next_weight is not None and next_weight.shape != (N,))
@@ -261,7 +261,7 @@ def add_normed(y: Array | SplitSum, residual: Array, weight: Array, *, eps: floa
     if not _use_kernel(y, N, impl):
         return add_normed_reference(y, residual, weight, eps=eps, next_weight=next_weight, scale=scale)
     dtype = jnp.dtype(y.dtype)
-    kernel = functools.partial(_add_normed_pallas, dtype=dtype, eps=eps, interpret=interpret)
+    kernel = functools.partial(_add_normed_pallas, dtype=dtype, eps=eps, interpret=interpret or kernels_interpreted())
 
     def reference(partials, residual, weight, next_weight, scale):
         return add_normed_reference(SplitSum(partials, dtype), residual, weight, eps=eps, next_weight=next_weight,
@@ -279,7 +279,7 @@ def gelu_gate(y: Array | SplitSum, multiplier: Array, index: Array, *, impl: str
     if not _use_kernel(y, N, impl):
         return gelu_gate_reference(y, multiplier, index)
     dtype = jnp.dtype(y.dtype)
-    kernel = functools.partial(_gelu_gate_pallas, dtype=dtype, interpret=interpret)
+    kernel = functools.partial(_gelu_gate_pallas, dtype=dtype, interpret=interpret or kernels_interpreted())
 
     def reference(partials, multiplier, index):
         return gelu_gate_reference(SplitSum(partials, dtype), multiplier, index)

@@ -16,6 +16,7 @@ import numpy as np
 
 from gemma4_mtp_jax.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
+from gemma4_mtp_jax.kernels.device_budget import kernels_interpreted
 from gemma4_mtp_jax.kernels.feed_forward import feed_forward_block, mlp
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
@@ -106,7 +107,8 @@ class MLP(nn.Module):
         """(residual + rms_norm(a, post_attention_norm), this MLP of its pre_feedforward norm as `splits`
         partials), through the kernel."""
         return feed_forward_block(a, residual, post_attention_norm, pre_feedforward_norm, self.gate_proj(),
-                                  self.up_proj(), self.down_proj(), eps=eps, splits=splits)
+                                  self.up_proj(), self.down_proj(), eps=eps, splits=splits,
+                                  interpret=kernels_interpreted())
 
 
 class Router(nn.Module):
