@@ -4,7 +4,7 @@ sizes of 26B-A4B and 31B. Attention and the MLP each end in one per layer.
 Inside a step the all-reduces run back to back with the layers' kernels, so what one costs there is measured as
 one program of `--chain` dependent psums, timed per call (median of repeats after warm-up) and divided by the chain.
 A single psum per call (`--chain 1`) also pays the program's launch and the host's wait, several times more on two
-H200s (run 26: 128-146 us per call).
+H200s (128-146 us per call at `--chain 1`).
 
     python benchmarks/bench_allreduce.py --devices 2 --batch 2 16
     python benchmarks/bench_allreduce.py --smoke      # CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2

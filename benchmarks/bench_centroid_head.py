@@ -21,9 +21,8 @@ Timing, two ways:
 - chain: a jitted program runs CHAIN calls back to back, each on a different input set, chained by
   `lax.optimization_barrier` (call i+1's inputs wait for call i's outputs). Device time per call = (median
   t(CHAIN calls) - median t(1 call)) / (CHAIN - 1). The input sets are two stacked arrays, sliced inside the
-  program (the `floor` path shows what a link costs with almost no work); until run 88 they were 2*CHAIN separate
-  arguments, and the host's per-argument dispatch cost, not the device, set the time of a link (~7-28 us for the
-  floor). `single` is the median wall time of one dispatched call.
+  program (the `floor` path shows what a link costs with almost no work): as 2*CHAIN separate arguments, the
+  host's per-argument dispatch cost, not the device, set the time of a link (~7-28 us for the floor). `single` is the median wall time of one dispatched call.
 Input sets rotate (>= 128 random hn per T, so the rows read do not sit in the 50 MB L2 from a previous call). GB/s = bytes that must
 be read (T*K*V/C*Ha*2 [+ C*Ha*2 centroids for the full paths]; the whole table for dense) / device time, next to a
 device copy bandwidth (x*2 over 1 GiB, read+write) and a read bandwidth (max over 1 GiB) measured in the same run.

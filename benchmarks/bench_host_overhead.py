@@ -6,14 +6,14 @@ sampling rows, page growth, dispatch, the one read-back, taking tokens), with as
 dispatched before the previous one is read) and off. Then the same compiled program is called alone on the same
 inputs (the donated state threaded through), each call waited for, and pipelined (calls dispatched back to back,
 waited for once: the device's own time per call). Host overhead = (engine step - program) / engine step against
-either program time; issue 12's goal is <= 5 % at B = 1 on the real E2B shape, and the pipelined program time is
-the strict reference (the synchronised call pays its own launch and input copies). `dispatch_ms` is how long a call
-of the program holds the calling thread in a pipelined chain: near zero when the launch is asynchronous, near the
-program's time when something makes the host wait (a `lax.cond`, whose predicate XLA's GPU runtime copies to
-the host; command-buffer nodes re-recorded because their buffers moved: benchmarks/probe_dispatch.py). Weights
-are random (bf16 at
-the real shapes; float32 with --smoke), so acceptance is whatever the random pair gives: the timings do not depend
-on it.
+either program time; the goal is <= 5 % at B = 1 on the real E2B shape (docs/PERFORMANCE.md), and the pipelined
+program time is the strict reference (the synchronised call pays its own launch and input copies). `dispatch_ms` is
+how long a call of the program holds the calling thread in a pipelined chain: near zero when the launch is
+asynchronous, near the program's time when something makes the host wait (a `lax.cond`, whose predicate XLA's GPU
+runtime copies to the host; command-buffer nodes re-recorded because their buffers moved, which XLA logs under
+TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1: docs/decisions/0001-command-buffer-update-mode.md).
+Weights are random (bf16 at the real shapes; float32 with --smoke), so acceptance is whatever the random pair gives:
+the timings do not depend on it.
 
     python benchmarks/bench_host_overhead.py --model e2b --batch 1 2 16 [--spec] --context 1024
     python benchmarks/bench_host_overhead.py --smoke [--spec]          # tiny shapes, CPU

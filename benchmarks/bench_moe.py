@@ -2,7 +2,7 @@
 
 For N tokens (decode: N = B; verify: N = B (k+1); prefill: N = prompt length), router-like random routing (top-k of
 normal logits), one layer's expert block through each implementation:
-  dense      every expert on every token with a zero-padded routing matrix (the block before issue 11)
+  dense      every expert on every token with a zero-padded routing matrix (the block before the grouped matmul)
   grouped    routed_experts with our Pallas grouped matmul (what the model runs on GPU)
   ragged     routed_experts with lax.ragged_dot (XLA; the CPU path)
   tokamax-*  the same sort/combine around tokamax.ragged_dot ('triton', 'mosaic'), weights pre-transposed to the

@@ -250,7 +250,7 @@ def parse_args(argv=None):
 
 
 def sweep_configs(fixed: dict, dims: dict[str, tuple[int, ...]]) -> list[dict]:
-    """kernel_config's own choice first and last (single samples drift: in run 135 the first tiling of a shape read
+    """kernel_config's own choice first and last (single samples drift: on an H100 the first tiling of a shape read
     1.19x the same tiling asked for by name later), every point of the grid `dims` between, with the arguments given
     on the command line held fixed."""
     grid = [{}]

@@ -104,7 +104,7 @@ def copy_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
 def gemv_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     """Bytes/s of a bf16 matrix-vector product over a `gib` GiB matrix: a decode step's own read pattern (weights
     streamed once, a few rows of activations), through XLA's own kernel. A step that mostly reads can beat the copy
-    roofline (31B's decode did, run 65); this is the bar it should be held to."""
+    roofline (31B's decode did on the H200: docs/PERFORMANCE.md); this is the bar it should be held to."""
     cols = 4096
     rows = int(gib * (1 << 30) / 2 / cols)
     w = jax.random.normal(jax.random.PRNGKey(0), (rows, cols), jnp.float32).astype(jnp.bfloat16)

@@ -2,7 +2,7 @@
 
 JAX's persistent compilation cache (`step.enable_compilation_cache`) skips XLA's compilation on a restart, but it
 is keyed by the lowered program, so every program is still traced and lowered first: 3-4 s a program at 31B, about
-a minute for a 31B engine's 17 (benchmarks/RESULTS.md, the eleventh session). This cache is keyed by what decides
+a minute for a 31B engine's 17 (docs/decisions/0012-executable-cache.md). This cache is keyed by what decides
 a program instead, so a hit costs a file read:
 - the program (its name: kind and bucket) and the shapes, dtypes and shardings of everything it takes;
 - the engine's static configuration (KV layout, k, slots, dtypes, attention implementation, devices);
@@ -12,14 +12,14 @@ Anything else that could change a program changes one of these. A program whose 
 ones a load would rebuild is not stored; an entry that fails to load is compiled again (with a warning). Nor is,
 on the CPU, a program that JAX's persistent compilation cache gave back (`compile_for_cache`): XLA:CPU serializes
 such an executable without its kernels, and the copy loads but fails when run ("Function ... not found"; JAX
-0.10.2). XLA:GPU keeps them whole: on the H200 (JAX 0.11.2) such copies load and give the same tokens
-(benchmarks/probe_cache_reserialize.py, run 121), so the GPU stores them. Every change of the code or the
+0.10.2). XLA:GPU keeps them whole: on the H200 (JAX 0.11.2) such copies load and give the same tokens, so the
+GPU stores them. Every change of the code or the
 configuration adds entries, so the directory is kept under a size (`max_bytes`, default 4 GiB) by removing the
 entries used least recently (a load counts as a use).
 
 The server keeps one by default, in `user_cache_dir("executables")` (~/.cache/gemma4_mtp_jax/executables): on the
 H200 the demo pair's server is ready 4.4 s after a restart with it, 19.7 s with the compilation cache alone
-(benchmarks/RESULTS.md, run 57).
+(`python benchmarks/serve_check.py`).
 
 Only load directories you wrote: an entry is a pickle, and loading one runs code (`jax.experimental.
 serialize_executable`).

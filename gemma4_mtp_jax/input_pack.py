@@ -3,7 +3,8 @@
 A step program takes per-row inputs from the host: slots, tokens, lengths, stop ids, sampling rows, page tables.
 Passed as separate arrays, each costs a host-to-device transfer per call, and each lands at a new device address:
 XLA then re-records every command-buffer node that reads one (the paged-attention kernel of every layer reads the
-page tables, the page writes read the positions), 96-215 nodes per call at E2B (benchmarks/RESULTS.md, run 48).
+page tables, the page writes read the positions), 96-215 nodes per call at E2B
+(docs/decisions/0002-packed-step-inputs.md).
 
 `pack_rows` lays every leaf of the inputs' pytree out as int32 columns of one array [B, W] (booleans as 0/1,
 float32 and uint32 by their bits). Inside the program `unpack_rows` first writes that array into a staging buffer
@@ -13,13 +14,13 @@ staging buffer: one kernel, the write, reads the buffer that moves.
 XLA must not see through the write. A copy into a temporary does not survive: XLA drops an optimization barrier
 before fusion and fuses the slices back into every reader. A write at offset 0 does not either: on the GPU, XLA
 turns a static slice of the written region back into a slice of the array written (17 readers in a tiny
-speculative program, benchmarks/RESULTS.md, the tenth session). So the write's offset is a value XLA cannot know:
+speculative program). So the write's offset is a value XLA cannot know:
 the staging buffer's last element, which is 0 and never written (the buffer is larger than any packed input).
 
 The result goes back the same way it came: `return_in` writes a program's packed result over the first columns of
 its packed inputs, which the program takes donated. A result in an allocation of its own moves from call to call,
 and XLA's buffer assignment places short-lived temporaries in a live-out allocation before its value is written
-(36 of them in a small decode program's 32-byte result, benchmarks/RESULTS.md, the tenth session): every kernel
+(36 of them in a small decode program's 32-byte result): every kernel
 that touches one is re-recorded in the command buffer on each call. A donated parameter's allocation holds only
 that parameter and its update, so only the kernels that read the inputs and write the result touch it.
 """

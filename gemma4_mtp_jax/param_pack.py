@@ -1,16 +1,16 @@
 """The step programs' parameters as fewer arrays: the target's leaves stacked as rows of a few 2-D arrays.
 
 Every array passed to a compiled program costs the host a few microseconds per call in JAX's GPU runtime (2.9 us
-on the H200, benchmarks/RESULTS.md run 36): E2B's 540 parameter arrays held the dispatching thread 1.5 ms per
+on the H200, docs/decisions/0004-pack-params.md): E2B's 540 parameter arrays held the dispatching thread 1.5 ms per
 step, more than half the step's device time. `ParamPack` stacks the leaves, once at start-up, as rows of a few
 2-D arrays, one per (dtype, row width): a leaf of shape [..., n] becomes prod(...) rows of width n (a vector one
 row, a scalar one row of width 1), and a program takes each leaf back as a static row slice, so the model still
 sees its usual tree.
 
 Why rows: XLA reads a static row slice of a 2-D array in place, inside the matmul or elementwise kernel that
-consumes it, while a slice of a flat 1-D array is first copied (run 40, `benchmarks/probe_slice_fusion.py`: 35
-layers of E2B-width matmuls, 70 kernels either way for rows, 105 for flat; a flat packing of every E2B leaf took the
-decode program from 730 to 1007 kernels in run 39). A packed array holds at most `GROUP_ELEMENTS` elements, so byte
+consumes it, while a slice of a flat 1-D array is first copied (35 layers of E2B-width matmuls: 70 kernels either
+way for rows, 105 for flat; a flat packing of every E2B leaf took the decode program from 730 to 1007 kernels;
+docs/decisions/0004-pack-params.md). A packed array holds at most `GROUP_ELEMENTS` elements, so byte
 offsets stay inside int32 for any kernel. Leaves over `MAX_LEAF_ELEMENTS` stay separate arrays: they are few (the
 embedding tables, the MoE experts), and their consumers (a gather, the grouped-matmul kernel, which takes its
 operand whole) would have to copy a slice; so do the leaves `packable` refuses (those split by tensor parallelism).

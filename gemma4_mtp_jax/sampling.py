@@ -88,7 +88,8 @@ def filter_logits(logits: Array, top_k: Array, top_p: Array) -> Array:
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= (mass_before < top_p[:, None]) | (rank == 0)
     # Back to vocabulary order through the permutation itself: one scatter pass, where inverting `order` would be
-    # a second sort of the whole vocabulary (0.7 ms of E2B's sampled speculative step at B = 16, run 68).
+    # a second sort of the whole vocabulary (0.7-1.0 ms of E2B's sampled speculative step at B = 16 on the H200:
+    # `benchmarks/bench_spec.py --models e2b --batch 16 --sampled`).
     kept = jnp.zeros((B, V), jnp.bool_).at[jnp.arange(B)[:, None], order].set(keep, unique_indices=True)
     return jnp.where(kept, logits, -jnp.inf)
 

@@ -7,14 +7,14 @@ decode then re-records all ~850 nodes, 2-3 ms of host time per step, and the spe
 `xla_gpu_command_buffer_update_mode=SKIP_TEMP` gives the temporaries a stable virtual address so those updates stop;
 it needs XLA's VMM allocator, which the GPU client only selects when the flag is in XLA_FLAGS at start-up. Passed
 per program instead (a compile option, step.compiler_options), it leaves the allocator alone and most updates stay
-(benchmarks/RESULTS.md, runs 33, 34 and 47).
+(docs/decisions/0001-command-buffer-update-mode.md).
 
 The same holds for how much of a GPU's memory JAX's allocator may use (`XLA_PYTHON_CLIENT_MEM_FRACTION`, JAX's
 default 0.75, which the VMM allocator takes as its budget of physical memory): a server sets it through
 `set_memory_fraction` before it touches a device.
 
 What the allocator may use is then read back with `allocator_memory`: the BFC allocator reports its limit in
-`memory_stats()`, but the VMM allocator reports nothing (run 56), so there it is the GPU's total memory (from the
+`memory_stats()`, but the VMM allocator reports nothing, so there it is the GPU's total memory (from the
 CUDA driver) times the fraction JAX started with, which is how the VMM allocator sets its budget.
 
 `set_gpu_runtime_flags()` runs when the package is imported. It only touches XLA_FLAGS where a CUDA plugin of JAX

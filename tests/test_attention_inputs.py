@@ -100,7 +100,7 @@ def test_bad_shapes_are_named():
 @pytest.mark.parametrize("theta,factor,D", [(10000.0, 1.0, 256), (1e6, 1.0, 512), (1e6, 0.25, 512)])
 def test_rope_inv_freq_is_the_float32_rounding_of_its_definition(theta, factor, D):
     """The inverse frequencies (a numpy constant in the model) within one float32 ulp of theta^(-2i/D), zero past a
-    proportional RoPE's rotated pairs. They failed this on the GPU machine's CPU (run 128) while numpy's float32
+    proportional RoPE's rotated pairs. They failed this on the GPU machine's CPU while numpy's float32
     power, the CPU's own SIMD routine, computed them."""
     from gemma4_mtp_jax.config import RopeConfig
     from gemma4_mtp_jax.model.layers import rope_inv_freq

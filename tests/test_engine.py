@@ -546,7 +546,8 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
 
 def test_programs_are_listed_costliest_first(engines):
     """compile_all starts programs in this order: sampling's step programs, then the greedy ones, larger buckets
-    first, then prefill, longer chunks first (the order of their compile times on the H200, run 79)."""
+    first, then prefill, longer chunks first (the order of their compile times on the H200:
+    docs/decisions/0013-compile-in-background.md)."""
     import re
 
     names = [name for name, _, _ in engines("e2b").steps.programs([2, 4], [8, 16])]
@@ -856,7 +857,7 @@ def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
 
 def test_this_xla_takes_the_untuned_options(monkeypatch):
     """The untuned programs' options (step.UNTUNED) are ones this XLA accepts: a refused option would compile the
-    program tuned after all, and every program after it without compiler_options() (run 136: XLA refused the
+    program tuned after all, and every program after it without compiler_options() (XLA once refused the
     string 'false' for a bool option, and the server's first programs compiled tuned, slower to start)."""
     from gemma4_mtp_jax import step
 

@@ -134,7 +134,7 @@ def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp
     """With JAX's persistent compilation cache on, an engine compiling programs already in it gets them back from
     it; on the CPU such an executable, serialized and loaded, fails when run ("Function ... not found"), so the
     executable cache does not store it there. Wherever it is stored, an engine loading it generates the tokens of a
-    fresh compile (benchmarks/probe_cache_reserialize.py shows the failure without the guard)."""
+    fresh compile (docs/decisions/0012-executable-cache.md)."""
     import jax
 
     from gemma4_mtp_jax.engine import Engine

@@ -261,7 +261,8 @@ def test_kernel_config_defaults():
     assert pa.kernel_config((2, 1, 8, 256), (1, 100, 16, 256), (2, 32)).k_splits == 4
     assert pa.kernel_config((2, 1, 8, 512), (1, 9000, 16, 512), (2, 128)).k_splits == 32
     # E2B full, verify: 40 rows in three 16-row blocks, splits counted per sequence as decode's are (B = 16: 17,
-    # the fastest tiling of run 74's sweep); at B = 2 the merge's reads cap them (42 splits of the 4096 keys).
+    # the fastest tiling measured: docs/decisions/0005-paged-attention-tiling.md); at B = 2 the merge's reads cap
+    # them (42 splits of the 4096 keys).
     cfg = pa.kernel_config((2, 5, 8, 512), (1, 9000, 16, 512), (2, 256))
     assert (cfg.block_rows, cfg.block_k, cfg.k_splits) == (16, 32, 42)
     cfg = pa.kernel_config((16, 5, 8, 512), (1, 9000, 16, 512), (16, 256))
@@ -269,7 +270,7 @@ def test_kernel_config_defaults():
     decode = pa.kernel_config((16, 1, 8, 512), (1, 9000, 16, 512), (16, 256))
     assert decode.k_splits == cfg.k_splits
     # A 256-token prefill chunk after 2048 tokens: E2B's one KV head gives 64 (full) or 32 (sliding) row blocks,
-    # so splits bring the programs up to one wave of the SMs (run 78's fastest tilings: 2 and 4 splits); 31B's
+    # so splits bring the programs up to one wave of the SMs (the fastest tilings measured: 2 and 4 splits); 31B's
     # four KV heads fill the SMs with row blocks alone.
     prefill = pa.kernel_config((1, 256, 8, 512), (1, 577, 16, 512), (1, 144), budget=HOPPER)
     assert (prefill.block_rows, prefill.k_splits, prefill.num_warps) == (32, 2, 8)

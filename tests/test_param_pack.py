@@ -61,7 +61,7 @@ def test_packed_parameters_give_the_same_output(tiny_ckpts, jax_models):
     """The engine's outputs are the same with the parameters packed and unpacked. Whether XLA reads each weight in
     place or copies its slice first depends on which matmul kernel it picks, so it is counted at the real bf16
     shapes on the GPU (`benchmarks/kernel_count.py --pack-params`), not here: at these tiny float32 shapes the
-    GPU may pick other kernels. (The seventh session's GPU suite failed an earlier version of this test that also
+    GPU may pick other kernels. (The GPU suite once failed an earlier version of this test that also
     compared kernel counts; the run was cut before pytest printed which assertion failed.)"""
     from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.engine import Engine, EngineConfig

@@ -7,8 +7,9 @@ What Gemma 4 does between the projections and attention, per token:
 - the new K and V go into the layer's pages at (page, offset) of their position.
 
 XLA runs that as six kernels per layer that owns K/V (three norm fusions, q's rotate-half, two scatters) and two
-for a layer that only has queries (benchmarks/RESULTS.md, issue 10: E2B's decode step launches ~21 kernels per
-layer, each a few microseconds of fixed cost). `attention_inputs` does all of it in one Pallas kernel.
+for a layer that only has queries, each a few microseconds of fixed cost (E2B's decode step had ~21 kernels per
+layer: `python benchmarks/kernel_count.py --models e2b --batch 2 --by-scope 3`). `attention_inputs` does all of it
+in one Pallas kernel.
 
 Layout: q [..., nH, D], k / v [..., nKV, D] (any leading token dims), positions, page, offset [...]; pages
 [nKV, num_pages, page_size, D] (kv_state's pools); inv_freq [D/2] (zeros past a proportional RoPE's rotated pairs).

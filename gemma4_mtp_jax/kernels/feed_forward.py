@@ -9,7 +9,8 @@ and then the post-feedforward norm and residual add (kernels/split_k.py's `add_n
 
 XLA runs those first lines as four kernels: a norm fusion, the merged gate|up GEMM, GELU x up, down_proj. In the
 assistant (H = 256, I = 2048: 3 MiB of weights a layer) each of them is a few microseconds of fixed cost around
-well under a microsecond of reading (benchmarks/RESULTS.md, run 104: a draft step is 57 kernels). Here they are one.
+well under a microsecond of reading (a draft step was 57 kernels: docs/decisions/0009-drafter-feed-forward-kernel.md).
+Here they are one.
 Grid (S,): program s reads the whole of o and r (a few rows of H), recomputes x and m (cheap: H wide), takes its
 own chunk of I/S columns of gate and up and rows of down, and writes x @ its chunk's share of down_proj as partial
 s: [S, M, H] float32, a `SplitSum` over down_proj's contraction, which the layer's last residual kernel adds up.
@@ -48,12 +49,13 @@ MAX_ROWS = BLOCK_ROWS
 # (E2B / E4B: 3 MiB). The targets' MLPs (E2B: 54 MiB) stream for tens of microseconds and keep XLA's GEMMs.
 MAX_WEIGHT_BYTES = 8 << 20
 # Columns of I per program, and warps: 32 programs of 8 warps at I = 2048. A program's time grows with the weights it
-# reads (run 106, the kernel alone at B = 2: 16 programs 8.2 us, 32 programs 5.6, 64 programs 4.6), and the residual
-# kernel after it with the partials it adds (16: 1.8 us, 32: 2.3, 64: 3.2).
+# reads, and the residual kernel after it with the partials it adds; 32 programs balance the two (the measured
+# tilings: docs/decisions/0009-drafter-feed-forward-kernel.md).
 CHUNK = 64
 NUM_WARPS = 8
 # o_proj's partial products the kernel adds itself: the assistant's 1024-wide o_proj ran as one GEMM in 4.1 us, in
-# 4 parts in 2.5 us for 0.3-0.7 us more in the kernel; 16 parts cost the kernel 2.5 us more at 16 rows (run 107).
+# 4 parts in 2.5 us for 0.3-0.7 us more in the kernel; 16 parts cost the kernel 2.5 us more at 16 rows (H200,
+# docs/decisions/0009-drafter-feed-forward-kernel.md).
 INPUT_PARTS = 4
 MAX_HIDDEN = 1024  # a [16, H] row block and a [CHUNK, H] weight tile per operand stay in registers / shared memory
 

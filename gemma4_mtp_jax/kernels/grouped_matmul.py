@@ -18,9 +18,10 @@ Two implementations with the same contract:
   reads only the experts its tokens were routed to. With `glu` a program holds two accumulators (gate rows and
   the matching up rows) and writes the activated product, so the [M, 2 O'] intermediate never exists.
 
-Performance (benchmarks/RESULTS.md, H200): the kernels stream the touched experts at the HBM rate (run 38's
-kernel profile: 3.2-4.3 TB/s of expert weights at 1-16 tokens; run 21's 0.2-0.4 TB/s timed a lone call's launch,
-not the kernel). 26B-A4B decode at B = 16 runs at the roofline of the experts it touches (run 40, pipelined).
+Performance (H200, docs/decisions/0010-moe-grouped-matmul.md): the kernels stream the touched experts at the HBM
+rate, 3.2-4.3 TB/s of expert weights at 1-16 tokens by trace (`python benchmarks/bench_moe.py --tokens 1 2 16
+--profile`; a lone call's wall time measures its launch, not the kernel). 26B-A4B decode at B = 16 runs at the
+roofline of the experts it touches (pipelined).
 
 `grouped_matmul_auto` picks the kernel on GPU and the reference elsewhere; `routed_experts` is the whole MoE
 expert block on top of it (sort the (token, expert) pairs, two grouped matmuls, weighted sum per token).
@@ -86,7 +87,8 @@ def row_tiles(group_sizes: Array, num_rows: int, block_rows: int) -> RowTiles:
     tile_end = jnp.cumsum(per_group)  # exclusive end of each group's tiles in tile order
     t = jnp.arange(T, dtype=jnp.int32)
     # compare_all: one fused compare-and-count; the default binary search is a loop of ~2 log2(G) tiny kernels
-    # plus copies of its carry, 32 kernels per MoE layer that took a fifth of 26B-A4B's decode step (run 38).
+    # plus copies of its carry, 32 kernels per MoE layer that took a fifth of 26B-A4B's decode step
+    # (docs/decisions/0010-moe-grouped-matmul.md).
     g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right", method="compare_all"), G - 1).astype(jnp.int32)
     local = t - (tile_end[g] - per_group[g])
     start = starts[g] + local * block_rows

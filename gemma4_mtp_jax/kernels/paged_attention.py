@@ -173,9 +173,9 @@ def kernel_supported(q_shape, k_pages_shape) -> bool:
 
 def smem_bytes(block_rows: int, block_k: int, head_dim: int, num_stages: int, itemsize: int) -> int:
     """Shared memory one program needs, an upper bound: the q tile, the probability tile fed to the second dot,
-    and `num_stages` buffers of the K and V blocks. Calibrated on the H200 (benchmarks/probe_kernel_smem.py: 364
-    tilings; Triton asked for at most this much in every tiling that failed to compile, exactly this much in
-    several)."""
+    and `num_stages` buffers of the K and V blocks. Calibrated on the H200 over 364 tilings: Triton asked for at
+    most this much in every tiling that failed to compile, exactly this much in several
+    (docs/decisions/0005-paged-attention-tiling.md)."""
     return (block_rows * head_dim * itemsize + block_rows * block_k * itemsize
             + max(1, num_stages) * 2 * block_k * head_dim * itemsize)
 
@@ -200,7 +200,8 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
     """The tiling for these shapes within the device's shared-memory and register budget, or None when no tiling
     fits (the caller then uses the XLA path). `itemsize` is the pages' dtype size. Any tiling argument given
     explicitly is kept; the others shrink until the tiling fits (rows per program first, then keys per
-    iteration, then pipeline stages)."""
+    iteration, then pipeline stages). The rules, and the tilings measured for them:
+    docs/decisions/0005-paged-attention-tiling.md."""
     budget = budget or default_budget()
     if not kernel_supported(q_shape, k_pages_shape):
         return None
@@ -210,9 +211,8 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
     br = block_rows or min(_next_pow2(max(16, rows)), max(16, 16384 // D))
     if block_rows is None and rows <= 64:
         # A verify step's few rows go in 16-row blocks: each block re-reads the keys (from L2 for all but the
-        # first), but a program's serial loop is what bounds these shapes, and 16 rows halve it (benchmarks/
-        # RESULTS.md run 39, sliding: 43 us with 64-row blocks, 21-24 us with 16; run 74, E2B full attention at
-        # B = 16 and 5 tokens: 253 us with 32-row blocks, 132 us with 16).
+        # first), but a program's serial loop is what bounds these shapes, and 16 rows halve it (the measured
+        # tilings: docs/decisions/0005-paged-attention-tiling.md).
         br = 16
     bk = block_k or (64 if D <= 256 else 32)
     st = num_stages or 2
@@ -242,26 +242,21 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
             max_keys = min(max_keys, window + Tq - 1)
         max_blocks = -(-max_keys // bk) + 1
         # Splits are counted per (sequence, KV head), as a decode step of the batch would take them: the row
-        # blocks of a verify step add programs on top rather than taking splits away (run 74, E2B full attention,
-        # B = 16, 5 tokens in three 16-row blocks: 17 splits 132 us, 9 splits 147 us, 32 splits 181 us).
+        # blocks of a verify step add programs on top rather than taking splits away.
         programs = B * nKV
         if programs >= budget.num_sms:
             k_splits = 1
         else:
-            # ~2 programs per SM; >= 2 key blocks per split; the partial outputs the merge reads back
-            # (k_splits x rows x D) at most ~1/4 of the K/V bytes (max_keys x 2 x D); at most 64 splits. (A 1/8
-            # cap left E2B's verify full-attention layer at 16 splits: 64 us, against 56 us at 32; run 39.) A
-            # sliding window's few blocks get a split each: at E2B's decode, 9 splits of one 64-key block rather
-            # than 4 of two or three, which left 8 programs on the GPU at B = 2 and 64 at B = 16 (runs 135-136;
-            # full attention, unmeasured that way, keeps two blocks a split).
+            # ~2 programs per SM; >= 2 key blocks per split over full attention, one over a sliding window's few
+            # blocks (docs/decisions/0006-sliding-window-key-splits.md); the partial outputs the merge reads back
+            # (k_splits x rows x D) at most ~1/4 of the K/V bytes (max_keys x 2 x D); at most 64 splits.
             rows_padded = n_row_blocks * br
             blocks_per_split = 1 if window is not None else 2
             k_splits = max(1, min(-(-2 * budget.num_sms // programs), max_blocks // blocks_per_split,
                                   max_keys // (2 * rows_padded), 64))
             # A prefill chunk's many rows are bound by arithmetic, not by K/V bytes, so the merge's cap above
             # leaves it one split, and its row blocks alone may not fill the SMs (E2B's full layer, 256 queries:
-            # 64 programs on 132 SMs). So as many splits as keep the programs within one wave (run 78, after 2048
-            # tokens: E2B full 320 -> 179 us at 2 splits; sliding, 64-row blocks, 69 -> 50 us at 4).
+            # 64 programs on 132 SMs). So as many splits as keep the programs within one wave.
             k_splits = max(k_splits, min(budget.num_sms // (programs * n_row_blocks), max_blocks // 2, 64))
     return KernelConfig(int(br), int(bk), int(k_splits), int(warps()), int(st))
 

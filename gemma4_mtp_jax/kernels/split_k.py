@@ -4,7 +4,7 @@ At decode a projection has a handful of rows (the batch) and thousands of column
 splits the contraction K into S parts (split K), one GEMM kernel writes S partial products, and a second kernel
 adds them. The norm after the projection is a third. Gemma 4's sandwich norms put such a pair after o_proj,
 down_proj and (E2B / E4B) per_layer_input_gate in every layer: at E2B decode that is 3 of a layer's ~19 kernels,
-each a few microseconds of fixed cost (benchmarks/RESULTS.md, issue 10).
+each a few microseconds of fixed cost (docs/decisions/0008-split-k-projections.md).
 
 Here the split is written out: `SplitSum` holds the S partial products of `x @ w.T` (one batched matmul, so XLA
 still runs one GEMM kernel over S x (column tiles) programs), and the consumer adds them up in its own kernel:

@@ -67,7 +67,7 @@ class Gemma4Assistant(nn.Module):
         cfg, text, pd = self.cfg, self.cfg.text, self.param_dtype
         self.pre_projection = Linear(text.hidden_size, pd)
         # Its projections stay whole: XLA does not split the 256-wide matmuls' contraction, and the split-K kernels
-        # would only make each layer's input a buffer of its own (benchmarks/RESULTS.md, runs 82-84).
+        # would only make each layer's input a buffer of its own (docs/decisions/0008-split-k-projections.md).
         self.layers = [DecoderLayer(text, i, pd, split_k=False, name=f"layers_{i}") for i in range(text.num_layers)]
         self.norm = RMSNorm(text.rms_norm_eps, True, pd)
         self.post_projection = Linear(cfg.backbone_hidden_size, pd)

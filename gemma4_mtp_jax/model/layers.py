@@ -77,7 +77,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     A numpy constant, not traced: XLA did not fold the traced power, and computed it in kernels of its own in every
     step program. transformers' float32 steps (the exponent, theta to its power, the reciprocal), each computed in
     float64 and rounded to float32: numpy's own float32 power is the CPU's SIMD routine, and gave values 1 ulp apart
-    on two machines (run 128), where float64's rounds the same everywhere."""
+    on two machines' CPUs, where float64's rounds the same everywhere."""
     n_rot = int(rope.partial_rotary_factor * head_dim // 2)
     exponent = (np.arange(0, 2 * n_rot, 2, dtype=np.float64) / head_dim).astype(np.float32)
     power = (rope.theta ** exponent.astype(np.float64)).astype(np.float32)  # float32's power, correctly rounded

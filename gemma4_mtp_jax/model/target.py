@@ -22,7 +22,8 @@ def layer_major(ple: Array) -> Array:
     """The per-layer inputs [B, T, L, P] as [L, B, T, P], materialized once: left to itself, XLA re-computes the
     normed projection inside each layer's slice (one extra kernel per layer). Each layer gets the whole stack and
     its index: at decode the split-K gate kernel reads its slice in place; where XLA slices it (larger calls),
-    each slice is copied out by a kernel of its own (35 at E2B, benchmarks/RESULTS.md run 44)."""
+    each slice is copied out by a kernel of its own (35 at E2B: `benchmarks/kernel_count.py --models e2b
+    --by-scope 3`)."""
     return jax.lax.optimization_barrier(jnp.moveaxis(ple, -2, 0))
 
 

@@ -1,7 +1,8 @@
 """Functions traced once per program however often a program calls them.
 
 A step program unrolls its loops: 60 decoder layers at 31B, k draft steps of the assistant. Traced inline, each
-repetition is traced and lowered again (2-6 s of start-up per program at 31B, benchmarks/RESULTS.md run 56). As a
+repetition is traced and lowered again (2-6 s of start-up per program at 31B on the H200:
+docs/decisions/0011-trace-layers-once.md). As a
 jitted function called with the same argument shapes, it is traced once and lowered once per program; XLA inlines
 the calls, so the compiled program computes the same (bitwise in float32; in bfloat16 XLA's excess precision may
 keep other intermediates in float32).

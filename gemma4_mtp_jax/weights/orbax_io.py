@@ -84,7 +84,7 @@ def _leaves_summary(params: Any) -> tuple[int, int, dict[str, int]]:
 def _to_savable(x: Any) -> Any:
     # Orbax gets host arrays only: its own copies of device arrays, made from its writer threads, crash the
     # process (SIGSEGV) under XLA's VMM allocator, which the package selects on a GPU (xla_env.py;
-    # benchmarks/RESULTS.md, the tenth session), so each leaf is copied to the host here.
+    # docs/decisions/0001-command-buffer-update-mode.md), so each leaf is copied to the host here.
     return np.asarray(x)
 
 
