@@ -45,21 +45,24 @@ from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 
 def program_call(engine: Engine):
     """A zero-argument callable running the engine's decode (or speculative) program once on the inputs of its
-    running sequences, as `step` builds them, threading the donated state; returns its packed result."""
-    if engine._inflight is not None:  # read the engine's last step first: the calls below follow it
-        engine._collect(engine._inflight)
-    B, inputs = engine._step_inputs(engine._rows(engine.running, []))
+    running sequences, as its runner builds them, threading the donated state; returns its packed result."""
+    runner, steps = engine.runner, engine.steps
+    if runner.in_flight is not None:  # read the engine's last step first: the calls below follow it
+        runner.collect(runner.in_flight)
+    rows, _ = runner.rows(engine.scheduler.running)
+    inputs = runner.step_inputs(rows)
+    B, packed = inputs.rows.slot.shape[0], steps.inputs(inputs)
     if engine.assistant is None:
-        fn = engine.steps.compile_decode(B)
+        fn = steps.compile_decode(B)
 
         def call():
-            engine.state, out = fn(engine.steps.program_params, engine.state, inputs)
+            runner.state, out = fn(steps.program_params, runner.state, packed)
             return out
         return call
-    fn = engine.steps.compile_speculative(B)
+    fn = steps.compile_speculative(B)
 
     def call():
-        engine.state, out = fn(engine.steps.program_params, engine.steps.draft_params, engine.state, inputs)
+        runner.state, out = fn(steps.program_params, steps.draft_params, runner.state, packed)
         return out
     return call
 
@@ -106,7 +109,7 @@ def main() -> None:
         for _ in range(B):
             engine.add_request(rng.integers(3, tcfg.vocab_size, context).tolist(), config.max_model_len - context,
                                stop_ids=frozenset())
-        while not all(r.decoding for r in engine.running) or engine.waiting:
+        while not all(r.decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         for _ in range(warmup):
             engine.step()
@@ -128,7 +131,7 @@ def main() -> None:
             row[f"{key}_over_pipelined_fraction"] = (timed[mode] - pipelined_s) / timed[mode]
         rows.append(row)
         print(row, flush=True)
-        for req in list(engine.running) + list(engine.waiting):
+        for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
             engine.cancel(req)
     write_json("bench_host_overhead.json", {"env": env, "rows": rows})
     print(f"\n{'model':6} {'spec':>5} {'B':>3} {'program ms':>11} {'pipelined':>10} {'dispatch':>9} "

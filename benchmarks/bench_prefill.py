@@ -23,7 +23,7 @@ from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
 from benchmarks.common import TARGETS, environment, layout_for, random_params, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
 from gemma4_mtp_jax.config import FULL, owning_layers, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.device_state import MAX_STOP_IDS, PrefillRows  # noqa: E402
+from gemma4_mtp_jax.device_state import PrefillRows, StepInputs  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -31,16 +31,14 @@ from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 def run_prompt(fn, params, state, prompt, chunk, tables, sampling):
     """Prefill `prompt` chunk by chunk; returns (state, the last chunk's packed result)."""
     out = None
-    stop_ids, remaining = np.full((1, MAX_STOP_IDS), -1, np.int32), np.ones(1, np.int32)
     for start in range(0, len(prompt), chunk):
         piece = prompt[start:start + chunk]
-        toks = np.zeros((1, chunk), np.int32)
-        pos = np.full((1, chunk), -1, np.int32)
-        toks[0, :len(piece)] = piece
-        pos[0, :len(piece)] = np.arange(start, start + len(piece))
-        rows = PrefillRows(slot=np.zeros(1, np.int32), tokens=toks, positions=pos,
-                           last_index=np.array([len(piece) - 1], np.int32), stop_ids=stop_ids, remaining=remaining)
-        state, out = fn(params, state, CompiledSteps.inputs(rows, tables, sampling))
+        n = len(piece)
+        rows = PrefillRows.stack([dict(slot=0, tokens=np.pad(piece, (0, chunk - n)),
+                                       positions=np.pad(np.arange(start, start + n), (0, chunk - n),
+                                                        constant_values=-1),
+                                       last_index=n - 1, stop_ids=-1, remaining=1)], 1, chunk)
+        state, out = fn(params, state, CompiledSteps.inputs(StepInputs(rows, tables, sampling)))
     return state, out
 
 

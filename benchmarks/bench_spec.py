@@ -48,7 +48,7 @@ from gemma4_mtp_jax.api import (  # noqa: E402
 )
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
-from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.sampling import SamplingParams  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
@@ -144,7 +144,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     rng = np.random.default_rng(0)
 
     def verify(params, pages, tokens, positions, tables):
-        h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")
+        h, pages = forward_paged(StepSpec(target, layout), params, pages, tokens, positions, tables)
         return pages, jnp.argmax(lm_logits(target, params, h), -1)
 
     def verify_lowering(B, k, tables):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.device_state import MAX_STOP_IDS, StepRows
+from gemma4_mtp_jax.device_state import StepInputs, StepRows
 from gemma4_mtp_jax.kv_state import KVLayout, make_layout
 from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
 from gemma4_mtp_jax.step import CompiledSteps, compile_lowered
@@ -121,11 +121,10 @@ def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.n
     (no sequence grows or stops). Greedy rows unless `sampling` (every row then samples so), no stop ids; tables:
     KV group -> [B, width] page ids."""
     B = len(tokens)
-    rows = StepRows(slot=np.minimum(np.arange(B), num_slots).astype(np.int32), fresh=np.ones(B, bool),
-                    token=np.asarray(tokens, np.int32), length=np.asarray(lengths, np.int32),
-                    remaining=np.full(B, 1 << 20, np.int32), stop_ids=np.full((B, MAX_STOP_IDS), -1, np.int32),
-                    speculate=np.ones(B, bool))
-    return CompiledSteps.inputs(rows, tables, SamplingBatch.from_params([sampling] * B if sampling else [], B))
+    rows = StepRows.stack([dict(slot=min(r, num_slots), fresh=True, token=t, length=n, remaining=1 << 20,
+                                stop_ids=-1, speculate=True) for r, (t, n) in enumerate(zip(tokens, lengths))], B)
+    sampling = SamplingBatch.from_params([sampling] * B if sampling else [], B)
+    return CompiledSteps.inputs(StepInputs(rows, tables, sampling))
 
 
 def compile_concurrently(lowerings: dict[Any, Callable[[], jax.stages.Lowered]],

@@ -77,10 +77,10 @@ def compile_family(name: str, log, engines: list[str], args: argparse.Namespace)
             continue
         wall = time.perf_counter() - t0
         out["engines"][mode] = {"ok": True, "programs": len(engine.compile_times), "wall_s": round(wall, 2),
-                                "loaded_from_executable_cache": len(engine.steps.restored),
+                                "loaded_from_executable_cache": len(engine.programs.restored),
                                 "per_program_s": {k: round(v, 2) for k, v in engine.compile_times.items()},
                                 "k": engine.k}
-        log(f"[{name}/{mode}] {len(engine.compile_times)} programs ({len(engine.steps.restored)} loaded from the "
+        log(f"[{name}/{mode}] {len(engine.compile_times)} programs ({len(engine.programs.restored)} loaded from the "
             f"executable cache) in {wall:.1f}s wall")
         del engine
     return out

@@ -40,7 +40,7 @@ from benchmarks.common import (ASSISTANTS, COMPILE_ONLY_TARGETS, TARGETS, add_pa
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
 from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.forward import forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
 
@@ -204,12 +204,12 @@ def programs(target: Target, assistant: Assistant, batch: int, k: int, context: 
                          pack_params=pack_params)
     plain = CompiledSteps(target, layout, dtype, "auto", pack_params=pack_params, max_batch=batch)
     params, state = plain._abstract()
-    _, tables, _ = plain._abstract_inputs(batch)
+    tables = plain._abstract_inputs(batch).tables
     pages, tokens = state.pages, plain._i32(batch, k + 1)
 
     def verify(params, pages, tokens, positions, tables):
         params = plain.pack.unpack(params)
-        h, pages = forward_paged(target, layout, params, pages, tokens, positions, tables, attention_impl="auto")
+        h, pages = forward_paged(StepSpec(target, layout), params, pages, tokens, positions, tables)
         return pages, jnp.argmax(lm_logits(target, params, h), -1)
 
     return {"decode": lambda: plain._lower_decode(batch, False),

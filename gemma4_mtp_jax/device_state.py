@@ -13,9 +13,15 @@ accepted, how many tokens the sequence keeps and why it finished (`FINISH_*`), d
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from gemma4_mtp_jax.sampling import SamplingBatch
 
 Array = jax.Array
 
@@ -36,13 +42,41 @@ class DeviceState:
     inputs: Array  # [capacity] int32: the running step's host inputs, staged where they keep their address
 
 
+class _HostRows:
+    """Per-row host inputs of a step. Each subclass declares its fields once (`_fields`: shape per row, dtype, the
+    value a padding row holds); its concrete form (`stack`: numpy, rows then padding) and its abstract form
+    (`abstract`: the shapes a program is compiled for) both derive from that."""
+
+    @classmethod
+    def _fields(cls, tokens: int | None) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+        raise NotImplementedError
+
+    @classmethod
+    def stack(cls, rows: Sequence[Mapping[str, Any]], batch: int, tokens: int | None = None, **padding: Any):
+        """`rows` (one mapping of field -> value per row) as [batch] host arrays; the rows past them padding (each
+        field's padding value, or `padding`'s)."""
+        out = {}
+        for name, (shape, dtype, pad) in cls._fields(tokens).items():
+            a = np.full((batch, *shape), padding.get(name, pad), dtype)
+            for r, row in enumerate(rows):
+                a[r] = row[name]
+            out[name] = a
+        return cls(**out)
+
+    @classmethod
+    def abstract(cls, batch: int, tokens: int | None = None, sharding: Any = None):
+        """The shapes of `stack(..., batch, tokens)` (jax.ShapeDtypeStruct leaves, with `sharding`)."""
+        return cls(**{name: jax.ShapeDtypeStruct((batch, *shape), dtype, sharding=sharding)
+                      for name, (shape, dtype, _) in cls._fields(tokens).items()})
+
+
 @flax.struct.dataclass
-class StepRows:
+class StepRows(_HostRows):
     """A decode or speculative step's per-row host inputs [B]. A fresh row (a sequence's first step after its
     prefill, or a benchmark's fixed inputs) brings its token, length and remaining from the host; every other row
-    reads them from its slot, where the previous step left them."""
+    reads them from its slot, where the previous step left them (`resolve`)."""
 
-    slot: Array  # [B] int32 (padding rows: the spare last slot)
+    slot: Array  # [B] int32 (padding rows: the spare last slot, `stack(..., slot=num_slots)`)
     fresh: Array  # [B] bool
     token: Array  # [B] int32 (fresh rows)
     length: Array  # [B] int32 (fresh rows; -1: a padding row)
@@ -50,9 +84,24 @@ class StepRows:
     stop_ids: Array  # [B, MAX_STOP_IDS] int32, -1 padded
     speculate: Array  # [B] bool: draft for this row (speculative steps; rows without accept nothing)
 
+    @classmethod
+    def _fields(cls, tokens: int | None) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+        return {"slot": ((), np.int32, 0), "fresh": ((), np.bool_, True), "token": ((), np.int32, 0),
+                "length": ((), np.int32, -1), "remaining": ((), np.int32, 0),
+                "stop_ids": ((MAX_STOP_IDS,), np.int32, -1), "speculate": ((), np.bool_, False)}
+
+    def resolve(self, state: "DeviceState") -> "StepRows":
+        """Each row's token, length and remaining: the host's for fresh rows, else its slot's. A row whose sequence
+        has finished (remaining 0: a step dispatched before the host read that it stopped) runs as padding, length
+        -1, so it writes nothing."""
+        token = jnp.where(self.fresh, self.token, state.token[self.slot])
+        length = jnp.where(self.fresh, self.length, state.length[self.slot])
+        remaining = jnp.where(self.fresh, self.remaining, state.remaining[self.slot])
+        return self.replace(token=token, length=jnp.where(remaining > 0, length, -1), remaining=remaining)
+
 
 @flax.struct.dataclass
-class PrefillRows:
+class PrefillRows(_HostRows):
     """A prefill chunk's per-row host inputs: each row writes the K/V of `tokens` at `positions` (-1: padding) and
     samples after its token at `last_index`, through the stop rule (meaningful on a prompt's final chunk)."""
 
@@ -63,22 +112,37 @@ class PrefillRows:
     stop_ids: Array  # [B, MAX_STOP_IDS] int32, -1 padded
     remaining: Array  # [B] int32: tokens the sequence may still produce
 
+    @classmethod
+    def _fields(cls, tokens: int | None) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+        return {"slot": ((), np.int32, 0), "tokens": ((tokens,), np.int32, 0), "positions": ((tokens,), np.int32, -1),
+                "last_index": ((), np.int32, 0), "stop_ids": ((MAX_STOP_IDS,), np.int32, -1),
+                "remaining": ((), np.int32, 0)}
+
+
+@flax.struct.dataclass
+class StepInputs:
+    """Everything a step program takes from the host, as one pytree (packed into one array: input_pack.py): the
+    rows, each KV group's page tables [B, width] and the rows' sampling parameters."""
+
+    rows: StepRows | PrefillRows
+    tables: dict[str, Array]
+    sampling: SamplingBatch
+
+    @staticmethod
+    def abstract(batch: int, table_widths: Sequence[tuple[str, int]], tokens: int | None = None,
+                 sharding: Any = None) -> "StepInputs":
+        """A prefill's inputs (PrefillRows of `tokens` per row) or, for tokens None, a decode or speculative
+        step's (StepRows), as shapes."""
+        rows = StepRows.abstract(batch, sharding=sharding) if tokens is None else PrefillRows.abstract(
+            batch, tokens, sharding)
+        tables = {g: jax.ShapeDtypeStruct((batch, w), jnp.int32, sharding=sharding) for g, w in table_widths}
+        return StepInputs(rows, tables, SamplingBatch.abstract(batch, sharding))
+
 
 def init_slots(num_slots: int) -> tuple[Array, Array, Array]:
     """Zeroed (token, length, remaining) slot arrays: every slot finished until the engine fills it."""
     shape = (num_slots + 1,)
     return jnp.zeros(shape, jnp.int32), jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.int32)
-
-
-def read_rows(state: DeviceState, rows: StepRows) -> tuple[Array, Array, Array]:
-    """Each row's (token, length, remaining): the host's for fresh rows, else its slot's. A row whose sequence has
-    finished (remaining 0: a step dispatched before the host read that it stopped) runs as padding, length -1, so
-    it writes nothing."""
-    token = jnp.where(rows.fresh, rows.token, state.token[rows.slot])
-    length = jnp.where(rows.fresh, rows.length, state.length[rows.slot])
-    remaining = jnp.where(rows.fresh, rows.remaining, state.remaining[rows.slot])
-    length = jnp.where(remaining > 0, length, -1)
-    return token, length, remaining
 
 
 def stop_check(emitted: Array, n: Array, stop_ids: Array, remaining: Array) -> tuple[Array, Array]:
@@ -94,10 +158,11 @@ def stop_check(emitted: Array, n: Array, stop_ids: Array, remaining: Array) -> t
     return keep.astype(jnp.int32), reason.astype(jnp.int32)
 
 
-def finish_round(state: DeviceState, rows: StepRows, length: Array, remaining: Array, emitted: Array,
-                 n: Array) -> tuple[DeviceState, Array]:
-    """The round's stop rule and the slots' next values. Returns (state, packed [B, k+4] int32: emitted tokens
-    (k+1, -1 after the bonus), n accepted, tokens kept, FINISH_* reason); a padding or finished row keeps 0."""
+def finish_round(state: DeviceState, rows: StepRows, emitted: Array, n: Array) -> tuple[DeviceState, Array]:
+    """The round's stop rule and the slots' next values, for `rows` resolved (`StepRows.resolve`). Returns (state,
+    packed [B, k+4] int32: emitted tokens (k+1, -1 after the bonus), n accepted, tokens kept, FINISH_* reason); a
+    padding or finished row keeps 0."""
+    length, remaining = rows.length, rows.remaining
     active = length >= 0
     keep, reason = stop_check(emitted, n, rows.stop_ids, remaining)
     keep = jnp.where(active, keep, 0)

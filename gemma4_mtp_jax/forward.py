@@ -7,14 +7,18 @@ convention 6).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING, owning_layers
+from gemma4_mtp_jax.device_state import StepInputs
 from gemma4_mtp_jax.kv_state import KVLayout, PagedKV
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.runtime import Target
-from gemma4_mtp_jax.sampling import SamplingBatch, sample
+from gemma4_mtp_jax.sampling import sample
 
 Array = jax.Array
 
@@ -23,20 +27,37 @@ def _layer_groups(target: Target) -> dict[int, str]:
     return {i: target.config.layers[i].layer_type for i in owning_layers(target.config)}
 
 
-def make_kv_view(target: Target, layout: KVLayout, pages, tables, positions: Array, *, attention_impl: str) -> PagedKV:
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepSpec:
+    """What a step function is traced for, beside its array arguments: the target, the KV layout, the attention
+    implementation, whether some row samples (`sampling.sample`: decided on the host), and for the speculative
+    round its drafter and k. Static: one program per spec and shapes."""
+
+    target: Target
+    layout: KVLayout
+    attention_impl: str = "auto"
+    sampled: bool = True
+    drafter: Any = None  # speculative.Drafter (the round's drafts); None outside the speculative round
+    k: int = 0  # drafts per round
+
+    def but(self, **changes: Any) -> "StepSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def make_kv_view(spec: StepSpec, pages, tables, positions: Array) -> PagedKV:
+    layout = spec.layout
     groups = dict(layout.pages_per_seq)
-    return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(target),
+    return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(spec.target),
                    page_size=layout.page_size,
                    ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl=attention_impl)
+                   attention_impl=spec.attention_impl)
 
 
-def forward_paged(target: Target, layout: KVLayout, params, pages, tokens: Array, positions: Array, tables,
-                  *, attention_impl: str):
+def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables):
     """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages).
     Prefill chunks, decode and verify all write their K/V first, then read the pages in place."""
-    kv = make_kv_view(target, layout, pages, tables, positions, attention_impl=attention_impl)
-    _, hidden, kv = target.module.apply({"params": params}, tokens, positions, kv, logits=False)
+    kv = make_kv_view(spec, pages, tables, positions)
+    _, hidden, kv = spec.target.module.apply({"params": params}, tokens, positions, kv, logits=False)
     return hidden, kv.pages
 
 
@@ -44,26 +65,24 @@ def lm_logits(target: Target, params, hidden: Array) -> Array:
     return target.module.apply({"params": params}, hidden, method=Gemma4Target.lm_logits)
 
 
-def prefill_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
-                 last_index, sampling: SamplingBatch):
-    """One prompt chunk per row. Writes its K/V and samples from the logits at `last_index` (the row's last
-    real token; only meaningful on a prompt's final chunk). Returns (pages, token [B], hidden at last [B, H]).
-    Prefill always takes `sample`'s sampling path: one draw per row is cheap next to a chunk's forward, and one
-    variant per bucket keeps start-up short."""
-    hidden, pages = forward_paged(target, layout, params, pages, tokens, positions, tables,
-                                  attention_impl=attention_impl)
-    rows = jnp.arange(tokens.shape[0])
-    h_last = hidden[rows, last_index]
-    logits = lm_logits(target, params, h_last)
-    next_pos = positions[rows, last_index] + 1
-    return pages, sample(logits, sampling, next_pos), h_last
+def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs):
+    """One prompt chunk per row (`inputs.rows`: PrefillRows). Writes its K/V and samples from the logits at
+    `last_index` (the row's last real token; only meaningful on a prompt's final chunk). Returns (pages, token
+    [B], hidden at last [B, H]). Prefill always takes `sample`'s sampling path: one draw per row is cheap next to a
+    chunk's forward, and one variant per bucket keeps start-up short."""
+    rows = inputs.rows
+    hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables)
+    b = jnp.arange(rows.tokens.shape[0])
+    h_last = hidden[b, rows.last_index]
+    logits = lm_logits(spec.target, params, h_last)
+    next_pos = rows.positions[b, rows.last_index] + 1
+    return pages, sample(logits, inputs.sampling, next_pos), h_last
 
 
-def decode_step(target: Target, layout: KVLayout, attention_impl: str, params, pages, tokens, positions, tables,
-                sampling: SamplingBatch, sampled: bool):
-    """One token per row: tokens, positions [B] (-1 = padding row). Returns (pages, next token [B]). `sampled`
-    (static): whether some row samples (`sampling.sample`)."""
-    hidden, pages = forward_paged(target, layout, params, pages, tokens[:, None], positions[:, None], tables,
-                                  attention_impl=attention_impl)
-    logits = lm_logits(target, params, hidden[:, 0])
-    return pages, sample(logits, sampling, positions + 1, sampled=sampled)
+def decode_step(spec: StepSpec, params, pages, inputs: StepInputs):
+    """One token per row: `inputs.rows` (StepRows, resolved: each row's newest token at its length; -1 = padding
+    row). Returns (pages, next token [B])."""
+    tokens, positions = inputs.rows.token, inputs.rows.length
+    hidden, pages = forward_paged(spec, params, pages, tokens[:, None], positions[:, None], inputs.tables)
+    logits = lm_logits(spec.target, params, hidden[:, 0])
+    return pages, sample(logits, inputs.sampling, positions + 1, sampled=spec.sampled)

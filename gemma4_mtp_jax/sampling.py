@@ -71,6 +71,15 @@ class SamplingBatch:
             seed=np.array(seed, np.uint32),
         )
 
+    @staticmethod
+    def abstract(batch: int, sharding=None) -> "SamplingBatch":
+        """The shapes of a batch of `batch` rows (jax.ShapeDtypeStruct leaves, with `sharding`)."""
+        def sds(dtype):
+            return jax.ShapeDtypeStruct((batch,), dtype, sharding=sharding)
+
+        return SamplingBatch(temperature=sds(jnp.float32), top_k=sds(jnp.int32), top_p=sds(jnp.float32),
+                             seed=sds(jnp.uint32))
+
 
 def filter_logits(logits: Array, top_k: Array, top_p: Array) -> Array:
     """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. logits [B, V] float32.

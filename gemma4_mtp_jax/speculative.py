@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.config import SLIDING
-from gemma4_mtp_jax.forward import forward_paged, lm_logits
+from gemma4_mtp_jax.device_state import StepInputs
+from gemma4_mtp_jax.forward import StepSpec, forward_paged, lm_logits
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
-from gemma4_mtp_jax.kv_state import KVLayout, PagedDraftKV
+from gemma4_mtp_jax.kv_state import PagedDraftKV
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.traced import traced_once
-from gemma4_mtp_jax.runtime import Assistant, Target, shapes_only
+from gemma4_mtp_jax.runtime import Assistant, shapes_only
 from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
 
 Array = jax.Array
@@ -124,15 +125,19 @@ def dense_q(q: Array, q_ids: Array | None, vocab_size: int) -> Array:
     return out.reshape(*lead, vocab_size)
 
 
-def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, params_a, head: DraftHead, pages,
-          tables, tokens: Array, hidden: Array, lengths: Array, sampling: SamplingBatch, k: int,
-          attention_impl: str = "auto", sampled: bool = True) -> tuple[Array, Array, Array | None, Array]:
-    """k draft steps. Returns drafts [B, k], q [B, k, N] and its candidate ids [B, k, N] or None (see
-    `_draft_tokens`; zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens [B, k, Ha].
-    `sampled` (static): whether some row samples."""
+def draft(spec: StepSpec, params_t, params_d, pages, hidden: Array,
+          inputs: StepInputs) -> tuple[Array, Array, Array | None, Array]:
+    """spec.k draft steps of the assistant (`spec.drafter`, an AssistantDrafter; params_d: its parameters and
+    DraftHead) for rows whose newest token `inputs.rows.token` sits at position `inputs.rows.length` (P), with the
+    target's hidden at P-1 in `hidden` [B, H]. Returns drafts [B, k], q [B, k, N] and its candidate ids [B, k, N] or
+    None (see `_draft_tokens`; zeros for greedy rows, whose drafts are the argmax), and the normed draft hiddens
+    [B, k, Ha]."""
+    target, assistant, layout, attention_impl = spec.target, spec.drafter.assistant, spec.layout, spec.attention_impl
+    params_a, head = params_d
     acfg = assistant.config
+    lengths, sampling = inputs.rows.length, inputs.sampling
     source = {i: target.config.store_layers[t] for i, t in enumerate(acfg.text.layer_types)}
-    kv = PagedDraftKV(pages=pages, tables=tables, lengths=lengths, source=source,
+    kv = PagedDraftKV(pages=pages, tables=inputs.tables, lengths=lengths, source=source,
                       layer_group=dict(enumerate(acfg.text.layer_types)),
                       ring_pages=layout.ring_pages(SLIDING) if SLIDING in dict(layout.pages_per_seq) else None,
                       attention_impl=attention_impl)
@@ -143,16 +148,16 @@ def draft(target: Target, assistant: Assistant, layout: KVLayout, params_t, para
             emb = target.module.apply({"params": params_t}, tok, method=Gemma4Target.embed)
             hn, h = assistant.module.apply({"params": params_a}, emb, h, kv)
             tok, q, q_ids = _draft_tokens(assistant, params_a, head, hn, sampling, sampled_rows, lengths, s,
-                                          attention_impl, sampled)
+                                          attention_impl, spec.sampled)
             return tok, h, q, q_ids, hn
 
         return draft_step
 
     # The k steps share one trace: the step index (the draws' random stream) is an argument, not a constant.
-    step = traced_once((target, assistant), ("draft_step", attention_impl, sampled), build)
-    tok, h = tokens, hidden
+    step = traced_once((target, assistant), ("draft_step", attention_impl, spec.sampled), build)
+    tok, h = inputs.rows.token, hidden
     drafts, qs, ids, hns = [], [], [], []
-    for s in range(k):
+    for s in range(spec.k):
         tok, h, q, q_ids, hn = step(params_t, params_a, head, kv, sampling, sampled_rows, lengths, tok, h,
                                     jnp.int32(s))
         drafts.append(tok)
@@ -170,14 +175,13 @@ class Drafter(Protocol):
     def params(self) -> Any:
         """The device arrays the drafter reads: an input of the compiled program (a pytree; () for none)."""
 
-    def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
-              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int, attention_impl: str,
-              sampled: bool) -> tuple[Array, Array, Array | None]:
-        """Drafts [B, k] int32 for rows whose newest token `tokens` sits at position `lengths` (the committed K/V
-        in `pages`, the target's hidden at P-1 in `hidden`), and the distribution each draft was sampled from
-        (exact verification needs it; zeros on greedy rows): q [B, k, N] over candidate ids [B, k, N], or over
-        the whole vocabulary in order (N = V, ids None). `sampled` (static): whether some row samples; when
-        False every row is greedy and q may be all zeros."""
+    def draft(self, spec: StepSpec, params_t, params_d, pages, hidden: Array,
+              inputs: StepInputs) -> tuple[Array, Array, Array | None]:
+        """spec.k drafts [B, k] int32 for rows whose newest token `inputs.rows.token` sits at position
+        `inputs.rows.length` (the committed K/V in `pages`, the target's hidden at P-1 in `hidden`), and the
+        distribution each draft was sampled from (exact verification needs it; zeros on greedy rows): q [B, k, N]
+        over candidate ids [B, k, N], or over the whole vocabulary in order (N = V, ids None). `spec.sampled`:
+        whether some row samples; when False every row is greedy and q may be all zeros."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,12 +193,9 @@ class AssistantDrafter:
     def params(self) -> tuple[dict, DraftHead]:
         return self.assistant.params, make_draft_head(self.assistant)
 
-    def draft(self, target: Target, layout: KVLayout, params_t, params_d, pages, tables, tokens: Array,
-              hidden: Array, lengths: Array, sampling: SamplingBatch, k: int, attention_impl: str,
-              sampled: bool) -> tuple[Array, Array, Array | None]:
-        params_a, head = params_d
-        drafts, q, q_ids, _ = draft(target, self.assistant, layout, params_t, params_a, head, pages, tables, tokens,
-                                    hidden, lengths, sampling, k, attention_impl, sampled)
+    def draft(self, spec: StepSpec, params_t, params_d, pages, hidden: Array,
+              inputs: StepInputs) -> tuple[Array, Array, Array | None]:
+        drafts, q, q_ids, _ = draft(spec, params_t, params_d, pages, hidden, inputs)
         return drafts, q, q_ids
 
 
@@ -249,26 +250,27 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
     return emitted, n
 
 
-def speculative_step(target: Target, drafter: Drafter, layout: KVLayout, k: int, attention_impl: str, sampled: bool,
-                     params_t, params_d, pages, hidden_buf: Array, slots: Array, tokens: Array, lengths: Array,
-                     tables, sampling: SamplingBatch, spec_on: Array) -> tuple[Any, Array, Array, Array]:
-    """One round for B sequences (rows with lengths < 0 are padding). `hidden_buf` [slots+1, H] holds each
-    sequence's h by slot; both it and the pages are donated and updated in place. The drafts come from `drafter`
-    (`AssistantDrafter` in production). `sampled` (static, decided on the host): whether some row samples.
+def speculative_step(spec: StepSpec, params_t, params_d, pages, hidden_buf: Array,
+                     inputs: StepInputs) -> tuple[Any, Array, Array, Array]:
+    """One round for B sequences: `inputs.rows` (StepRows, resolved: each row's newest token at its length; length
+    < 0 marks padding) and their page tables and sampling rows. `hidden_buf` [slots+1, H] holds each sequence's h
+    by slot; both it and the pages are donated and updated in place. The drafts come from `spec.drafter`
+    (`AssistantDrafter` in production).
 
     Returns (pages, hidden_buf, emitted [B, k+1]: the accepted drafts and the bonus, -1 after it, n accepted [B]);
     where the sequence's output stops is decided after, with the decode step's rule (device_state.finish_round)."""
-    valid = lengths >= 0
-    P = jnp.where(valid, lengths, 0)
-    hidden = hidden_buf[slots]
-    drafts, q, q_ids = drafter.draft(target, layout, params_t, params_d, pages, tables, tokens, hidden, P, sampling,
-                                     k, attention_impl, sampled)
-    verify_tokens = jnp.concatenate([tokens[:, None], drafts], 1)  # [B, k+1]
+    rows, k = inputs.rows, spec.k
+    valid = rows.length >= 0
+    P = jnp.where(valid, rows.length, 0)
+    hidden = hidden_buf[rows.slot]
+    drafts, q, q_ids = spec.drafter.draft(spec, params_t, params_d, pages, hidden,
+                                          inputs.replace(rows=rows.replace(length=P)))
+    verify_tokens = jnp.concatenate([rows.token[:, None], drafts], 1)  # [B, k+1]
     positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
-    h_all, pages = forward_paged(target, layout, params_t, pages, verify_tokens, positions, tables,
-                                 attention_impl=attention_impl)
-    logits = lm_logits(target, params_t, h_all)  # [B, k+1, V]
-    emitted, n = accept(drafts, q, q_ids, logits, sampling, spec_on & valid, P, sampled)
+    h_all, pages = forward_paged(spec, params_t, pages, verify_tokens, positions, inputs.tables)
+    logits = lm_logits(spec.target, params_t, h_all)  # [B, k+1, V]
+    emitted, n = accept(drafts, q, q_ids, logits, inputs.sampling, rows.speculate & valid, P, spec.sampled)
     h_next = h_all[jnp.arange(h_all.shape[0]), n]
+    slots = rows.slot
     hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
     return pages, hidden_buf, emitted, n

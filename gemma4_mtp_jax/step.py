@@ -10,29 +10,24 @@ writes its packed result over that array's first columns, and the host reads the
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import logging
 import os
-import threading
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.executable_cache import ExecutableCache, compile_for_cache, program_key, user_cache_dir
-from gemma4_mtp_jax.forward import decode_step, prefill_step
-from gemma4_mtp_jax.device_state import (MAX_STOP_IDS, DeviceState, PrefillRows, StepRows, finish_round, init_slots,
-                                         read_rows, stop_check)
+from gemma4_mtp_jax.device_state import DeviceState, StepInputs, finish_round, init_slots, stop_check
+from gemma4_mtp_jax.executable_cache import user_cache_dir
+from gemma4_mtp_jax.forward import StepSpec, decode_step, prefill_step
 from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
 from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
 from gemma4_mtp_jax.runtime import Target, shapes_only
-from gemma4_mtp_jax.sampling import SamplingBatch
 from gemma4_mtp_jax.sharding import Placement, mesh_context
 from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter, speculative_step
 from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
@@ -59,7 +54,8 @@ def compiler_options() -> dict[str, str]:
     """XLA options every step program is compiled with. On the GPU: SKIP_TEMP, stable addresses for a program's
     temporaries, so that XLA does not re-record the command buffers of every pipelined step (xla_env.py). Where
     XLA_FLAGS already chooses the update mode for the whole process (as the package sets it at import), that
-    applies; as a compile option alone it only skips part of the updates (benchmarks/RESULTS.md, run 47)."""
+    applies; as a compile option alone it only skips part of the updates
+    (docs/decisions/0001-command-buffer-update-mode.md)."""
     if not on_gpu() or update_mode_in_flags():
         return {}
     return {UPDATE_MODE_OPTION: STABLE_TEMPORARIES}
@@ -71,11 +67,12 @@ _TRACE_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_
 
 _options_rejected: list[str] = []  # the message of an XLA that refused compiler_options(), once
 
-# XLA's GEMM autotuning, off: about half of a small program's compile time (run 109: 2.1 of the demo pair's 4.6 s).
-# Untuned, XLA's own Triton GEMMs take default tiles that made E2B's decode 2x and its B = 16 verify 6x slower (run
-# 135), so these programs leave GEMMs to cuBLAS, which picks its kernels by its own heuristics. Only programs that
-# serve while their tuned replacements compile go without tuning (`quick_compiles`, Engine's first programs). Typed
-# values: XLA refuses the string "false" for a bool option (run 136), and a refused option compiles the program tuned.
+# XLA's GEMM autotuning, off: about half of a small program's compile time (docs/decisions/0014-untuned-first-
+# programs.md). Untuned, XLA's own Triton GEMMs take default tiles that made E2B's decode 2x and its B = 16 verify 6x
+# slower, so these programs leave GEMMs to cuBLAS, which picks its kernels by its own heuristics
+# (docs/decisions/0015-cublas-for-untuned-programs.md). Only programs that serve while their tuned replacements
+# compile go without tuning (`quick_compiles`, an engine's first programs). Typed values: XLA refuses the string
+# "false" for a bool option, and a refused option compiles the program tuned.
 UNTUNED = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
@@ -158,15 +155,8 @@ class CompiledSteps:
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
     speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
-    # The programs compile_all loaded from an executable cache instead of compiling them, by name.
-    restored: list[str] = dataclasses.field(default_factory=list)
-    # With an executable cache: every program compile_all compiled, loaded or was given, by its cache key (what
-    # `engine.compile_ahead` hands the engine built after the weights load).
-    by_key: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Programs compiled without autotuning (compile_all(autotune=False)) and not yet replaced by tuned ones.
-    untuned: set[str] = dataclasses.field(default_factory=set)
-
     def __post_init__(self):
+        self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k)
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
         rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len
         self.input_capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows)),
@@ -267,7 +257,7 @@ class CompiledSteps:
         return self._jit(make, donate, self.state_shardings())(pages, hidden)
 
     # ------------------------------------------------------------------ programs
-    def _abstract_state(self) -> DeviceState:
+    def abstract_state(self) -> DeviceState:
         H = self.target.config.hidden_size
         pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
         hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype) if self.drafter is not None else None
@@ -278,75 +268,57 @@ class CompiledSteps:
     def _abstract(self) -> tuple:
         """(program params, state) as every program takes them."""
         params = self.pack.abstract(_shapes(self.target.params, self.param_shardings()), self._rep)
-        return params, self._abstract_state()
+        return params, self.abstract_state()
 
-    def _abstract_inputs(self, batch: int, tokens: int | None = None) -> tuple:
-        """A program's per-row host inputs (rows, tables, sampling): a prefill's (PrefillRows of `tokens` per row)
-        or, for tokens None, a decode or speculative step's (StepRows)."""
-        i32, flag = self._i32, self._sds((batch,), jnp.bool_)
-        if tokens is None:
-            rows = StepRows(slot=i32(batch), fresh=flag, token=i32(batch), length=i32(batch), remaining=i32(batch),
-                            stop_ids=i32(batch, MAX_STOP_IDS), speculate=flag)
-        else:
-            rows = PrefillRows(slot=i32(batch), tokens=i32(batch, tokens), positions=i32(batch, tokens),
-                               last_index=i32(batch), stop_ids=i32(batch, MAX_STOP_IDS), remaining=i32(batch))
-        tables = {g: i32(batch, w) for g, w in self.layout.pages_per_seq}
-        f32 = self._sds((batch,), jnp.float32)
-        sampling = SamplingBatch(temperature=f32, top_k=i32(batch), top_p=f32, seed=self._sds((batch,), jnp.uint32))
-        return rows, tables, sampling
+    def _abstract_inputs(self, batch: int, tokens: int | None = None) -> StepInputs:
+        """A program's host inputs: a prefill's (PrefillRows of `tokens` per row) or, for tokens None, a decode or
+        speculative step's (StepRows)."""
+        return StepInputs.abstract(batch, self.layout.pages_per_seq, tokens, self._rep)
 
     def _abstract_packed(self, batch: int, tokens: int | None = None) -> jax.ShapeDtypeStruct:
         return self._i32(batch, packed_width(self._abstract_inputs(batch, tokens)))
 
     @staticmethod
-    def inputs(rows: StepRows | PrefillRows, tables: dict[str, np.ndarray], sampling: SamplingBatch) -> np.ndarray:
-        """A program's host inputs as it takes them: one int32 array [B, W] (input_pack.py). rows: a decode or
-        speculative step's StepRows or a prefill's PrefillRows; tables: KV group -> [B, table width]; sampling: the
-        rows' SamplingBatch. All host (numpy) arrays."""
-        return pack_rows((rows, tables, sampling))
+    def inputs(inputs: StepInputs) -> np.ndarray:
+        """A program's host inputs (StepInputs of host arrays) as it takes them: one int32 array [B, W]
+        (input_pack.py)."""
+        return pack_rows(inputs)
 
-    def _unpack(self, state: DeviceState, inputs: jax.Array, tokens: int | None = None) -> tuple:
-        """((rows, tables, sampling), state with the inputs staged): see input_pack.py. A program whose packed
-        inputs do not fit the staging buffer (more rows than max_batch, a longer chunk than max_prefill_tokens)
-        fails here, at tracing."""
-        tree, staged = unpack_rows(inputs, self._abstract_inputs(inputs.shape[0], tokens), state.inputs)
-        return tree, state.replace(inputs=staged)
+    def _unpack(self, state: DeviceState, packed: jax.Array, tokens: int | None = None) -> tuple:
+        """(StepInputs, state with the inputs staged): see input_pack.py. A program whose packed inputs do not fit
+        the staging buffer (more rows than max_batch, a longer chunk than max_prefill_tokens) fails here, at
+        tracing."""
+        inputs, staged = unpack_rows(packed, self._abstract_inputs(packed.shape[0], tokens), state.inputs)
+        return inputs, state.replace(inputs=staged)
 
-    def _prefill_fn(self, params, state: DeviceState, inputs, *, tokens: int) -> tuple[DeviceState, jax.Array]:
+    def _prefill_fn(self, params, state: DeviceState, packed, *, tokens: int) -> tuple[DeviceState, jax.Array]:
         """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
         a prompt's final chunk) as a packed [B, 4] result; the drafter's h (the hidden there) into its slot."""
-        (rows, tables, sampling), state = self._unpack(state, inputs, tokens)
-        params = self.pack.unpack(params)
-        pages, token, h_last = prefill_step(self.target, self.layout, self.attention_impl, params, state.pages,
-                                            rows.tokens, rows.positions, tables, rows.last_index, sampling)
+        inputs, state = self._unpack(state, packed, tokens)
+        rows = inputs.rows
+        pages, token, h_last = prefill_step(self.spec, self.pack.unpack(params), state.pages, inputs)
         state = state.replace(pages=pages)
         if state.hidden is not None:
             state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
         keep, reason = stop_check(token[:, None], jnp.zeros_like(token), rows.stop_ids, rows.remaining)
         zeros = jnp.zeros_like(token)
-        return state, return_in(inputs, jnp.stack([token, zeros, keep, reason], 1))
+        return state, return_in(packed, jnp.stack([token, zeros, keep, reason], 1))
 
-    def _decode_fn(self, params, state: DeviceState, inputs, *, sampled: bool) -> tuple[DeviceState, jax.Array]:
-        (rows, tables, sampling), state = self._unpack(state, inputs)
-        params = self.pack.unpack(params)
-        token, length, remaining = read_rows(state, rows)
-        pages, nxt = decode_step(self.target, self.layout, self.attention_impl, params, state.pages, token, length,
-                                 tables, sampling, sampled)
-        state, result = finish_round(state.replace(pages=pages), rows, length, remaining, nxt[:, None],
-                                     jnp.zeros_like(nxt))
-        return state, return_in(inputs, result)
+    def _decode_fn(self, params, state: DeviceState, packed, *, sampled: bool) -> tuple[DeviceState, jax.Array]:
+        inputs, state = self._unpack(state, packed)
+        inputs = inputs.replace(rows=inputs.rows.resolve(state))
+        pages, nxt = decode_step(self.spec.but(sampled=sampled), self.pack.unpack(params), state.pages, inputs)
+        state, result = finish_round(state.replace(pages=pages), inputs.rows, nxt[:, None], jnp.zeros_like(nxt))
+        return state, return_in(packed, result)
 
-    def _speculative_fn(self, params, params_d, state: DeviceState, inputs, *,
+    def _speculative_fn(self, params, params_d, state: DeviceState, packed, *,
                         sampled: bool) -> tuple[DeviceState, jax.Array]:
-        (rows, tables, sampling), state = self._unpack(state, inputs)
-        params = self.pack.unpack(params)
-        token, length, remaining = read_rows(state, rows)
-        pages, hidden, emitted, n = speculative_step(self.target, self.drafter, self.layout, self.k,
-                                                     self.attention_impl, sampled, params, params_d, state.pages,
-                                                     state.hidden, rows.slot, token, length, tables, sampling,
-                                                     rows.speculate)
-        state, result = finish_round(state.replace(pages=pages, hidden=hidden), rows, length, remaining, emitted, n)
-        return state, return_in(inputs, result)
+        inputs, state = self._unpack(state, packed)
+        inputs = inputs.replace(rows=inputs.rows.resolve(state))
+        pages, hidden, emitted, n = speculative_step(self.spec.but(sampled=sampled), self.pack.unpack(params),
+                                                     params_d, state.pages, state.hidden, inputs)
+        state, result = finish_round(state.replace(pages=pages, hidden=hidden), inputs.rows, emitted, n)
+        return state, return_in(packed, result)
 
     # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both, and the
     # executable cache keys on the arguments without lowering.
@@ -380,7 +352,7 @@ class CompiledSteps:
         jitted, args = self._speculative_program(batch, sampled)
         return jitted.lower(*args)
 
-    def _static_description(self) -> tuple | None:
+    def static_description(self) -> tuple | None:
         """What shapes every program besides its arguments and the package's code (the executable cache's key):
         the layout, the dtypes, the attention implementation, k, the slots, the devices, the model configs. None
         for a drafter other than the assistant, which nothing here can describe (its programs are not cached)."""
@@ -429,8 +401,9 @@ class CompiledSteps:
         def put(table, key):
             return lambda compiled: table.__setitem__(key, compiled)
 
-        # Costliest first, so that compile_all starts them first: larger buckets, and sampling's programs (run 79:
-        # E2B's sampled speculative programs compiled in ~55 s, the greedy ones in 21-46 s).
+        # Costliest first, so that they start compiling first: larger buckets, and sampling's programs (E2B's sampled
+        # speculative programs compile in ~55 s, the greedy ones in 21-46 s: docs/decisions/0013-compile-in-
+        # background.md).
         batch_buckets, prefill_buckets = sorted(batch_buckets, reverse=True), sorted(prefill_buckets, reverse=True)
         progs = [(f"prefill[1x{t}]", lambda t=t: self._prefill_program(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
@@ -443,83 +416,3 @@ class CompiledSteps:
                 progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self._speculative_program(b, s),
                            put(self.speculative, (b, sampled))) for b in batch_buckets]
         return progs
-
-    def compile_all(self, batch_buckets: list[int], prefill_buckets: list[int], progress=None,
-                    threads: int | None = None, cache: ExecutableCache | None = None,
-                    stop: threading.Event | None = None, given: dict[str, Any] | None = None,
-                    autotune: bool = True) -> dict[str, float]:
-        """Compile every bucket now (start-up), so that serving never compiles. Tracing and lowering run one
-        program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
-        thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
-        programs after them. The step programs go first: they take longest to compile. With a `cache`
-        (executable_cache.py), every program is first looked up there, all at once in the threads; a program found
-        is loaded instead (no tracing, lowering or compiling; its name goes into `restored`), and every program
-        compiled is stored. Returns seconds per program: its lowering plus its compilation (wall time in its
-        thread), or its load. Once `stop` is set no further program is lowered (those compiling finish). `given`:
-        programs compiled already, by cache key (another CompiledSteps' `by_key` of the same configuration); one
-        found there is taken as it is, like a load (its name goes into `restored`). `autotune` False: the programs
-        not found are compiled without XLA's GEMM autotuning (`compile_lowered`), quicker to compile and slower to
-        run; they are not stored in the cache, and their names go into `untuned` until a tuned compile replaces
-        them."""
-        progs = sorted(self.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
-        threads = threads or min(len(progs), os.cpu_count() or 1)
-        times = {}
-        out_like = (self._abstract_state(), 0)  # what every program returns: (state, its output array)
-        static = None if cache is None else self._static_description()
-        if cache is not None and static is None:
-            log.info("executable cache: not used with a drafter of type %s", type(self.drafter).__name__)
-            cache = None
-
-        def timed(fn, *args):
-            t0 = time.perf_counter()
-            return fn(*args), time.perf_counter() - t0
-
-        def keep(name: str, store: Callable, compiled: Any, seconds: float, key: str | None, tuned: bool,
-                 how: str | None = None) -> None:
-            store(compiled)
-            (self.untuned.discard if tuned else self.untuned.add)(name)
-            times[name] = seconds
-            if key is not None:
-                self.by_key[key] = compiled
-            if progress:
-                progress(f"{name} ({how})" if how else name, seconds)
-
-        pending: dict[concurrent.futures.Future, tuple] = {}
-
-        def take(done) -> None:  # store finished compilations (and report them) from this thread
-            for fut in done:
-                name, store, t_lower, key, args = pending.pop(fut)
-                (compiled, storable), t_compile = fut.result()
-                keep(name, store, compiled, t_lower + t_compile, key, autotune, None if autotune else "untuned")
-                # Untuned programs are not stored: a later start should find only tuned ones in the cache.
-                if cache is not None and storable and autotune:
-                    cache.store(key, compiled, args, out_like)
-
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            built = [(name, store, *build()) for name, build, store in progs]  # (name, store, jitted, args)
-            keys = [None if cache is None else program_key(name, args, static, compiler_options())
-                    for name, _, _, args in built]
-            given = given or {}
-            loads = [None if cache is None or key in given else pool.submit(timed, cache.load, key, args, out_like)
-                     for key, (_, _, _, args) in zip(keys, built)]
-            for (name, store, jitted, args), key, load in zip(built, keys, loads):
-                if stop is not None and stop.is_set():
-                    break
-                if key in given:
-                    self.restored.append(name)
-                    # Taken as compiled the way this call compiles (compile_ahead decides as the engine does). One
-                    # that compile_ahead loaded from the cache counts as untuned: its replacement is then a load.
-                    keep(name, store, given[key], 0.0, key, autotune, "compiled ahead")
-                    continue
-                compiled, t_load = load.result() if load is not None else (None, 0.0)
-                if compiled is not None:
-                    self.restored.append(name)
-                    keep(name, store, compiled, t_load, key, True, "loaded from the executable cache")
-                    continue
-                t0 = time.perf_counter()
-                low = jitted.lower(*args)
-                fut = pool.submit(timed, compile_for_cache, functools.partial(compile_lowered, low, autotune))
-                pending[fut] = (name, store, time.perf_counter() - t0, key, args)
-                take([fut for fut in pending if fut.done()])
-            take(concurrent.futures.as_completed(list(pending)))
-        return times

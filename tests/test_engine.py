@@ -238,7 +238,7 @@ def test_async_scheduling_gives_the_synchronous_run(engines):
         finally:
             engine.config.async_scheduling = True
         assert all(n == 0 for n in engine.pages_in_use().values())
-        assert sorted(engine._free_slots) == list(range(engine.config.max_num_seqs))
+        assert sorted(engine.kv.free_slots) == list(range(engine.config.max_num_seqs))
         return [(r.output, r.finish_reason, [t for e in events[r.id] for t in e]) for r in reqs]
 
     free_run = run(False, frozenset())
@@ -269,7 +269,7 @@ def test_pages_never_leak_and_admission(jax_models, tiny_ckpts):
     while engine.has_work:
         engine.step()
         steps += 1
-        max_running = max(max_running, len(engine.running))
+        max_running = max(max_running, len(engine.scheduler.running))
         if steps == 2:
             engine.cancel(cancelled)
         used = engine.pages_in_use()
@@ -312,19 +312,19 @@ def test_preemption_keeps_output_and_pages(jax_models, tiny_ckpts):
         max_running = 0
         while engine.has_work:
             engine.step()
-            max_running = max(max_running, len(engine.running))
-            assert engine.pages_in_use()["full_attention"] <= engine.pages_total()["full_attention"]
-        assert engine.pages_in_use() == {g: 0 for g in engine.allocators}
-        assert sorted(engine._free_slots) == list(range(engine.config.max_num_seqs))
+            max_running = max(max_running, len(engine.scheduler.running))
+            assert engine.pages_in_use()["full_attention"] <= engine.kv.pages_total()["full_attention"]
+        assert engine.pages_in_use() == {g: 0 for g in engine.kv.allocators}
+        assert sorted(engine.kv.free_slots) == list(range(engine.config.max_num_seqs))
         assert all(r.finish_reason == "length" and len(r.output) == 24 for r in reqs)
         return engine, reqs, max_running
 
     roomy, want, _ = run(None)
-    assert roomy.num_preemptions == 0
+    assert roomy.scheduler.num_preemptions == 0
     ring = roomy.layout.table_width("sliding_attention")  # four rings: the sliding pool never preempts
     tight, got, max_running = run({"full_attention": 20, "sliding_attention": 4 * ring + 1})
     assert [r.output for r in got] == [r.output for r in want]
-    assert tight.num_preemptions == sum(r.num_preemptions for r in got) > 0
+    assert tight.scheduler.num_preemptions == sum(r.num_preemptions for r in got) > 0
     assert got[0].num_preemptions == 0, "the oldest request must never be the one preempted"
     assert max_running == 4, "on-demand pages should let all four start together"
     assert got[3].stats()["preemptions"] == got[3].num_preemptions
@@ -339,17 +339,18 @@ def test_long_prompt_prefills_a_budget_per_step(engines):
     engine = engines("e2b")
     short, long_ = _prompts(21, [5, 7]), _prompts(22, [40])[0]
     alone = [r.tokens for r in generate(engine.target, short + [long_], 12, engine=engine)]
-    engine.reset_prefix_cache()  # the chunk counts below are of prompts prefilled from scratch
+    engine.kv.reset_prefix_cache()  # the chunk counts below are of prompts prefilled from scratch
     chunks = []
-    real = engine._prefill
+    runner = engine.runner
+    real = runner.prefill
 
     def spy(req, row, budget):
         before = req.prefilled
         out = real(req, row, budget)
-        chunks.append((len(engine.running) - 1, req.prefilled - before, budget))
+        chunks.append((len(engine.scheduler.running) - 1, req.prefilled - before, budget))
         return out
 
-    engine._prefill = spy
+    runner.prefill = spy
     try:
         reqs = [engine.add_request(p, 12) for p in short]
         engine.step()  # nothing decodes yet: both prompts prefill at once
@@ -368,7 +369,7 @@ def test_long_prompt_prefills_a_budget_per_step(engines):
         assert [c[1] for c in chunks] == [8] * 5 and steps == 5
         engine.run()
     finally:
-        del engine._prefill
+        del runner.prefill
     assert [r.output for r in reqs + [late]] == alone
     assert all(n == 0 for n in engine.pages_in_use().values())
 
@@ -387,10 +388,10 @@ def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
     rings = (5 * ring + 1) * per_page["sliding_attention"]
     budget = rings + 40 * per_page["full_attention"] + 123
     engine = Engine(target, _engine_config(kv_cache_bytes=budget, compile_at_start=False))
-    assert engine.pages_total() == {"sliding_attention": 5 * ring, "full_attention": 39}
+    assert engine.kv.pages_total() == {"sliding_attention": 5 * ring, "full_attention": 39}
     uncached = Engine(target, _engine_config(kv_cache_bytes=budget, compile_at_start=False,
                                              enable_prefix_caching=False))
-    assert uncached.pages_total()["sliding_attention"] == 4 * ring
+    assert uncached.kv.pages_total()["sliding_attention"] == 4 * ring
     assert budget - per_page["full_attention"] < engine.kv_cache_bytes() <= budget
     assert roomy.kv_cache_bytes() == sum(roomy.layout.pages(g) * per_page[g] for g in per_page)
     with pytest.raises(ValueError, match="needs at least"):
@@ -405,8 +406,8 @@ def test_default_pools_fit_the_device_memory(jax_models, tiny_ckpts, monkeypatch
     allows (`pool_memory_left`), else they are sized to that memory as kv_cache_bytes would size them; memory
     below the sliding rings is refused with the bytes needed. On a device without a memory limit (CPU) nothing
     changes."""
-    from gemma4_mtp_jax import engine as engine_mod
     from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.engine import memory as engine_mod
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
     roomy = Engine(target, _engine_config(compile_at_start=False))
@@ -415,23 +416,24 @@ def test_default_pools_fit_the_device_memory(jax_models, tiny_ckpts, monkeypatch
     left = (5 * ring + 1) * per_page["sliding_attention"] + 40 * per_page["full_attention"] + 123
     monkeypatch.setattr(engine_mod, "pool_memory_left", lambda devices, params: left)
     fitted = Engine(target, _engine_config(compile_at_start=False))
-    assert fitted.pages_total() == Engine(target, _engine_config(kv_cache_bytes=left,
-                                                                  compile_at_start=False)).pages_total()
+    assert fitted.kv.pages_total() == Engine(target, _engine_config(kv_cache_bytes=left,
+                                                                  compile_at_start=False)).kv.pages_total()
     monkeypatch.setattr(engine_mod, "pool_memory_left", lambda devices, params: roomy.kv_cache_bytes())
-    assert Engine(target, _engine_config(compile_at_start=False)).pages_total() == roomy.pages_total()
+    assert Engine(target, _engine_config(compile_at_start=False)).kv.pages_total() == roomy.kv.pages_total()
     monkeypatch.setattr(engine_mod, "pool_memory_left", lambda devices, params: 5 * per_page["full_attention"])
     with pytest.raises(ValueError, match="the device memory left for the KV cache=.* needs at least"):
         Engine(target, _engine_config(compile_at_start=False))
 
 
 def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, monkeypatch):
-    """compile_all lowers one program at a time, step programs first, and hands each to a compile thread at
+    """ProgramSet.compile lowers one program at a time, step programs first, and hands each to a compile thread at
     once: a compilation runs while later programs are lowered. Every program is stored and reported once."""
     import threading
 
-    from gemma4_mtp_jax import step as step_mod
+    from gemma4_mtp_jax.programs import program_set as step_mod
 
-    steps = engines("e2b").steps
+    programs = engines("e2b").programs
+    steps = programs.steps
     events, lowered, stored = [], threading.Event(), {}
 
     def fake_programs(batch_buckets, prefill_buckets):
@@ -455,7 +457,7 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
     monkeypatch.setattr(steps, "programs", fake_programs)
     monkeypatch.setattr(step_mod, "compile_lowered", fake_compile)
     reported = []
-    times = steps.compile_all([2, 4], [8, 16], progress=lambda name, s: reported.append(name), threads=2)
+    times = programs.compile([2, 4], [8, 16], progress=lambda name, s: reported.append(name), threads=2)
     order = [name for kind, name in events]
     assert order == ["decode[2]", "decode[4]", "prefill[1x8]", "prefill[1x16]"]
     assert sorted(reported) == sorted(order) == sorted(times) and stored == {n: f"compiled {n}" for n in order}
@@ -466,9 +468,10 @@ def test_compile_all_lowers_nothing_once_stopped(engines, monkeypatch):
     compiling are kept."""
     import threading
 
-    from gemma4_mtp_jax import step as step_mod
+    from gemma4_mtp_jax.programs import program_set as step_mod
 
-    steps, stop, lowered = engines("e2b").steps, threading.Event(), []
+    programs, stop, lowered = engines("e2b").programs, threading.Event(), []
+    steps = programs.steps
 
     class Jitted:
         def __init__(self, name):
@@ -482,7 +485,7 @@ def test_compile_all_lowers_nothing_once_stopped(engines, monkeypatch):
     monkeypatch.setattr(steps, "programs", lambda batch, prefill: [
         (n, lambda n=n: (Jitted(n), ()), lambda c: None) for n in ("decode[4]", "decode[2]", "prefill[1x8]")])
     monkeypatch.setattr(step_mod, "compile_lowered", lambda low, autotune: f"compiled {low}")
-    times = steps.compile_all([2, 4], [8], stop=stop)
+    times = programs.compile([2, 4], [8], stop=stop)
     assert lowered == ["decode[4]"] and list(times) == ["decode[4]"]
 
 
@@ -496,9 +499,8 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
     background, once the other buckets' are done, replaces them with tuned ones, which serve the same tokens."""
     import threading
 
-    from gemma4_mtp_jax import engine as engine_mod
-    from gemma4_mtp_jax import step as step_mod
     from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.programs import program_set as step_mod
 
     real, gate, calls = step_mod.compile_lowered, threading.Event(), []
 
@@ -511,13 +513,13 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
         return real(lowered, autotune)
 
     monkeypatch.setattr(step_mod, "compile_lowered", gated)
-    monkeypatch.setattr(engine_mod, "quick_compiles", lambda: True)
+    monkeypatch.setattr(step_mod, "quick_compiles", lambda: True)
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
     engine = Engine(target, _engine_config(compile_in_background=True))  # batch buckets [2, 4], prefill [4, 8]
     first = {"decode[2]": engine.steps.decode[(2, False)], "prefill[1x4]": engine.steps.prefill[(1, 4)]}
     try:
-        assert engine.programs_ready() == (3, 6)
-        assert calls == [False] * 3 and engine.steps.untuned == {"decode[2]", "decode[2,sampled]", "prefill[1x4]"}
+        assert engine.programs.ready() == (3, 6)
+        assert calls == [False] * 3 and engine.programs.untuned == {"decode[2]", "decode[2,sampled]", "prefill[1x4]"}
         prompts = _prompts(11, [3, 9, 20, 5])
 
         def serve(eng):
@@ -525,14 +527,14 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
             widest = 0
             while eng.has_work:
                 eng.step()
-                widest = max(widest, len(eng.running))
+                widest = max(widest, len(eng.scheduler.running))
             return [r.output for r in reqs], widest
 
         early, widest = serve(engine)
-        assert widest == 2 and engine.programs_ready() == (3, 6)
+        assert widest == 2 and engine.programs.ready() == (3, 6)
         gate.set()
-        assert engine.wait_for_programs(300) and engine.programs_ready() == (6, 6)
-        assert calls == [False] * 3 + [True] * 6 and engine.steps.untuned == set()
+        assert engine.programs.wait(300) and engine.programs.ready() == (6, 6)
+        assert calls == [False] * 3 + [True] * 6 and engine.programs.untuned == set()
         assert engine.steps.decode[(2, False)] is not first["decode[2]"]
         assert engine.steps.prefill[(1, 4)] is not first["prefill[1x4]"]
         late, widest = serve(engine)
@@ -563,6 +565,7 @@ def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, m
     import jax
 
     from gemma4_mtp_jax.engine import DeviceMemoryError, Engine
+    from gemma4_mtp_jax.programs.program_set import ProgramSet
     from gemma4_mtp_jax.step import CompiledSteps
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
@@ -570,7 +573,7 @@ def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, m
     def exhausted(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Not enough PA budget: pa_allocated=1B")
 
-    monkeypatch.setattr(CompiledSteps, "compile_all", exhausted)
+    monkeypatch.setattr(ProgramSet, "compile", exhausted)
     with pytest.raises(DeviceMemoryError, match=r"compiling the step programs.*the weights take .* GB and the KV "
                                                 r"pools .* GB \(max_num_seqs=4 sequences of max_model_len=64.*"
                                                 r"--kv-cache-memory.*Not enough PA budget"):
@@ -624,8 +627,8 @@ def test_pool_memory_left_counts_weights_and_reserve():
 def test_pool_memory_left_where_the_allocator_reports_nothing(monkeypatch):
     """XLA's VMM allocator reports no memory_stats: the limit is the GPU's memory times JAX's fraction, and the
     weights already on the device count as what it holds (nothing else is known)."""
-    from gemma4_mtp_jax import engine as engine_mod
     from gemma4_mtp_jax import xla_env
+    from gemma4_mtp_jax.engine import memory as engine_mod
     from gemma4_mtp_jax.engine import pool_memory_left
 
     GiB = 1 << 30
@@ -770,11 +773,12 @@ def _inject(engine, fault, victim, monkeypatch):
     elif fault == "taking-tokens":
         victim.output = _ExplodingOutput(victim.output)
     elif fault == "page-table-row":
-        g = sorted(victim.pages)[0]
-        victim.pages[g] = _ExplodingPages(victim.pages[g])
+        pages = engine.kv.seq(victim).pages
+        g = sorted(pages)[0]
+        pages[g] = _ExplodingPages(pages[g])
     elif fault == "page-allocation":  # the victim's second KV group: its first group's pages must come back
-        g = sorted(engine.allocators)[-1]
-        alloc = engine.allocators[g]
+        g = sorted(engine.kv.allocators)[-1]
+        alloc = engine.kv.allocators[g]
         real, calls = alloc.allocate, []
 
         def allocate(n):
@@ -819,7 +823,7 @@ def test_fault_in_one_request_fails_it_alone(engines, monkeypatch, fault, at_ste
     try:
         _check_fault_isolation(engine, run)
     finally:  # leave the shared engine empty whatever happened
-        for req in list(engine.running) + list(engine.waiting):
+        for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
             engine.cancel(req)
 
 
@@ -834,8 +838,8 @@ def _check_fault_isolation(engine, run):
     for i in (0, 2, 3):
         assert disturbed[i].output == undisturbed[i].output and disturbed[i].finish_reason == "length", f"request {i}"
     assert all(n == 0 for n in engine.pages_in_use().values()), engine.pages_in_use()
-    assert sorted(engine._free_slots) == list(range(engine.config.max_num_seqs))
-    assert not engine.running and not engine.waiting
+    assert sorted(engine.kv.free_slots) == list(range(engine.config.max_num_seqs))
+    assert not engine.scheduler.running and not engine.scheduler.waiting
     again, _ = run(False)
     assert [r.output for r in again] == [r.output for r in undisturbed]
 

@@ -66,13 +66,13 @@ def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypa
     target, assistant = pair
     first = Engine(target, _config(tmp_path), assistant=assistant)
     names = sorted(first.compile_times)
-    assert first.steps.restored == [] and len(list(tmp_path.glob("*.jaxexec"))) == len(names)
+    assert first.programs.restored == [] and len(list(tmp_path.glob("*.jaxexec"))) == len(names)
     want = _tokens(first)
 
     real_jit = CompiledSteps._jit
     monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
     again = Engine(target, _config(tmp_path), assistant=assistant)
-    assert sorted(again.steps.restored) == sorted(again.compile_times) == names
+    assert sorted(again.programs.restored) == sorted(again.compile_times) == names
     assert _tokens(again) == want
 
 
@@ -98,10 +98,10 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
     real_jit = CompiledSteps._jit
     monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
     handed = Engine(target, _config(tmp_path / "elsewhere"), assistant=assistant, compiled_ahead=ahead)
-    assert sorted(handed.steps.restored) == sorted(handed.compile_times) and len(handed.compile_times) == 3
+    assert sorted(handed.programs.restored) == sorted(handed.compile_times) and len(handed.compile_times) == 3
     assert _tokens(handed) == want
     found = Engine(target, _config(tmp_path / "ahead"), assistant=assistant)
-    assert sorted(found.steps.restored) == sorted(found.compile_times) and len(found.compile_times) == 3
+    assert sorted(found.programs.restored) == sorted(found.compile_times) and len(found.compile_times) == 3
     assert _tokens(found) == want
 
 
@@ -110,11 +110,11 @@ def test_untuned_programs_compiled_ahead_are_replaced_and_only_tuned_ones_stored
     """Where XLA autotunes (the GPU; here said so) and the engine compiles in the background, compile_ahead
     compiles the first programs without autotuning and stores none of them. The engine handed them serves with them
     until its background thread has compiled their tuned versions, which it stores for the next start."""
-    from gemma4_mtp_jax import engine as engine_mod
     from gemma4_mtp_jax.api import assistant_shapes, target_shapes
     from gemma4_mtp_jax.engine import Engine, compile_ahead
+    from gemma4_mtp_jax.programs import program_set
 
-    monkeypatch.setattr(engine_mod, "quick_compiles", lambda: True)
+    monkeypatch.setattr(program_set, "quick_compiles", lambda: True)
     target, assistant = pair
     p = tiny_ckpts["e2b"]
     shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
@@ -123,9 +123,9 @@ def test_untuned_programs_compiled_ahead_are_replaced_and_only_tuned_ones_stored
     assert len(ahead) == 3 and list(tmp_path.glob("*.jaxexec")) == []
     engine = Engine(target, config, assistant=assistant, compiled_ahead=ahead)
     try:
-        assert len(engine.steps.untuned) == 3
-        assert engine.wait_for_programs(300) and engine.steps.untuned == set()
-        assert len(list(tmp_path.glob("*.jaxexec"))) == 3 and all(engine.steps.by_key[k] is not ahead[k] for k in ahead)
+        assert len(engine.programs.untuned) == 3
+        assert engine.programs.wait(300) and engine.programs.untuned == set()
+        assert len(list(tmp_path.glob("*.jaxexec"))) == 3 and all(engine.programs.by_key[k] is not ahead[k] for k in ahead)
     finally:
         engine.close()
 
@@ -146,7 +146,7 @@ def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp
     Engine(target, _config(tmp_path / "hits"), assistant=assistant)  # every program a hit in JAX's cache
     again = Engine(target, _config(tmp_path / "hits"), assistant=assistant)
     if jax.default_backend() == "cpu":
-        assert again.steps.restored == []
+        assert again.programs.restored == []
     assert _tokens(again) == want
 
 
@@ -159,13 +159,13 @@ def test_what_shapes_a_program_misses(pair, tmp_path, monkeypatch):
     entries = len(list(tmp_path.glob("*.jaxexec")))
     longer = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1, max_model_len=40),
                     assistant=assistant)
-    assert longer.steps.restored == []  # another page-table width: every program differs
+    assert longer.programs.restored == []  # another page-table width: every program differs
     plain = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1, num_speculative_tokens=None),
                    assistant=None)
-    assert plain.steps.restored == []
+    assert plain.programs.restored == []
     monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited code")
     edited = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
-    assert edited.steps.restored == []
+    assert edited.programs.restored == []
     assert len(list(tmp_path.glob("*.jaxexec"))) == entries + len(longer.compile_times) + len(
         plain.compile_times) + len(edited.compile_times)
 
@@ -179,10 +179,10 @@ def test_a_bad_entry_is_compiled_again(pair, tmp_path, caplog):
     for entry in tmp_path.glob("*.jaxexec"):
         entry.write_bytes(b"not an executable")
     again = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
-    assert again.steps.restored == [] and "does not load" in caplog.text
+    assert again.programs.restored == [] and "does not load" in caplog.text
     assert _tokens(again) == want
     third = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
-    assert sorted(third.steps.restored) == sorted(third.compile_times)  # rewritten by the second start
+    assert sorted(third.programs.restored) == sorted(third.compile_times)  # rewritten by the second start
 
 
 def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):

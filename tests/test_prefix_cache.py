@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemma4_mtp_jax.allocator import OutOfPages, PageAllocator
+from gemma4_mtp_jax.engine.allocator import OutOfPages, PageAllocator
 
 PAGE = 4
 
@@ -118,8 +118,8 @@ def _run(engine, seed: int, max_new: int = 14):
 
 
 def _assert_all_pages_back(engine):
-    assert engine.pages_in_use() == {g: 0 for g in engine.allocators}
-    for alloc in engine.allocators.values():
+    assert engine.pages_in_use() == {g: 0 for g in engine.kv.allocators}
+    for alloc in engine.kv.allocators.values():
         assert alloc.num_free == alloc.capacity
 
 
@@ -127,11 +127,13 @@ def test_a_released_prefix_is_evicted_from_its_end(tiny_ckpts, jax_models):
     """A finished sequence's pages go back last page first, so eviction takes its cached prefix from the end: the
     first pages, which every later lookup needs before the others, stay findable longest."""
     from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.engine.kv_cache import page_keys
 
     engine = Engine(jax_models.target(tiny_ckpts["e2b"]["target_plain"]), _config())
     req = engine.add_request(list(range(3, 3 + 10 * PAGE)), 2)
     engine.run()
-    alloc, keys = engine.allocators["full_attention"], req.page_keys
+    alloc = engine.kv.allocators["full_attention"]
+    keys = page_keys(req.prompt + req.output, PAGE, (req.num_tokens - 1) // PAGE)
     assert len(keys) == 10 and all(alloc.lookup(k) is not None for k in keys)
     taken = alloc.allocate(alloc.num_free - alloc.num_cached + 1)  # every free page, then one cached page
     assert alloc.lookup(keys[0]) is not None and alloc.lookup(keys[-1]) is None
@@ -151,11 +153,11 @@ def test_outputs_equal_with_and_without_the_cache(family, tiny_ckpts, jax_models
         runs[on] = (engine, reqs)
     (off, want), (on, got) = runs[False], runs[True]
     assert [r.output for r in got] == [r.output for r in want]
-    assert off.prefix_cache_hits == 0 and off.prefix_cache_queries == 0
+    assert off.kv.hits == 0 and off.kv.queries == 0
     # The second wave's three shared-prefix prompts, the repeat and the follow-up each find whole pages.
     prefix_pages = 44 // PAGE
-    assert on.prefix_cache_hits >= 3 * prefix_pages * PAGE + 2 * 12 * PAGE
-    assert on.prefix_cache_queries == sum(len(r.prompt) for r in got)
+    assert on.kv.hits >= 3 * prefix_pages * PAGE + 2 * 12 * PAGE
+    assert on.kv.queries == sum(len(r.prompt) for r in got)
 
 
 def test_speculative_outputs_and_acceptance_equal_with_and_without_the_cache(tiny_ckpts, jax_models):
@@ -175,7 +177,7 @@ def test_speculative_outputs_and_acceptance_equal_with_and_without_the_cache(tin
     assert [r.output for r in got] == [r.output for r in want]
     greedy = [i for i, r in enumerate(got) if r.sampling.temperature == 0]
     assert [got[i].accepted_per_round for i in greedy] == [want[i].accepted_per_round for i in greedy]
-    assert on.prefix_cache_hits > 0
+    assert on.kv.hits > 0
 
 
 def test_cached_pages_survive_preemption_and_eviction(tiny_ckpts, jax_models):
@@ -190,7 +192,7 @@ def test_cached_pages_survive_preemption_and_eviction(tiny_ckpts, jax_models):
     tight = Engine(target, _config(num_pages={"full_attention": 26, "sliding_attention": 4 * ring + 1}))
     got = _run(tight, seed=7, max_new=20)
     assert [r.output for r in got] == [r.output for r in want]
-    assert tight.num_preemptions > 0 and tight.prefix_cache_hits > 0
+    assert tight.scheduler.num_preemptions > 0 and tight.kv.hits > 0
     _assert_all_pages_back(tight)
 
 
@@ -206,9 +208,9 @@ def test_a_prefix_window_survives_a_longer_hit_in_a_default_pool(tiny_ckpts, jax
     first = prefix + rng.integers(3, 400, size=2 * PAGE + 1).tolist()
     hits = []
     for prompt in (first, first, prefix + rng.integers(3, 400, size=3).tolist()):
-        before = engine.prefix_cache_hits
+        before = engine.kv.hits
         engine.add_request(prompt, 6, stop_ids=frozenset())
         engine.run()
-        hits.append(engine.prefix_cache_hits - before)
+        hits.append(engine.kv.hits - before)
     assert hits == [0, 13 * PAGE, 11 * PAGE]
     _assert_all_pages_back(engine)

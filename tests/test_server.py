@@ -278,10 +278,10 @@ def test_32_concurrent_streams_equal_sequential_runs(srv, client, monkeypatch):
     engine, real_step, batch_sizes = srv.engine, srv.engine.step, []
     # Until the larger batch buckets' programs are compiled (in the background) the engine runs at most the
     # smallest bucket; on a busy machine that can outlast the sequential runs above.
-    assert engine.wait_for_programs(300), "the background compiling did not finish"
+    assert engine.programs.wait(300), "the background compiling did not finish"
 
     def step():
-        batch_sizes.append(len(engine.running))
+        batch_sizes.append(len(engine.scheduler.running))
         return real_step()
 
     monkeypatch.setattr(engine, "step", step)
@@ -739,14 +739,14 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
     engine = srv.engine
     hit = _victim_fault(victim_ids, 3)
     if where == "engine-row":
-        real_row = engine._row
+        real_row = engine.runner.row
 
         def row(req):
             if hit(req):
                 raise OverflowError("injected: a value that does not fit its row")
             return real_row(req)
 
-        monkeypatch.setattr(engine, "_row", row)
+        monkeypatch.setattr(engine.runner, "row", row)
     elif where == "engine-take":
         real_take = engine._take
 
@@ -948,6 +948,6 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
     try:
         server, _ = create_server(argv)
         engine = server.engine.engine
-        assert sorted(engine.steps.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 3
+        assert sorted(engine.programs.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 3
     finally:
         restore()

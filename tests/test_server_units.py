@@ -247,9 +247,6 @@ class FakeEngine:
         self.eos_ids = frozenset([1])
         self.waiting, self.running = [], []
         self.tokens = [BYTE0 + b for b in tokens]
-        self.allocators = {"full_attention": SimpleNamespace(capacity=8)}
-        self.num_preemptions = 0
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.served = []  # every request added
         self.k = 3
 
@@ -257,17 +254,11 @@ class FakeEngine:
     def has_work(self):
         return bool(self.waiting or self.running)
 
-    def pages_total(self):
-        return {"full_attention": 8}
-
-    def pages_in_use(self):
-        return {"full_attention": len(self.running)}
-
-    def kv_cache_bytes(self):
-        return 9 * 4096
-
-    def programs_ready(self):
-        return 3, 3
+    def stats(self):
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_pages_in_use": {"full_attention": len(self.running)}, "kv_pages_total": {"full_attention": 8},
+                "kv_cache_bytes": 9 * 4096, "preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                "programs_compiled": 3, "programs_total": 3}
 
     def close(self):
         self.closed = True

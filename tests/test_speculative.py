@@ -56,18 +56,16 @@ class TargetGreedyDrafter:
     def params(self):
         return ()
 
-    def draft(self, target, layout, params_t, params_d, pages, tables, tokens, hidden, lengths, sampling, k,
-              attention_impl, sampled):
+    def draft(self, spec, params_t, params_d, pages, hidden, inputs):
         from gemma4_mtp_jax.forward import forward_paged, lm_logits
 
-        tok, drafts = tokens, []
-        for s in range(k):
-            h, pages = forward_paged(target, layout, params_t, pages, tok[:, None], (lengths + s)[:, None], tables,
-                                     attention_impl=attention_impl)
-            tok = jnp.argmax(lm_logits(target, params_t, h[:, 0]), -1).astype(jnp.int32)
+        tok, lengths, drafts = inputs.rows.token, inputs.rows.length, []
+        for s in range(spec.k):
+            h, pages = forward_paged(spec, params_t, pages, tok[:, None], (lengths + s)[:, None], inputs.tables)
+            tok = jnp.argmax(lm_logits(spec.target, params_t, h[:, 0]), -1).astype(jnp.int32)
             drafts.append(tok)
         drafts = jnp.stack(drafts, 1)
-        q = jax.nn.one_hot(drafts, target.config.vocab_size) * (sampling.temperature > 0)[:, None, None]
+        q = jax.nn.one_hot(drafts, spec.target.config.vocab_size) * (inputs.sampling.temperature > 0)[:, None, None]
         return drafts, q, None
 
 
@@ -178,7 +176,7 @@ def test_greedy_speculative_equals_plain(family, k, engines):
     assert len({t for w in want for t in w}) > 20, "degenerate references: the test would prove little"
     assert all(0 <= t < hf_tiny.VOCAB for t in sampled.output) and len(sampled.output) == MAX_NEW
     assert all(n == 0 for n in eng.pages_in_use().values()), eng.pages_in_use()
-    assert sorted(eng._free_slots) == list(range(eng.config.max_num_seqs)) and not eng.running
+    assert sorted(eng.kv.free_slots) == list(range(eng.config.max_num_seqs)) and not eng.scheduler.running
 
 
 def test_preempted_speculative_sequences_resume_exactly(engines, tiny_ckpts, jax_models):
@@ -196,11 +194,11 @@ def test_preempted_speculative_sequences_resume_exactly(engines, tiny_ckpts, jax
     reqs = [eng.add_request(q, MAX_NEW) for q in prompts]
     eng.run()
     assert [r.output for r in reqs] == want
-    assert eng.num_preemptions > 0 and reqs[0].num_preemptions == 0
+    assert eng.scheduler.num_preemptions > 0 and reqs[0].num_preemptions == 0
     for r in reqs:
         _check_round_stats(r, K)
     assert all(n == 0 for n in eng.pages_in_use().values()), eng.pages_in_use()
-    assert sorted(eng._free_slots) == list(range(eng.config.max_num_seqs)) and not eng.running
+    assert sorted(eng.kv.free_slots) == list(range(eng.config.max_num_seqs)) and not eng.scheduler.running
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -210,12 +208,13 @@ def _prefill_only(eng, prompt):
     """Admit + prefill one request on an idle engine; returns (request, bonus token). Release with _release."""
     assert not eng.has_work
     req = eng.add_request(prompt, 8)
-    assert eng._admit() == [req]
-    return req, int(eng._prefill(req, eng._row(req), None)[1][0])  # the packed result's first column: the token
+    assert eng.scheduler.admit(eng.config.max_num_seqs, []) == [req]
+    # the packed result's first column: the token
+    return req, int(eng.runner.prefill(req, eng.runner.row(req), None)[1][0])
 
 
 def _release(eng, req):
-    eng._finish(req, "cancelled")
+    eng.cancel(req)
     assert all(n == 0 for n in eng.pages_in_use().values())
 
 
@@ -223,10 +222,15 @@ def _draft_fn(eng, k: int):
     """speculative.draft jitted on an engine's target/assistant/layout, q over the whole vocabulary (traced anew per
     call site: monkeypatches of the module taken at trace time are honoured)."""
     from gemma4_mtp_jax import speculative
+    from gemma4_mtp_jax.device_state import StepInputs
+    from gemma4_mtp_jax.forward import StepSpec
 
-    def fn(pt, pa, head, pages, tables, tokens, hidden, lengths, sampling):
-        drafts, q, q_ids, hn = speculative.draft(eng.target, eng.assistant, eng.layout, pt, pa, head, pages, tables,
-                                                 tokens, hidden, lengths, sampling, k, eng.config.attention_impl)
+    spec = StepSpec(eng.target, eng.layout, eng.config.attention_impl, drafter=speculative.AssistantDrafter(
+        eng.assistant), k=k)
+
+    def fn(pt, pa, head, pages, tables, rows, hidden, sampling):
+        drafts, q, q_ids, hn = speculative.draft(spec, pt, (pa, head), pages, hidden,
+                                                 StepInputs(rows, tables, sampling))
         return drafts, speculative.dense_q(q, q_ids, eng.target.config.vocab_size), hn
 
     return jax.jit(fn)
@@ -236,6 +240,7 @@ _DRAFT_FNS = {}
 
 
 def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, fn=None):
+    from gemma4_mtp_jax.device_state import StepRows
     from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
     from gemma4_mtp_jax.speculative import make_draft_head
 
@@ -246,10 +251,12 @@ def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, f
         if key not in _DRAFT_FNS:
             _DRAFT_FNS[key] = _draft_fn(eng, k)
         fn = _DRAFT_FNS[key]
-    tables = eng._tables([eng._row(r) for r in reqs_for_tables], B)
+    tables = {g: np.stack([eng.kv.page_table(r)[g] for r in reqs_for_tables]) for g, _ in eng.layout.pages_per_seq}
+    rows = StepRows.stack([dict(token=t, length=n) | {"slot": 0, "fresh": True, "remaining": 1, "speculate": True,
+                                                       "stop_ids": -1}
+                           for t, n in zip(tokens, lengths)], B)
     return fn(eng.target.params, eng.assistant.params, make_draft_head(eng.assistant), eng.state.pages,
-              tables, np.asarray(tokens, np.int32), eng.state.hidden[np.asarray(slots)],
-              np.asarray(lengths, np.int32), sampling)
+              tables, rows, eng.state.hidden[np.asarray(slots)], sampling)
 
 
 def _hn_logits(eng, hn):
@@ -278,11 +285,11 @@ def _parity_mismatch(eng, tiny_ckpts, family, prompt, *, tables_of=None, fn=None
     try:
         if tables_of is not None:  # a wrong page table: another sequence's pages
             other = eng.add_request(tables_of, 8)
-            assert eng._admit() == [other]
-            eng._prefill(other, eng._row(other), None)
+            assert eng.scheduler.admit(eng.config.max_num_seqs, []) == [other]
+            eng.runner.prefill(other, eng.runner.row(other), None)
             others.append(other)
         assert tok == ref[0]["token"], "the engine's first token differs from transformers' bonus token"
-        drafts, q, hn = _run_draft(eng, K, others or [req], [tok], [req.slot], [len(prompt)], fn=fn)
+        drafts, q, hn = _run_draft(eng, K, others or [req], [tok], [eng.kv.seq(req).slot], [len(prompt)], fn=fn)
         logits = _hn_logits(eng, hn)[0]
         worst = 0.0
         for s, r in enumerate(ref):
@@ -301,7 +308,7 @@ def _parity_mismatch(eng, tiny_ckpts, family, prompt, *, tables_of=None, fn=None
         return worst
     finally:
         for o in others:
-            eng._finish(o, "cancelled")
+            eng.cancel(o)
         _release(eng, req)
 
 
@@ -374,11 +381,11 @@ def test_accepted_per_round_matches_reference_loop(family, engines):
     try:
         while eng.has_work:
             eng.step()
-            for r in eng.running:
+            for r in eng.scheduler.running:
                 if r.output:
                     P = len(r.prompt) + len(r.output) - 1
-                    drafts, _, hn = _run_draft(eng, K, [r], [r.output[-1]], [r.slot], [P])
-                    live[r.id][P] = (np.asarray(eng.state.hidden[r.slot]), _hn_logits(eng, hn)[0],
+                    drafts, _, hn = _run_draft(eng, K, [r], [r.output[-1]], [eng.kv.seq(r).slot], [P])
+                    live[r.id][P] = (np.asarray(eng.state.hidden[eng.kv.seq(r).slot]), _hn_logits(eng, hn)[0],
                                      np.asarray(drafts)[0].tolist())
     finally:
         eng.config.async_scheduling = True
@@ -607,7 +614,7 @@ def test_suppressed_tokens_never_drafted(engines, tiny_ckpts):
         toks = [suppress[i % len(suppress)] for i in range(B)]
         temp = np.where(np.arange(B) < 8, 0.0, 2.0).astype(np.float32)  # 8 greedy rows, 56 sampled
         sampling = SamplingBatch(temp, np.zeros(B, np.int32), np.ones(B, np.float32), np.arange(B, dtype=np.uint32))
-        drafts, q, hn = _run_draft(eng, K, [req] * B, toks, [req.slot] * B, [len(prompt)] * B, sampling)
+        drafts, q, hn = _run_draft(eng, K, [req] * B, toks, [eng.kv.seq(req).slot] * B, [len(prompt)] * B, sampling)
         drafts, q = np.asarray(drafts), np.asarray(q)
         unsuppressed = _hn_logits(eng, hn).argmax(-1)
         assert np.isin(unsuppressed[:, 0], suppress).sum() >= 4, (
@@ -634,7 +641,8 @@ def test_sampled_drafts_follow_returned_q(family, engines):
         B, T, top_k = 2048, 1.3, 8
         sampling = SamplingBatch(np.full(B, T, np.float32), np.full(B, top_k, np.int32), np.ones(B, np.float32),
                                  np.arange(B, dtype=np.uint32))
-        drafts, q, hn = _run_draft(eng, K, [req] * B, [tok] * B, [req.slot] * B, [len(prompt)] * B, sampling)
+        slot = eng.kv.seq(req).slot
+        drafts, q, hn = _run_draft(eng, K, [req] * B, [tok] * B, [slot] * B, [len(prompt)] * B, sampling)
         drafts, q = np.asarray(drafts), np.asarray(q, np.float64)
     finally:
         _release(eng, req)

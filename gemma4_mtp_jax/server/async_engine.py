@@ -117,10 +117,8 @@ class AsyncEngine:
         self._latency_ema: float | None = None
         # Where the gauges go (Replicas publishes the sum over its engines instead of one engine's numbers).
         self.publish_gauges: Callable[[dict[str, Any]], None] | None = None
-        self.snapshot: dict[str, Any] = {"running": 0, "waiting": 0, "kv_pages_in_use": engine.pages_in_use(),
-                                         "kv_pages_total": self._pages_total(),
-                                         "kv_cache_bytes": engine.kv_cache_bytes(), "preemptions": 0,
-                                         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self.snapshot: dict[str, Any] = {**engine.stats(), "preemptions": 0, "prefix_cache_queries": 0,
+                                         "prefix_cache_hits": 0}
         self._publish()
 
     # ------------------------------------------------------------------ any thread
@@ -329,17 +327,10 @@ class AsyncEngine:
             m.accepted_per_position.labels(position=str(j)).inc()
         m.accepted_per_round.observe(accepted)
 
-    def _pages_total(self) -> dict[str, int]:
-        return self.engine.pages_total()
-
     def _publish(self) -> None:
-        eng = self.engine
-        snap = {"running": len(eng.running), "waiting": len(eng.waiting), "kv_pages_in_use": eng.pages_in_use(),
-                "kv_pages_total": self.snapshot["kv_pages_total"], "kv_cache_bytes": self.snapshot["kv_cache_bytes"],
-                "preemptions": eng.num_preemptions, "prefix_cache_queries": eng.prefix_cache_queries,
-                "prefix_cache_hits": eng.prefix_cache_hits, "in_flight": len(self._active)}
-        # Below the total while the larger buckets' programs compile in the background (compile_in_background).
-        snap["programs_compiled"], snap["programs_total"] = eng.programs_ready()
+        # programs_compiled stays below programs_total while the larger buckets' programs compile in the
+        # background (compile_in_background).
+        snap = {**self.engine.stats(), "in_flight": len(self._active)}
         grown = {key: snap[key] - self.snapshot[key] for key in ("preemptions", "prefix_cache_queries",
                                                                  "prefix_cache_hits")}
         self.snapshot = snap

@@ -399,7 +399,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     if config.executable_cache_dir:
         log.info("executable cache %s: %d of the %d programs compiled so far loaded from it%s",
                  config.executable_cache_dir,
-                 sum(len(e.steps.restored) for e in engines), sum(len(e.compile_times) for e in engines),
+                 sum(len(e.programs.restored) for e in engines), sum(len(e.compile_times) for e in engines),
                  " or compiled ahead of the weights" if ahead is not None else "")
     if engine.k:
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
@@ -421,7 +421,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     aengines = [AsyncEngine(e, max_queue_len=args.max_queue_len, metrics=metrics) for e in engines]
     front = aengines[0] if dp == 1 else Replicas(aengines, metrics)
     server = OpenAIServer(front, tokenizer, settings, metrics, eos_ids=engine.eos_ids)
-    compiled, total = (sum(n) for n in zip(*(e.programs_ready() for e in engines)))
+    compiled, total = (sum(n) for n in zip(*(e.programs.ready() for e in engines)))
     log.info("ready in %.1fs%s", time.perf_counter() - t_start,
              f" (the other {total - compiled} programs compile in the background)" if compiled < total else "")
     return server, args

@@ -1,0 +1,117 @@
+"""A request as the engine keeps it: what was asked, what it produced, where it stands, its timings and its
+speculative rounds; and the event a step reports for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import numpy as np
+
+from gemma4_mtp_jax.device_state import MAX_STOP_IDS
+from gemma4_mtp_jax.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked (bad ids, too long, larger than the whole KV pool)."""
+
+
+@dataclasses.dataclass(eq=False)  # a request is itself, whatever its fields: compared and hashed by identity
+class Request:
+    """Its pages and slot are the KV cache manager's (kv_cache.py), not the request's."""
+
+    id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    speculative: bool = True  # draft with the assistant (when the engine has one)
+    output: list[int] = dataclasses.field(default_factory=list)
+    status: str = "waiting"  # waiting -> running -> finished
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None  # finish_reason "error": what went wrong (for logs; clients get a generic message)
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    # Speculative decoding: drafts per round (k), and the drafts accepted in each of the request's rounds; the
+    # other counts derive from these.
+    num_speculative_tokens: int = 0
+    accepted_per_round: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    prefilled: int = 0  # K/V positions written (or found in the prefix cache) since (re)admission
+    decoding: bool = False  # prefill complete: the sequence is in the decode batch
+    # The slot's device values (newest token, length, remaining) are this sequence's: a step has run it since it
+    # started decoding. Until then its rows bring them from the host.
+    on_device: bool = False
+
+    @property
+    def num_drafted(self) -> int:
+        return self.num_speculative_tokens * len(self.accepted_per_round)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted_per_round)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Rounds that accepted at least j+1 drafts, for each draft position j."""
+        return [sum(n > j for n in self.accepted_per_round) for j in range(self.num_speculative_tokens)]
+
+    @functools.cached_property
+    def stop_row(self) -> np.ndarray:
+        """`stop_ids` as a step's row: [MAX_STOP_IDS] int32, -1 padded (built once, read every step)."""
+        row = np.full((MAX_STOP_IDS,), -1, np.int32)
+        row[: len(self.stop_ids)] = sorted(self.stop_ids)
+        return row
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far: K/V is committed for all but the newest."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens a (re)admitted request's prefill runs: its prompt, and a resumed one's output but the newest."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
+    def committed(self) -> int:
+        """Positions whose K/V is final: every token but the newest once decoding, else those prefilled."""
+        return self.num_tokens - 1 if self.decoding else self.prefilled
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    def stats(self) -> dict[str, Any]:
+        end = self.finished_at or time.perf_counter()
+        gaps = np.diff(self.token_times) if len(self.token_times) > 1 else np.array([])
+        return {
+            "prompt_tokens": len(self.prompt),
+            "generated_tokens": len(self.output),
+            "finish_reason": self.finish_reason,
+            "ttft_s": None if self.first_token_at is None else self.first_token_at - self.arrival,
+            "latency_s": end - self.arrival,
+            "mean_inter_token_s": float(gaps.mean()) if gaps.size else None,
+            "preemptions": self.num_preemptions,
+            **({} if not self.accepted_per_round else {
+                "drafted": self.num_drafted,
+                "accepted": self.num_accepted,
+                "rounds": len(self.accepted_per_round),
+                "mean_acceptance_length":
+                    (self.num_accepted + len(self.accepted_per_round)) / len(self.accepted_per_round),
+                "accepted_per_position": list(self.accepted_per_position),
+                "accepted_per_round": list(self.accepted_per_round),
+            }),
+        }
+
+
+@dataclasses.dataclass
+class StepEvent:
+    request: Request
+    new_tokens: list[int]
+    finished: bool
+    accepted: int | None = None  # drafts accepted in this step's speculative round (None: no round)

@@ -1,0 +1,153 @@
+"""Running the programs: a request's row of host inputs (its slot, page tables, sampling and stop rows), a batch's
+rows packed as its program takes them, the program dispatched, and its one packed result read back.
+
+A row is built for each request on its own, before the batch is assembled, so that a request whose row cannot be
+built (a value that does not fit its dtype, a page table longer than its width) fails alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from gemma4_mtp_jax.device_state import DeviceState, PrefillRows, StepInputs, StepRows
+from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
+from gemma4_mtp_jax.engine.request import Request
+from gemma4_mtp_jax.kv_state import NULL_PAGE
+from gemma4_mtp_jax.programs.program_set import ProgramSet
+from gemma4_mtp_jax.sampling import SamplingBatch, any_sampled
+
+
+@dataclasses.dataclass
+class Row:
+    """One request's row of a step's host arrays."""
+
+    req: Request
+    slot: int
+    tables: dict[str, np.ndarray]  # KV group -> [table width] int32
+    sampling: tuple  # SamplingParams.row()
+    stop_ids: np.ndarray  # [MAX_STOP_IDS] int32, -1 padded
+    remaining: np.int32  # tokens the request may still produce
+    # A row whose slot does not hold its values yet (its first decode step) brings its newest token and position.
+    fresh: bool = False
+    token: np.int32 = np.int32(0)
+    length: np.int32 = np.int32(-1)
+
+    def step_row(self) -> dict[str, Any]:
+        """Its StepRows values."""
+        return dict(slot=self.slot, fresh=self.fresh, token=self.token, length=self.length,
+                    remaining=self.remaining, stop_ids=self.stop_ids, speculate=self.req.speculative)
+
+
+class Dispatched(NamedTuple):
+    """A decode or speculative step dispatched and not read yet: its requests by row, the same as a set (asked once
+    per decoding sequence per step), and the program's output on the device."""
+
+    requests: list[Request]
+    members: frozenset[Request]
+    packed: jax.Array
+
+
+def bucket(buckets: list[int], n: int) -> int:
+    """The smallest bucket that holds n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise AssertionError(f"no bucket for {n} (buckets {buckets})")
+
+
+class Runner:
+    """Runs `programs` on the engine's device `state` for rows whose pages `kv` holds; at most one step is in flight
+    (dispatched, not read)."""
+
+    def __init__(self, programs: ProgramSet, kv: KVCacheManager, state: DeviceState | None, num_slots: int,
+                 prefill_chunk: int):
+        self.programs, self.kv, self.state = programs, kv, state
+        self.prefill_chunk = prefill_chunk
+        self.pad_slot = num_slots  # padding rows use the spare last slot
+        self.in_flight: Dispatched | None = None
+
+    def in_flight_members(self) -> frozenset[Request]:
+        return frozenset() if self.in_flight is None else self.in_flight.members
+
+    def row(self, req: Request) -> Row:
+        row = Row(req, self.kv.seq(req).slot, self.kv.page_table(req), req.sampling.row(), req.stop_row,
+                  np.int32(req.max_new_tokens - len(req.output)))
+        if req.decoding and not req.on_device:
+            row.fresh, row.token, row.length = True, np.int32(req.output[-1]), np.int32(req.num_tokens - 1)
+        return row
+
+    def rows(self, reqs: list[Request]) -> tuple[list[Row], list[tuple[Request, Exception]]]:
+        """Each request's row, and the requests whose row could not be built (with why)."""
+        rows, failed = [], []
+        for req in reqs:
+            try:
+                rows.append(self.row(req))
+            except Exception as e:
+                failed.append((req, e))
+        return rows, failed
+
+    @staticmethod
+    def _batch(rows: list[Row], batch: int, step_rows: Any) -> StepInputs:
+        """The rows' inputs padded to `batch` rows (padding rows point at the null page)."""
+        tables = {}
+        for g, t in rows[0].tables.items():
+            table = np.full((batch, t.shape[0]), NULL_PAGE, np.int32)
+            for r, row in enumerate(rows):
+                table[r] = row.tables[g]
+            tables[g] = table
+        return StepInputs(step_rows, tables, SamplingBatch.from_rows([row.sampling for row in rows], batch))
+
+    def prefill(self, req: Request, row: Row, budget: int | None) -> tuple[int, np.ndarray | None]:
+        """Write the K/V of `req`'s tokens but the newest (`row`: its row of host arrays): its prompt, or for a
+        preempted sequence its prompt and output so far, whose newest token then feeds the next decode step. Goes
+        on from where the last call stopped, in chunks, for up to `budget` tokens (None: to the end). Returns
+        (tokens prefilled, the packed result of the last chunk when the prefill is complete, else None): a new
+        request's first token, through the stop rule. The program also leaves the drafter's first h in the slot."""
+        buckets = self.programs.buckets()[1]
+        chunk = min(self.prefill_chunk, buckets[-1])
+        todo = req.prompt + req.output[:-1]
+        ps = self.kv.layout.page_size
+        done, packed = 0, None
+        while req.prefilled < len(todo) and (budget is None or done < budget):
+            start = req.prefilled
+            n = min(chunk, len(todo) - start, budget - done if budget is not None else chunk)
+            self.kv.advance_rings(req, (start + n - 1) // ps)
+            row.tables = self.kv.page_table(req)
+            T = bucket(buckets, n)
+            rows = PrefillRows.stack([dict(slot=row.slot, tokens=np.pad(todo[start:start + n], (0, T - n)),
+                                           positions=np.pad(np.arange(start, start + n), (0, T - n),
+                                                            constant_values=-1),
+                                           last_index=n - 1, stop_ids=row.stop_ids, remaining=row.remaining)], 1, T)
+            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows))
+            req.prefilled += n
+            done += n
+            self.kv.register(req)
+        if req.prefilled < len(todo):
+            return done, None
+        return done, self.programs.result(packed, prefill=True)[0]
+
+    def step_inputs(self, rows: list[Row]) -> StepInputs:
+        """A decode or speculative step's host inputs for `rows`, padded to the batch bucket that holds them."""
+        B = bucket(self.programs.buckets()[0], len(rows))
+        return self._batch(rows, B, StepRows.stack([row.step_row() for row in rows], B, slot=self.pad_slot))
+
+    def dispatch(self, rows: list[Row]) -> Dispatched:
+        """One decode step, or with a drafter one draft-and-verify round, for `rows`, without waiting; it becomes
+        the step in flight."""
+        sampled = any_sampled([row.sampling for row in rows])
+        self.state, packed = self.programs.step(self.state, self.step_inputs(rows), sampled)
+        for row in rows:
+            row.req.on_device = True
+        reqs = [row.req for row in rows]
+        self.in_flight = Dispatched(reqs, frozenset(reqs), packed)
+        return self.in_flight
+
+    def collect(self, dispatched: Dispatched) -> list[tuple[Request, np.ndarray]]:
+        """Read a dispatched step (the one host read of a step): each row's request and its packed result row."""
+        if self.in_flight is dispatched:
+            self.in_flight = None
+        return list(zip(dispatched.requests, self.programs.result(dispatched.packed)))

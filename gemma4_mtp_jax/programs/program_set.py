@@ -1,0 +1,237 @@
+"""The programs an engine runs: which buckets exist, which of their programs are compiled, how they get compiled
+(all at start-up, or the smallest buckets first and the rest in the background, the first ones without autotuning
+where that is quicker, looked up in the executable cache), and running one.
+
+The engine asks this set for "the prefill program of this chunk" or "the step program of this batch" with its
+inputs; it never reads a program table or passes a program its parameters itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from gemma4_mtp_jax.device_state import DeviceState, StepInputs
+from gemma4_mtp_jax.executable_cache import ExecutableCache, compile_for_cache, program_key
+from gemma4_mtp_jax.step import CompiledSteps, compile_lowered, compiler_options, quick_compiles
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, float], None]
+
+
+class ProgramSet:
+    """An engine's compiled programs over `steps` (CompiledSteps: what each program computes) for its batch and
+    prefill buckets. With `background`, `start` compiles the smallest buckets' programs and returns; a thread
+    compiles the others, then replaces the first ones by autotuned versions where they were compiled without."""
+
+    def __init__(self, steps: CompiledSteps, batch_buckets: list[int], prefill_buckets: list[int],
+                 background: bool = False):
+        self.steps = steps
+        self.batch_buckets, self.prefill_buckets = batch_buckets, prefill_buckets
+        self.background = background
+        self.times: dict[str, float] = {}  # seconds per program: lowering and compiling, or loading
+        self.restored: list[str] = []  # programs loaded from an executable cache (or handed over), by name
+        # With an executable cache: every program compiled, loaded or handed over, by its cache key (what
+        # `engine.compile_ahead` hands the engine built after the weights load).
+        self.by_key: dict[str, Any] = {}
+        self.untuned: set[str] = set()  # compiled without autotuning and not yet replaced by tuned ones
+        self._warm_up: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._num_programs: int | None = None
+        self._all_compiled = True  # False while the scheduler must keep to the buckets compiled so far
+
+    # ------------------------------------------------------------------ compiling
+    def first_buckets(self) -> tuple[list[int], list[int]]:
+        """(batch buckets, prefill buckets) compiled before `start` returns: every one, or with `background` the
+        smallest of each."""
+        if self.background:
+            return [self.batch_buckets[0]], [self.prefill_buckets[0]]
+        return self.batch_buckets, self.prefill_buckets
+
+    def quick_start(self) -> bool:
+        """Whether the first buckets' programs compile without autotuning (in the background mode, where XLA
+        autotunes): they serve until the background thread replaces them, so the engine is ready sooner."""
+        return self.background and quick_compiles()
+
+    def start(self, progress: Progress | None = None, cache: ExecutableCache | None = None,
+              given: dict[str, Any] | None = None) -> None:
+        """Compile the first buckets' programs (`given`: some compiled already, by cache key), and in the
+        background mode start the thread that compiles the rest."""
+        self.times.update(self.compile(*self.first_buckets(), progress, cache=cache, given=given,
+                                       autotune=not self.quick_start()))
+        rest_batch, rest_prefill = self.batch_buckets[1:], self.prefill_buckets[1:]
+        if self.background and (rest_batch or rest_prefill or self.untuned):
+            self._all_compiled = False
+            self._warm_up = threading.Thread(target=self._compile_rest, args=(rest_batch, rest_prefill, progress,
+                                                                               cache), name="gemma4-compile")
+            self._warm_up.start()
+
+    def _compile_rest(self, batch: list[int], prefill: list[int], progress: Progress | None,
+                      cache: ExecutableCache | None) -> None:
+        """The warm-up thread: the programs of the buckets left out at start-up, then the first buckets' programs
+        again with autotuning where they were compiled without. A program replaced between two steps is the same
+        computation, its GEMMs tiled otherwise (their sums rounded in another order, as between two batch
+        buckets): the next step runs the tuned one."""
+        t0 = time.perf_counter()
+        try:
+            times = self.compile(batch, prefill, progress, cache=cache, stop=self._stop)
+            self.times.update(times)
+            if times and not self._stop.is_set():
+                log.info("compiled the last %d programs in the background in %.1fs: every bucket in use",
+                         len(times), time.perf_counter() - t0)
+            if self.untuned and not self._stop.is_set():
+                # No progress per program: these fill no new bucket (the caller's count of programs stays right).
+                t0, untuned = time.perf_counter(), len(self.untuned)
+                self.times.update(self.compile(*self.first_buckets(), cache=cache, stop=self._stop))
+                log.info("%d of the first programs replaced by their autotuned versions in %.1fs",
+                         untuned - len(self.untuned), time.perf_counter() - t0)
+        except Exception:
+            log.exception("compiling in the background failed: serving goes on with the programs compiled so far")
+
+    def compile(self, batch_buckets: list[int], prefill_buckets: list[int], progress: Progress | None = None,
+                threads: int | None = None, cache: ExecutableCache | None = None,
+                stop: threading.Event | None = None, given: dict[str, Any] | None = None,
+                autotune: bool = True) -> dict[str, float]:
+        """Compile these buckets' programs now, so that serving never compiles. Tracing and lowering run one
+        program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
+        thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
+        programs after them, costliest first. With a `cache` (executable_cache.py), every program is first looked
+        up there, all at once in the threads; a program found is loaded instead (no tracing, lowering or
+        compiling; its name goes into `restored`), and every program compiled is stored. Returns seconds per
+        program: its lowering plus its compilation (wall time in its thread), or its load. Once `stop` is set no
+        further program is lowered (those compiling finish). `given`: programs compiled already, by cache key
+        (another ProgramSet's `by_key` of the same configuration); one found there is taken as it is, like a load.
+        `autotune` False: the programs not found are compiled without XLA's GEMM autotuning (`compile_lowered`),
+        quicker to compile and slower to run; they are not stored in the cache, and their names go into `untuned`
+        until a tuned compile replaces them."""
+        steps = self.steps
+        progs = sorted(steps.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
+        threads = threads or min(len(progs), os.cpu_count() or 1)
+        times: dict[str, float] = {}
+        out_like = (steps.abstract_state(), 0)  # what every program returns: (state, its output array)
+        static = None if cache is None else steps.static_description()
+        if cache is not None and static is None:
+            log.info("executable cache: not used with a drafter of type %s", type(steps.drafter).__name__)
+            cache = None
+
+        def timed(fn, *args):
+            t0 = time.perf_counter()
+            return fn(*args), time.perf_counter() - t0
+
+        def keep(name: str, store: Callable, compiled: Any, seconds: float, key: str | None, tuned: bool,
+                 how: str | None = None) -> None:
+            store(compiled)
+            (self.untuned.discard if tuned else self.untuned.add)(name)
+            times[name] = seconds
+            if key is not None:
+                self.by_key[key] = compiled
+            if progress:
+                progress(f"{name} ({how})" if how else name, seconds)
+
+        pending: dict[concurrent.futures.Future, tuple] = {}
+
+        def take(done) -> None:  # store finished compilations (and report them) from this thread
+            for fut in done:
+                name, store, t_lower, key, args = pending.pop(fut)
+                (compiled, storable), t_compile = fut.result()
+                keep(name, store, compiled, t_lower + t_compile, key, autotune, None if autotune else "untuned")
+                # Untuned programs are not stored: a later start should find only tuned ones in the cache.
+                if cache is not None and storable and autotune:
+                    cache.store(key, compiled, args, out_like)
+
+        given = given or {}
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            built = [(name, store, *build()) for name, build, store in progs]  # (name, store, jitted, args)
+            keys = [None if cache is None else program_key(name, args, static, compiler_options())
+                    for name, _, _, args in built]
+            loads = [None if cache is None or key in given else pool.submit(timed, cache.load, key, args, out_like)
+                     for key, (_, _, _, args) in zip(keys, built)]
+            for (name, store, jitted, args), key, load in zip(built, keys, loads):
+                if stop is not None and stop.is_set():
+                    break
+                if key in given:
+                    self.restored.append(name)
+                    # Taken as compiled the way this call compiles (compile_ahead decides as the engine does). One
+                    # that compile_ahead loaded from the cache counts as untuned: its replacement is then a load.
+                    keep(name, store, given[key], 0.0, key, autotune, "compiled ahead")
+                    continue
+                compiled, t_load = load.result() if load is not None else (None, 0.0)
+                if compiled is not None:
+                    self.restored.append(name)
+                    keep(name, store, compiled, t_load, key, True, "loaded from the executable cache")
+                    continue
+                t0 = time.perf_counter()
+                low = jitted.lower(*args)
+                fut = pool.submit(timed, compile_for_cache, functools.partial(compile_lowered, low, autotune))
+                pending[fut] = (name, store, time.perf_counter() - t0, key, args)
+                take([fut for fut in pending if fut.done()])
+            take(concurrent.futures.as_completed(list(pending)))
+        return times
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the background compiling is over; True when it is."""
+        if self._warm_up is not None:
+            self._warm_up.join(timeout)
+            return not self._warm_up.is_alive()
+        return True
+
+    def close(self) -> None:
+        """Stop compiling in the background: no further program starts, the ones compiling finish (waited for)."""
+        if self._warm_up is not None:
+            self._stop.set()
+            if self._warm_up.is_alive():  # an XLA compilation cannot be cut short (0013-compile-in-background.md)
+                log.info("waiting for the programs still compiling in the background (none further starts)")
+            self._warm_up.join()
+
+    # ------------------------------------------------------------------ what is compiled
+    def ready(self) -> tuple[int, int]:
+        """(programs compiled, programs the buckets need)."""
+        steps = self.steps
+        if self._num_programs is None:
+            self._num_programs = len(steps.programs(self.batch_buckets, self.prefill_buckets))
+        return len(steps.prefill) + len(steps.decode) + len(steps.speculative), self._num_programs
+
+    def buckets(self) -> tuple[list[int], list[int]]:
+        """(batch buckets, prefill buckets) usable now: every one, or while programs still compile in the
+        background, those whose programs are compiled (a batch bucket's greedy and sampled ones)."""
+        if self._all_compiled:
+            return self.batch_buckets, self.prefill_buckets
+        steps = self.steps
+        table = steps.decode if steps.drafter is None else steps.speculative
+        batch = [b for b in self.batch_buckets if (b, False) in table and (b, True) in table]
+        prefill = [t for t in self.prefill_buckets if (1, t) in steps.prefill]
+        if len(batch) == len(self.batch_buckets) and len(prefill) == len(self.prefill_buckets):
+            self._all_compiled = True  # no more lookups
+        return batch, prefill
+
+    # ------------------------------------------------------------------ running
+    def prefill(self, state: DeviceState, inputs: StepInputs) -> tuple[DeviceState, jax.Array]:
+        """One prefill chunk (inputs: one row of PrefillRows, host arrays) through its program: (state, its output:
+        `result(out, prefill=True)` reads the packed result)."""
+        steps = self.steps
+        B, T = inputs.rows.tokens.shape
+        return steps.compile_prefill(B, T)(steps.program_params, state, steps.inputs(inputs))
+
+    def step(self, state: DeviceState, inputs: StepInputs, sampled: bool) -> tuple[DeviceState, jax.Array]:
+        """One decode step, or with a drafter one draft-and-verify round, for `inputs` (StepRows, host arrays) of a
+        batch bucket, without waiting: (state, its output; `result(out)` reads the packed result). `sampled`: some
+        row samples (the sampling variant; False: every row is greedy)."""
+        steps = self.steps
+        B = inputs.rows.slot.shape[0]
+        packed = steps.inputs(inputs)
+        if steps.drafter is None:
+            return steps.compile_decode(B, sampled)(steps.program_params, state, packed)
+        return steps.compile_speculative(B, sampled)(steps.program_params, steps.draft_params, state, packed)
+
+    def result(self, out: jax.Array, prefill: bool = False) -> np.ndarray:
+        """A program's packed result on the host (waits for the program)."""
+        return self.steps.result(out, prefill)
