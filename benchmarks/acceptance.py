@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_mtp_jax import demo
+from gemma4_mtp_jax.weights import demo
 from gemma4_mtp_jax.api import load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
 from gemma4_mtp_jax.generate import generate, load_tokenizer
-from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.model.sampling import SamplingParams
 
 CHAT_PROMPTS = [
     "Who is Mr. Darcy?",

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import environment, median_time, write_json  # noqa: E402
-from gemma4_mtp_jax.sharding import AXIS, Placement  # noqa: E402
+from gemma4_mtp_jax.model.sharding import AXIS, Placement  # noqa: E402
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ from benchmarks.common import (TARGETS, copy_bandwidth, environment, fresh_input
                                layout_for, pipelined_time, random_params, write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
-from gemma4_mtp_jax.config import SLIDING, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.kv_state import abstract_pages  # noqa: E402
-from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+from gemma4_mtp_jax.model.config import SLIDING, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.model.kv_state import abstract_pages  # noqa: E402
+from gemma4_mtp_jax.programs.compiled import CompiledSteps  # noqa: E402
 
 SMOKE = dict(model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              layer_types=["sliding_attention", "full_attention"] * 2, num_attention_heads=4, num_key_value_heads=1,

@@ -39,7 +39,7 @@ from benchmarks.bench_spec import SMOKE_ASSISTANT  # noqa: E402
 from benchmarks.common import (ASSISTANTS, TARGETS, add_pack_params_arg, environment, median_time, pipelined_time,  # noqa: E402
                                random_params, write_json)
 from gemma4_mtp_jax.api import Assistant, Target, abstract_assistant_params, abstract_target_params  # noqa: E402
-from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 
 

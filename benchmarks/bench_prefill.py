@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_decode import SMOKE, random_pages  # noqa: E402
 from benchmarks.common import TARGETS, environment, layout_for, random_params, write_json  # noqa: E402
 from gemma4_mtp_jax.api import Target, abstract_target_params  # noqa: E402
-from gemma4_mtp_jax.config import FULL, owning_layers, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.device_state import PrefillRows, StepInputs  # noqa: E402
-from gemma4_mtp_jax.sampling import SamplingBatch  # noqa: E402
-from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+from gemma4_mtp_jax.model.config import FULL, owning_layers, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.steps.device_state import PrefillRows, StepInputs  # noqa: E402
+from gemma4_mtp_jax.model.sampling import SamplingBatch  # noqa: E402
+from gemma4_mtp_jax.programs.compiled import CompiledSteps  # noqa: E402
 
 
 def run_prompt(fn, params, state, prompt, chunk, tables, sampling):

@@ -46,12 +46,12 @@ from gemma4_mtp_jax.api import (  # noqa: E402
     load_assistant,
     load_target,
 )
-from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
-from gemma4_mtp_jax.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
-from gemma4_mtp_jax.sampling import SamplingParams  # noqa: E402
-from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
-from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.model.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
+from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.model.sampling import SamplingParams  # noqa: E402
+from gemma4_mtp_jax.steps.speculative import AssistantDrafter  # noqa: E402
+from gemma4_mtp_jax.programs.compiled import CompiledSteps  # noqa: E402
 
 SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
                        num_centroids=16, centroid_intermediate_top_k=4,
@@ -109,7 +109,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     ks = args.k
     t0 = time.perf_counter()
     if name == "demo":  # the trained pair shipped in the package, in its own dtype
-        from gemma4_mtp_jax.demo import demo_pair
+        from gemma4_mtp_jax.weights.demo import demo_pair
 
         t_dir, a_dir = demo_pair()
         target, assistant = load_target(t_dir), load_assistant(a_dir)

@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.device_state import StepInputs, StepRows
-from gemma4_mtp_jax.kv_state import KVLayout, make_layout
-from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
-from gemma4_mtp_jax.step import CompiledSteps, compile_lowered
+from gemma4_mtp_jax.steps.device_state import StepInputs, StepRows
+from gemma4_mtp_jax.model.kv_state import KVLayout, make_layout
+from gemma4_mtp_jax.model.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.programs.compiled import CompiledSteps, compile_lowered
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
 _S, _F = "sliding_attention", "full_attention"

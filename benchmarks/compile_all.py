@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.common import ASSISTANTS, TARGETS, environment, write_json  # noqa: E402
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
-from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, _max_position_embeddings, build_parser  # noqa: E402
 
@@ -39,7 +39,7 @@ REAL_MAX_POSITIONS = 131072  # every released Gemma 4 text config allows at leas
 def load_family(name: str) -> tuple[Target, Assistant, int]:
     """(target, assistant, max_position_embeddings): the demo pair from disk, real shapes as abstract params."""
     if name == "demo":
-        from gemma4_mtp_jax.demo import demo_pair
+        from gemma4_mtp_jax.weights.demo import demo_pair
 
         tdir, adir = demo_pair()
         target = load_target(tdir)

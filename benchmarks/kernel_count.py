@@ -39,10 +39,10 @@ from benchmarks.common import (ASSISTANTS, COMPILE_ONLY_TARGETS, TARGETS, add_pa
                                compile_only_device, environment, layout_for, ptxas_report, write_json)
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
-from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config  # noqa: E402
-from gemma4_mtp_jax.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
-from gemma4_mtp_jax.speculative import AssistantDrafter  # noqa: E402
-from gemma4_mtp_jax.step import CompiledSteps  # noqa: E402
+from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
+from gemma4_mtp_jax.steps.speculative import AssistantDrafter  # noqa: E402
+from gemma4_mtp_jax.programs.compiled import CompiledSteps  # noqa: E402
 
 # Instructions that launch nothing: bookkeeping of the HLO graph, or control flow whose bodies are walked.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "add-dependency",
@@ -181,7 +181,7 @@ def summarize(text: str, scope_depth: int | None = None) -> dict:
 
 def load_model(name: str) -> tuple[Target, Assistant]:
     if name == "demo":
-        from gemma4_mtp_jax.demo import demo_pair
+        from gemma4_mtp_jax.weights.demo import demo_pair
 
         t_dir, a_dir = demo_pair()
         return load_target(t_dir), load_assistant(a_dir)

@@ -14,14 +14,14 @@ from gemma4_mtp_jax.xla_env import set_gpu_runtime_flags
 set_gpu_runtime_flags()  # before JAX starts its GPU client (xla_env.py says why)
 
 _PUBLIC = {
-    "Assistant": "gemma4_mtp_jax.runtime",
-    "AssistantConfig": "gemma4_mtp_jax.config",
+    "Assistant": "gemma4_mtp_jax.model.runtime",
+    "AssistantConfig": "gemma4_mtp_jax.model.config",
     "CheckpointError": "gemma4_mtp_jax.weights.safetensors_io",
-    "ConfigError": "gemma4_mtp_jax.config",
+    "ConfigError": "gemma4_mtp_jax.model.config",
     "DraftOutput": "gemma4_mtp_jax.api",
-    "Target": "gemma4_mtp_jax.runtime",
+    "Target": "gemma4_mtp_jax.model.runtime",
     "TargetOutput": "gemma4_mtp_jax.api",
-    "TextConfig": "gemma4_mtp_jax.config",
+    "TextConfig": "gemma4_mtp_jax.model.config",
     "draft_step": "gemma4_mtp_jax.api",
     "load_assistant": "gemma4_mtp_jax.api",
     "load_target": "gemma4_mtp_jax.api",
@@ -32,8 +32,8 @@ __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ below imports on demand
     from gemma4_mtp_jax.api import DraftOutput, TargetOutput, draft_step, load_assistant, load_target, target_forward
-    from gemma4_mtp_jax.config import AssistantConfig, ConfigError, TextConfig
-    from gemma4_mtp_jax.runtime import Assistant, Target
+    from gemma4_mtp_jax.model.config import AssistantConfig, ConfigError, TextConfig
+    from gemma4_mtp_jax.model.runtime import Assistant, Target
     from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import (
+from gemma4_mtp_jax.model.config import (
     AssistantConfig,
     ConfigError,
     TextConfig,
@@ -26,7 +26,7 @@ from gemma4_mtp_jax.config import (
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
-from gemma4_mtp_jax.runtime import Assistant, Target
+from gemma4_mtp_jax.model.runtime import Assistant, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io
 from gemma4_mtp_jax.weights.dummy import random_params
 

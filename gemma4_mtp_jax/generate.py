@@ -12,11 +12,13 @@ from typing import Any, Sequence
 
 import jax
 
-from gemma4_mtp_jax import demo, distributed
+from gemma4_mtp_jax.weights import demo
+
+from gemma4_mtp_jax.engine import distributed
 from gemma4_mtp_jax.api import Assistant, Target, load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
-from gemma4_mtp_jax.sampling import SamplingParams
-from gemma4_mtp_jax.step import enable_compilation_cache
+from gemma4_mtp_jax.model.sampling import SamplingParams
+from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
 
 
 @dataclasses.dataclass

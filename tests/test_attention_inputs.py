@@ -102,7 +102,7 @@ def test_rope_inv_freq_is_the_float32_rounding_of_its_definition(theta, factor, 
     """The inverse frequencies (a numpy constant in the model) within one float32 ulp of theta^(-2i/D), zero past a
     proportional RoPE's rotated pairs. They failed this on the GPU machine's CPU while numpy's float32
     power, the CPU's own SIMD routine, computed them."""
-    from gemma4_mtp_jax.config import RopeConfig
+    from gemma4_mtp_jax.model.config import RopeConfig
     from gemma4_mtp_jax.model.layers import rope_inv_freq
 
     got = rope_inv_freq(RopeConfig(theta=theta, partial_rotary_factor=factor), D)

@@ -74,7 +74,7 @@ def test_greedy_matches_transformers(family, engines, tiny_ckpts):
 
 def test_no_compilation_after_startup(engines):
     """A mixed workload (lengths, batch sizes, greedy and sampled, joins and leaves) after start-up compiles nothing."""
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     engine = engines("e2b")
     compiles = []
@@ -128,7 +128,7 @@ def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monke
     (in bfloat16 only XLA's excess precision may differ)."""
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.generate import generate
-    from gemma4_mtp_jax.kv_state import NULL_PAGE, PagedKV
+    from gemma4_mtp_jax.model.kv_state import NULL_PAGE, PagedKV
     from gemma4_mtp_jax.model.target import representative
 
     target = jax_models.target(tiny_ckpts[family]["target_plain"])
@@ -202,7 +202,7 @@ def test_donation_check_can_fail(engines):
 
 
 def test_sliding_memory_bounded_by_window(jax_models, tiny_ckpts):
-    from gemma4_mtp_jax.kv_state import make_layout
+    from gemma4_mtp_jax.model.kv_state import make_layout
 
     cfg = jax_models.target(tiny_ckpts["e2b"]["target_plain"]).config
     widths = []
@@ -220,7 +220,7 @@ def test_async_scheduling_gives_the_synchronous_run(engines):
     mid-batch (their next row, already dispatched, runs as padding and is dropped) and others at max_new_tokens,
     each request's output, finish reason and tokens per event equal the synchronous run's, and every page and slot
     comes back."""
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     engine = engines("e2b")
     prompts = _prompts(31, [5, 9, 13, 7, 11])
@@ -299,7 +299,7 @@ def test_preemption_keeps_output_and_pages(jax_models, tiny_ckpts):
     run together anyway; when the pool runs dry the newest are preempted and later resume by recomputing their K/V.
     Every output (greedy and seeded sampling) equals the run with pages to spare, and every page comes back."""
     from gemma4_mtp_jax.engine import Engine
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
     prompts = _prompts(11, [6, 14, 9, 21])
@@ -566,7 +566,7 @@ def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, m
 
     from gemma4_mtp_jax.engine import DeviceMemoryError, Engine
     from gemma4_mtp_jax.programs.program_set import ProgramSet
-    from gemma4_mtp_jax.step import CompiledSteps
+    from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
 
@@ -673,7 +673,7 @@ def test_stop_on_eos(engines, tiny_ckpts):
 
 def test_seeded_sampling_reproducible(engines):
     from gemma4_mtp_jax.generate import generate
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     engine = engines("e2b")
     prompts = _prompts(5, [7, 12])
@@ -702,7 +702,7 @@ def _numpy_filter(logits, top_k, top_p):
 
 
 def test_top_k_top_p_masks_match_reference():
-    from gemma4_mtp_jax.sampling import filter_logits
+    from gemma4_mtp_jax.model.sampling import filter_logits
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((6, 300)).astype(np.float32) * 3
@@ -727,7 +727,7 @@ def test_sampling_distribution_follows_temperature():
     """Sampled tokens follow softmax(logits / T): a chi-square-style check on a 4-token vocabulary."""
     import jax.numpy as jnp
 
-    from gemma4_mtp_jax.sampling import SamplingBatch, sample
+    from gemma4_mtp_jax.model.sampling import SamplingBatch, sample
 
     logits = jnp.tile(jnp.array([[2.0, 1.0, 0.0, -1.0]]), (4000, 1))
     n = logits.shape[0]
@@ -800,7 +800,7 @@ def test_fault_in_one_request_fails_it_alone(engines, monkeypatch, fault, at_ste
     """A fault in one request's part of a running batch (its sampling row, page-table row, taking its tokens, or
     page allocation) ends that request alone with "error"; the others' tokens equal an undisturbed run, every page and
     slot comes back, and the engine keeps serving with unchanged output."""
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     engine = engines("e2b")
     prompts = _prompts(7, [5, 9, 13, 7])
@@ -847,12 +847,12 @@ def _check_fault_isolation(engine, run):
 def test_compile_falls_back_when_xla_refuses_an_option(monkeypatch, caplog):
     """step.compiler_options() names an XLA option of recent GPU builds; an XLA that refuses it still compiles the
     program (without it), says so once, and stops asking."""
-    from gemma4_mtp_jax import step
+    from gemma4_mtp_jax.programs import compiled as step
 
     monkeypatch.setattr(step, "compiler_options", lambda: {"xla_gpu_command_buffer_update_mode": "NO_SUCH_MODE"})
     monkeypatch.setattr(step, "_options_rejected", [])
     lowered = jax.jit(lambda x: x * 2).lower(np.float32(3))
-    with caplog.at_level("WARNING", logger="gemma4_mtp_jax.step"):
+    with caplog.at_level("WARNING", logger="gemma4_mtp_jax.programs.compiled"):
         assert float(step.compile_lowered(lowered)(np.float32(3))) == 6.0
         assert float(step.compile_lowered(lowered)(np.float32(4))) == 8.0
     assert len(step._options_rejected) == 1 and "NO_SUCH_MODE" in step._options_rejected[0]
@@ -863,7 +863,7 @@ def test_this_xla_takes_the_untuned_options(monkeypatch):
     """The untuned programs' options (step.UNTUNED) are ones this XLA accepts: a refused option would compile the
     program tuned after all, and every program after it without compiler_options() (XLA once refused the
     string 'false' for a bool option, and the server's first programs compiled tuned, slower to start)."""
-    from gemma4_mtp_jax import step
+    from gemma4_mtp_jax.programs import compiled as step
 
     monkeypatch.setattr(step, "_options_rejected", [])
     a = np.arange(16, dtype=np.float32).reshape(4, 4)
@@ -878,7 +878,7 @@ def test_step_inputs_and_result_move_in_one_array(engines):
     and the result's write), not one per reader or per temporary, follow the one buffer that moves each call
     (input_pack.py). Every output aliases a donated parameter, so no output has an allocation XLA could share
     with temporaries."""
-    from gemma4_mtp_jax.input_pack import packed_width
+    from gemma4_mtp_jax.programs.input_pack import packed_width
     from testenv import hlo_outputs_of_their_own, hlo_parameter_users
 
     engine = engines("e2b")

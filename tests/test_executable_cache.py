@@ -61,7 +61,7 @@ def pair(tiny_ckpts, jax_models):
 
 def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypatch):
     from gemma4_mtp_jax.engine import Engine
-    from gemma4_mtp_jax.step import CompiledSteps
+    from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
     target, assistant = pair
     first = Engine(target, _config(tmp_path), assistant=assistant)
@@ -83,8 +83,8 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
     generates the tokens of an engine that compiled its own."""
     from gemma4_mtp_jax.api import assistant_shapes, target_shapes
     from gemma4_mtp_jax.engine import Engine, compile_ahead
-    from gemma4_mtp_jax.runtime import shapes_only
-    from gemma4_mtp_jax.step import CompiledSteps
+    from gemma4_mtp_jax.model.runtime import shapes_only
+    from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
     target, assistant = pair
     want = _tokens(Engine(target, _config(tmp_path / "own"), assistant=assistant))
@@ -138,7 +138,7 @@ def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp
     import jax
 
     from gemma4_mtp_jax.engine import Engine
-    from gemma4_mtp_jax.step import enable_compilation_cache
+    from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
 
     target, assistant = pair
     enable_compilation_cache(str(tmp_path / "jax"))  # until the fixture turns it off again
@@ -151,7 +151,7 @@ def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp
 
 
 def test_what_shapes_a_program_misses(pair, tmp_path, monkeypatch):
-    from gemma4_mtp_jax import executable_cache
+    from gemma4_mtp_jax.programs import executable_cache
     from gemma4_mtp_jax.engine import Engine
 
     target, assistant = pair
@@ -193,7 +193,7 @@ def test_the_least_recently_used_entries_go_past_the_size_limit(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from gemma4_mtp_jax.executable_cache import ExecutableCache
+    from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
 
     x = jnp.zeros(4, jnp.float32)
     compiled = jax.jit(lambda a: a + 1).lower(x).compile()
@@ -222,7 +222,7 @@ def test_a_read_only_cache_loads_and_never_fails(tmp_path, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from gemma4_mtp_jax.executable_cache import ExecutableCache
+    from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
 
     x = jnp.zeros(4, jnp.float32)
     cache = ExecutableCache(tmp_path)
@@ -243,7 +243,7 @@ def test_a_read_only_cache_loads_and_never_fails(tmp_path, monkeypatch):
 def test_an_engine_whose_cache_cannot_be_created_compiles(tmp_path, caplog):
     """A cache directory that cannot be created (a read-only home) costs its use, with a warning, not the start:
     the engine then compiles every program."""
-    from gemma4_mtp_jax.executable_cache import ExecutableCache
+    from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
 
     blocker = tmp_path / "file"
     blocker.write_text("")

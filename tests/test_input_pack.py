@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
+from gemma4_mtp_jax.programs.input_pack import pack_rows, packed_width, return_in, unpack_rows
 
 
 def _tree(B: int, rng: np.random.Generator) -> dict:

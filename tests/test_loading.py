@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from gemma4_mtp_jax.config import (
+from gemma4_mtp_jax.model.config import (
     FULL,
     SLIDING,
     ConfigError,

@@ -498,8 +498,8 @@ def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(monkeypatch, dtype):
     """PagedDraftKV, kernel path: prepare hands the projections back, attend has the kernel rope them at the
     projections' positions P = lengths while masking at P-1 with window W+1; as today's path (queries prepared,
     then attended), which the "xla" view runs."""
-    from gemma4_mtp_jax.config import SLIDING
-    from gemma4_mtp_jax.kv_state import PagedDraftKV
+    from gemma4_mtp_jax.model.config import SLIDING
+    from gemma4_mtp_jax.model.kv_state import PagedDraftKV
     from gemma4_mtp_jax.model.attention import Projections
 
     _interpreted_kernel(monkeypatch)
@@ -524,8 +524,8 @@ def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(monkeypatch, dtype):
 def test_target_view_q_only_layer(monkeypatch):
     """PagedKV, kernel path: a Q-only layer (k None) gets its projections back and the kernel norms and ropes them
     at the layer's positions; an owning layer still gets queries."""
-    from gemma4_mtp_jax.config import FULL
-    from gemma4_mtp_jax.kv_state import PagedKV
+    from gemma4_mtp_jax.model.config import FULL
+    from gemma4_mtp_jax.model.kv_state import PagedKV
     from gemma4_mtp_jax.model.attention import Projections
 
     _interpreted_kernel(monkeypatch)
@@ -547,9 +547,9 @@ import functools, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 import test_paged_attention as t
-from gemma4_mtp_jax.config import SLIDING
+from gemma4_mtp_jax.model.config import SLIDING
 from gemma4_mtp_jax.kernels import paged_attention as pa
-from gemma4_mtp_jax.kv_state import PagedDraftKV
+from gemma4_mtp_jax.model.kv_state import PagedDraftKV
 from gemma4_mtp_jax.model.attention import Projections
 
 pa.paged_attention = functools.partial(pa.paged_attention, interpret=True)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.param_pack import MAX_LEAF_ELEMENTS, ParamPack
+from gemma4_mtp_jax.programs.param_pack import MAX_LEAF_ELEMENTS, ParamPack
 
 
 def _tree():
@@ -48,7 +48,7 @@ def test_pack_round_trips_inside_a_program():
 
 
 def test_packed_arrays_are_capped(monkeypatch):
-    from gemma4_mtp_jax import param_pack
+    from gemma4_mtp_jax.programs import param_pack
 
     monkeypatch.setattr(param_pack, "GROUP_ELEMENTS", 256)
     tree = [jnp.ones((50, 2), jnp.float32) * i for i in range(5)]  # 100 elements each: two per array

@@ -94,7 +94,7 @@ def _workload(seed: int):
     """Requests in two waves: one prompt alone (it fills the cache), then prompts sharing its prefix (44 tokens,
     five sliding windows of the tiny models), a multi-turn follow-up (prompt + answer + new tokens), the same
     prompt again, and one unrelated prompt; greedy and seeded sampling mixed."""
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     prefix = rng.integers(3, 400, size=44).tolist()

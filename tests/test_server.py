@@ -79,7 +79,7 @@ def reference(srv, paths):
     from gemma4_mtp_jax import load_assistant, load_target
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.generate import generate
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     target = load_target(paths[0])
     cfg = srv.engine.config
@@ -234,7 +234,7 @@ def test_stop_strings(client, tok, reference):
 
 
 def test_sampling_is_seeded(srv, client, tok, reference):
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     ids = tok.encode("abc").ids
     kw = dict(model=MODEL, prompt="abc", max_tokens=16, temperature=0.9, top_p=0.95,

@@ -17,7 +17,7 @@ MODEL = "gemma4-demo"
 
 def session_paths(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(target dir, assistant dir, JAX compilation cache dir), shared by every server test module of the session."""
-    from gemma4_mtp_jax.demo import build_random_pair
+    from gemma4_mtp_jax.weights.demo import build_random_pair
 
     base = tmp_path_factory.getbasetemp()
     tdir, adir = build_random_pair(base / "server_demo")

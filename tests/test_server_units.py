@@ -388,7 +388,7 @@ def test_fuzz_parsers_refuse_only_with_api_errors():
     the tokenizer can take (int32 counts, float32-finite temperature, UTF-8-encodable strings)."""
     from hypothesis import given, settings
 
-    from gemma4_mtp_jax.sampling import INT32_MAX, SamplingParams
+    from gemma4_mtp_jax.model.sampling import INT32_MAX, SamplingParams
 
     @settings(max_examples=1500, deadline=None, derandomize=True, database=None)
     @given(fuzz_requests())
@@ -413,7 +413,7 @@ def test_fuzz_parsers_refuse_only_with_api_errors():
 def test_every_numeric_field_at_every_edge(field):
     """Each numeric field at each edge of the number types, on a valid completion and chat body: a 400 naming the
     field, or parameters the engine holds (what passed int32 / float32 checks here once overflowed in a step)."""
-    from gemma4_mtp_jax.sampling import INT32_MAX, SamplingParams
+    from gemma4_mtp_jax.model.sampling import INT32_MAX, SamplingParams
 
     for value in EDGE_NUMBERS:
         for parse, base in ((parse_completion, {"prompt": "hi"}), (parse_chat, {"messages": [{"role": "user",
@@ -439,7 +439,7 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
 
     import uvicorn
 
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
     from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
     from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
     from gemma4_mtp_jax.server.cli import bind_socket

@@ -57,7 +57,7 @@ class TargetGreedyDrafter:
         return ()
 
     def draft(self, spec, params_t, params_d, pages, hidden, inputs):
-        from gemma4_mtp_jax.forward import forward_paged, lm_logits
+        from gemma4_mtp_jax.steps.forward import forward_paged, lm_logits
 
         tok, lengths, drafts = inputs.rows.token, inputs.rows.length, []
         for s in range(spec.k):
@@ -138,7 +138,7 @@ def test_greedy_speculative_equals_plain(family, k, engines):
     batch (more requests than slots: they join and leave): every greedy output equals the plain engine's token for
     token; the rounds mix 0, partial and full acceptance; stats are consistent; nothing compiles while serving;
     every page and slot comes back."""
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     eng = engines(family, k)
     prompts = _prompts(10, LENGTHS)
@@ -221,9 +221,9 @@ def _release(eng, req):
 def _draft_fn(eng, k: int):
     """speculative.draft jitted on an engine's target/assistant/layout, q over the whole vocabulary (traced anew per
     call site: monkeypatches of the module taken at trace time are honoured)."""
-    from gemma4_mtp_jax import speculative
-    from gemma4_mtp_jax.device_state import StepInputs
-    from gemma4_mtp_jax.forward import StepSpec
+    from gemma4_mtp_jax.steps import speculative
+    from gemma4_mtp_jax.steps.device_state import StepInputs
+    from gemma4_mtp_jax.steps.forward import StepSpec
 
     spec = StepSpec(eng.target, eng.layout, eng.config.attention_impl, drafter=speculative.AssistantDrafter(
         eng.assistant), k=k)
@@ -240,9 +240,9 @@ _DRAFT_FNS = {}
 
 
 def _run_draft(eng, k, reqs_for_tables, tokens, slots, lengths, sampling=None, fn=None):
-    from gemma4_mtp_jax.device_state import StepRows
-    from gemma4_mtp_jax.sampling import SamplingBatch, SamplingParams
-    from gemma4_mtp_jax.speculative import make_draft_head
+    from gemma4_mtp_jax.steps.device_state import StepRows
+    from gemma4_mtp_jax.model.sampling import SamplingBatch, SamplingParams
+    from gemma4_mtp_jax.steps.speculative import make_draft_head
 
     B = len(tokens)
     sampling = sampling or SamplingBatch.from_params([SamplingParams()] * B, B)
@@ -442,7 +442,7 @@ def _jit(fn):
 def _run_accept(accept_fn, target_logits, q, n_rows, seed0, *, temperature=1.0, top_k=0, top_p=1.0, draft_seed=0,
                 draft_q=None):
     """Draft from q (numpy, one row per sample), run accept on n_rows copies. Returns (emitted [N, k+1], n [N])."""
-    from gemma4_mtp_jax.sampling import SamplingBatch
+    from gemma4_mtp_jax.model.sampling import SamplingBatch
 
     rng = np.random.default_rng(draft_seed)
     dq = q if draft_q is None else draft_q
@@ -470,7 +470,7 @@ def _mc_distances(accept_fn, n_rows, seed0=0):
 
 def _mutant(name: str, old: str, new: str):
     """speculative.accept with one source line changed: a deliberately wrong sampler."""
-    from gemma4_mtp_jax import speculative
+    from gemma4_mtp_jax.steps import speculative
 
     src = textwrap.dedent(inspect.getsource(speculative.accept))
     assert old in src, f"mutation '{name}': '{old}' no longer appears in speculative.accept; update the test"
@@ -489,7 +489,7 @@ MUTANTS = {
 def test_rejection_sampling_matches_target_distribution():
     """The first emitted token ~ softmax(target_logits[0]); the second, given the first draft was accepted,
     ~ softmax(target_logits[1]); acceptance rate = sum(min(p_0, q_0)); the distance shrinks like 1/sqrt(N)."""
-    from gemma4_mtp_jax.speculative import accept
+    from gemma4_mtp_jax.steps.speculative import accept
 
     target_logits, q = _mc_problem()
     p = _softmax(target_logits.astype(np.float64))
@@ -530,7 +530,7 @@ def test_rejection_sampling_respects_top_k_top_p(top_k, top_p):
     """With a filter, every emitted token (accepted drafts, the resampled or bonus token) lies in the target's
     filtered support at its position, though the drafts come from an unfiltered q; and the first emitted token
     follows the filtered target distribution."""
-    from gemma4_mtp_jax.speculative import accept
+    from gemma4_mtp_jax.steps.speculative import accept
 
     T, N = 0.7, 20000
     target_logits, q = _mc_problem(seed=6)
@@ -552,7 +552,7 @@ def test_rejection_sampling_respects_top_k_top_p(top_k, top_p):
 
 
 def test_rejection_sampling_reproducible_and_row_independent():
-    from gemma4_mtp_jax.speculative import accept
+    from gemma4_mtp_jax.steps.speculative import accept
 
     target_logits, q = _mc_problem(seed=4)
     a = _run_accept(accept, target_logits, q, 4096, 1000)
@@ -573,7 +573,7 @@ def test_sampled_speculative_end_to_end(engines):
     tokens stay in the vocabulary, drafts get accepted; with top_k=1 sampling must reproduce greedy exactly (same
     output and same accepted counts per round: p and q are one-hot, so acceptance is exact)."""
     from gemma4_mtp_jax.generate import generate
-    from gemma4_mtp_jax.sampling import SamplingParams
+    from gemma4_mtp_jax.model.sampling import SamplingParams
 
     eng = engines("e2b", K)
     prompts = _prompts(40, [7, 12, 20])
@@ -602,7 +602,7 @@ def test_suppressed_tokens_never_drafted(engines, tiny_ckpts):
     """e2b's assistant suppresses [3, 4, 5, 300]. Its head leans towards repeating the current token, so feeding a
     suppressed token makes the UNSUPPRESSED argmax a suppressed id (checked: the test can fail); the drafts -
     greedy and sampled at a high temperature over many seeds - never contain one, and q gives them no mass."""
-    from gemma4_mtp_jax.sampling import SamplingBatch
+    from gemma4_mtp_jax.model.sampling import SamplingBatch
 
     eng = engines("e2b", K)
     suppress = list(eng.assistant.generation_config["suppress_tokens"])
@@ -632,7 +632,7 @@ def test_sampled_drafts_follow_returned_q(family, engines):
     (one prefilled sequence, seeds 0..2047, temperature 1.3, top-k 8): the first drafts follow q (TVD bound), q is
     the assistant's filtered distribution at that temperature (<= 8 tokens, matching softmax(logits/T) over them),
     and, among rows whose first draft is the most common token, the second drafts follow their (shared) q."""
-    from gemma4_mtp_jax.sampling import SamplingBatch
+    from gemma4_mtp_jax.model.sampling import SamplingBatch
 
     eng = engines(family, K)
     prompt = _prompts(80, [15])[0]
@@ -755,7 +755,7 @@ def test_drafter_source_layers_real_configs(name):
     type (the source `speculative.draft` computes), with the same K/V geometry, and check_pair accepts the pair.
     The expected layers are computed here from the raw config too, not only from the table."""
     from benchmarks.common import ASSISTANTS, TARGETS
-    from gemma4_mtp_jax.config import check_pair, parse_assistant_config, parse_target_config
+    from gemma4_mtp_jax.model.config import check_pair, parse_assistant_config, parse_target_config
 
     raw = TARGETS[name]
     t = parse_target_config(raw)
@@ -785,7 +785,7 @@ def test_wrong_kv_mapping_is_caught(engines, tiny_ckpts, monkeypatch):
     drafts silently differently. On the tiny pairs acceptance barely depends on K/V (measured: e2b 18% correct,
     ~13-17% wrong; 11% with zeroed K/V), so the mapping is pinned by parity with transformers instead: the wrong
     mappings put the draft logits far outside the 1e-4 of test 2, while the greedy output stays exact."""
-    from gemma4_mtp_jax import speculative
+    from gemma4_mtp_jax.steps import speculative
 
     prompt = _prompts(20, [PARITY_T])[0]
     other = _prompts(21, [PARITY_T])[0]
@@ -830,7 +830,7 @@ def test_speculative_step_updates_state_in_place(engines):
     assert not copies, copies[:3]
     # The packed host inputs are read by two instructions, their write into the staging buffer and the result's
     # write over them, and every output aliases a donated parameter (test_engine.py).
-    from gemma4_mtp_jax.input_pack import packed_width
+    from gemma4_mtp_jax.programs.input_pack import packed_width
     from testenv import hlo_outputs_of_their_own, hlo_parameter_users
 
     shape = f"s32[4,{packed_width(engine.steps._abstract_inputs(4))}]"
@@ -843,7 +843,7 @@ def test_device_stop_check():
     """The step's own stop rule (packed keep / finished): first stop id kept, max tokens, padding after n+1."""
     import jax.numpy as jnp
 
-    from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, stop_check
+    from gemma4_mtp_jax.steps.device_state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, stop_check
 
     emitted = jnp.array([[5, 7, 9, -1], [5, 7, 9, 2], [5, 7, 9, 2], [3, -1, -1, -1], [8, 8, 8, 8], [5, 7, -1, -1]],
                         jnp.int32)

@@ -25,7 +25,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # float32 means fl
 import numpy as np
 from gemma4_mtp_jax.api import load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
-from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.model.sampling import SamplingParams
 
 paths = json.loads(sys.argv[1])  # family -> target, assistant, tensor-parallel sizes, modes
 assert len(jax.devices()) >= max(max(p["sizes"]) for p in paths.values()), jax.devices()
@@ -119,7 +119,7 @@ def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
     import jax
 
     from gemma4_mtp_jax.engine import Engine, EngineConfig
-    from gemma4_mtp_jax.sharding import ShardingError
+    from gemma4_mtp_jax.model.sharding import ShardingError
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])  # 4 query heads
     with pytest.raises(ShardingError, match="num_attention_heads=4"):

@@ -282,7 +282,7 @@ def test_default_architecture_written_and_read_by_transformers(family, tiny_ckpt
     whose full layers have other K/V geometry) is accepted by our config checks and, initialised and written,
     loads in transformers with the same first draft step as ours."""
     import gemma4_mtp_jax as g
-    from gemma4_mtp_jax.config import read_config_json
+    from gemma4_mtp_jax.model.config import read_config_json
     from gemma4_mtp_jax.train import arch
     from gemma4_mtp_jax.train.centroids import fit_centroid_head
     from gemma4_mtp_jax.train.export import checkpoint_tensors, generation_config, write_assistant
@@ -314,7 +314,7 @@ def test_default_architecture_written_and_read_by_transformers(family, tiny_ckpt
 def test_data_files(tmp_path):
     """Text (with the demo's byte tokenizer), .jsonl (text and ids), .ids and .npy files, directories searched; errors
     name the file and line."""
-    from gemma4_mtp_jax.demo import build_random_pair
+    from gemma4_mtp_jax.weights.demo import build_random_pair
     from gemma4_mtp_jax.generate import load_tokenizer
     from gemma4_mtp_jax.train.data import DataError, data_files, read_documents, windows
 

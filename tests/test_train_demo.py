@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from gemma4_mtp_jax.demo import BOS_ID, EOS_ID, SPECIALS
+from gemma4_mtp_jax.weights.demo import BOS_ID, EOS_ID, SPECIALS
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife.\n\nIn the beginning, God created the heavens and the earth.\n\ndef f(x):\n    return x + 1\n")
@@ -56,7 +56,7 @@ def test_pretraining_lowers_heldout_loss_and_exports_a_loadable_target(tokenizer
     import jax
 
     from gemma4_mtp_jax.api import load_target
-    from gemma4_mtp_jax.config import parse_target_config
+    from gemma4_mtp_jax.model.config import parse_target_config
     from gemma4_mtp_jax.train.demo_recipe import GENERATION_CONFIG, TARGET_CONFIG
     from gemma4_mtp_jax.train.export import target_checkpoint_tensors, write_checkpoint
     from gemma4_mtp_jax.train.pretrain import PretrainConfig, Pretrainer, init_params, pretrain

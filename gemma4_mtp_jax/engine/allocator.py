@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from gemma4_mtp_jax.kv_state import NULL_PAGE
+from gemma4_mtp_jax.model.kv_state import NULL_PAGE
 
 
 class OutOfPages(RuntimeError):

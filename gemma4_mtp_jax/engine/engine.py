@@ -31,22 +31,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.config import check_pair
-from gemma4_mtp_jax.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState
+from gemma4_mtp_jax.model.config import check_pair
+from gemma4_mtp_jax.steps.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState
 from gemma4_mtp_jax.engine.config import EngineConfig
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.memory import out_of_memory_explained, pool_sizes
 from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent
 from gemma4_mtp_jax.engine.runner import Dispatched, Runner
 from gemma4_mtp_jax.engine.scheduler import Scheduler
-from gemma4_mtp_jax.executable_cache import ExecutableCache
-from gemma4_mtp_jax.kv_state import KVLayout, make_layout, page_bytes
+from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
+from gemma4_mtp_jax.model.kv_state import KVLayout, make_layout, page_bytes
 from gemma4_mtp_jax.programs.program_set import ProgramSet
-from gemma4_mtp_jax.runtime import Assistant, Target, shapes_only
-from gemma4_mtp_jax.sampling import SamplingParams
-from gemma4_mtp_jax.sharding import Placement, ShardingError, check_tensor_parallel
-from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter
-from gemma4_mtp_jax.step import CompiledSteps
+from gemma4_mtp_jax.model.runtime import Assistant, Target, shapes_only
+from gemma4_mtp_jax.model.sampling import SamplingParams
+from gemma4_mtp_jax.model.sharding import Placement, ShardingError, check_tensor_parallel
+from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter
+from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
 _FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from gemma4_mtp_jax.engine.allocator import PageAllocator
 from gemma4_mtp_jax.engine.request import Request
-from gemma4_mtp_jax.kv_state import NULL_PAGE, KVLayout
+from gemma4_mtp_jax.model.kv_state import NULL_PAGE, KVLayout
 
 Cached = dict[str, tuple[int, list[int]]]  # group -> (first logical page, the cached pages from it)
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from gemma4_mtp_jax.engine.config import EngineConfig
-from gemma4_mtp_jax.kv_state import KVLayout
+from gemma4_mtp_jax.model.kv_state import KVLayout
 from gemma4_mtp_jax.xla_env import allocator_memory
 
 log = logging.getLogger(__name__)

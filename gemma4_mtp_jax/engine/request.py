@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from gemma4_mtp_jax.device_state import MAX_STOP_IDS
-from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
+from gemma4_mtp_jax.model.sampling import SamplingParams
 
 
 class RequestError(ValueError):

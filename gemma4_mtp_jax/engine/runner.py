@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gemma4_mtp_jax.device_state import DeviceState, PrefillRows, StepInputs, StepRows
+from gemma4_mtp_jax.steps.device_state import DeviceState, PrefillRows, StepInputs, StepRows
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.request import Request
-from gemma4_mtp_jax.kv_state import NULL_PAGE
+from gemma4_mtp_jax.model.kv_state import NULL_PAGE
 from gemma4_mtp_jax.programs.program_set import ProgramSet
-from gemma4_mtp_jax.sampling import SamplingBatch, any_sampled
+from gemma4_mtp_jax.model.sampling import SamplingBatch, any_sampled
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import AssistantConfig
+from gemma4_mtp_jax.model.config import AssistantConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
 from gemma4_mtp_jax.model.attention import DraftKV

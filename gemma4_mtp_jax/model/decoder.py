@@ -8,13 +8,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import SLIDING, TextConfig
+from gemma4_mtp_jax.model.config import SLIDING, TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.feed_forward import input_parts, plan_block
 from gemma4_mtp_jax.kernels.split_k import SplitSum, add_normed, gelu_gate, plan_splits
 from gemma4_mtp_jax.model.attention import KVView, Projections
 from gemma4_mtp_jax.model.layers import MLP, Experts, Linear, RMSNorm, Router, Weight, rope_inv_freq
-from gemma4_mtp_jax.sharding import tensor_parallel_size
+from gemma4_mtp_jax.model.sharding import tensor_parallel_size
 
 Array = jax.Array
 

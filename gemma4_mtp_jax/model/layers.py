@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.config import RopeConfig
+from gemma4_mtp_jax.model.config import RopeConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.kernels.device_budget import kernels_interpreted
 from gemma4_mtp_jax.kernels.feed_forward import feed_forward_block, mlp
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
-from gemma4_mtp_jax.sharding import expert_parallel
+from gemma4_mtp_jax.model.sharding import expert_parallel
 
 Array = jax.Array
 

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import TextConfig
+from gemma4_mtp_jax.model.config import TextConfig
 from gemma4_mtp_jax.kernels.attention_inputs import rms_norm
 from gemma4_mtp_jax.model.attention import DenseKV, KVView
 from gemma4_mtp_jax.model.decoder import DecoderLayer, residual_norms

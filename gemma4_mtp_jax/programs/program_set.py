@@ -19,9 +19,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from gemma4_mtp_jax.device_state import DeviceState, StepInputs
-from gemma4_mtp_jax.executable_cache import ExecutableCache, compile_for_cache, program_key
-from gemma4_mtp_jax.step import CompiledSteps, compile_lowered, compiler_options, quick_compiles
+from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs
+from gemma4_mtp_jax.programs.executable_cache import ExecutableCache, compile_for_cache, program_key
+from gemma4_mtp_jax.programs.compiled import CompiledSteps, compile_lowered, compiler_options, quick_compiles
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gemma4_mtp_jax.engine import RequestError
-from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.server.async_engine import (
     REQUEST_FAILED,
     AsyncEngine,

@@ -24,7 +24,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from gemma4_mtp_jax.engine import Engine, Request, RequestError, StepEvent
-from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -195,7 +195,7 @@ def _set_memory_fraction(arg: float | None) -> None:
 
 
 def _setup_compilation_cache(arg: str | None) -> None:
-    from gemma4_mtp_jax.step import enable_compilation_cache
+    from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
 
     path = enable_compilation_cache(arg)
     if path:
@@ -204,7 +204,7 @@ def _setup_compilation_cache(arg: str | None) -> None:
 
 def _executable_cache_dir(arg: str | None) -> str | None:
     """--executable-cache-dir: the directory, None for 'none', the package's default without the flag."""
-    from gemma4_mtp_jax.executable_cache import user_cache_dir
+    from gemma4_mtp_jax.programs.executable_cache import user_cache_dir
 
     if arg is None:
         return user_cache_dir("executables")
@@ -212,7 +212,7 @@ def _executable_cache_dir(arg: str | None) -> str | None:
 
 
 def _max_position_embeddings(path: Path) -> int | None:
-    from gemma4_mtp_jax.config import read_config_json
+    from gemma4_mtp_jax.model.config import read_config_json
 
     try:
         cfg = read_config_json(path)
@@ -300,7 +300,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     import jax
 
     from gemma4_mtp_jax.api import load_assistant, load_target
-    from gemma4_mtp_jax.config import check_pair
+    from gemma4_mtp_jax.model.config import check_pair
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
     from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
@@ -318,7 +318,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
 
     ckpt, assistant_path, name = args.ckpt, args.assistant, args.served_model_name
     if ckpt == "demo":
-        from gemma4_mtp_jax.demo import demo_pair
+        from gemma4_mtp_jax.weights.demo import demo_pair
 
         tdir, adir = demo_pair()
         log.info("demo target: %s; demo assistant: %s", tdir, adir)
@@ -522,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend 'tpu'"
-    from gemma4_mtp_jax.config import ConfigError
+    from gemma4_mtp_jax.model.config import ConfigError
     from gemma4_mtp_jax.engine import DeviceMemoryError
     from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
 

@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any, Callable
 
-from gemma4_mtp_jax.sampling import FLOAT32_MAX, INT32_MAX
+from gemma4_mtp_jax.model.sampling import FLOAT32_MAX, INT32_MAX
 from gemma4_mtp_jax.server.errors import bad_request
 
 MAX_STOP_STRINGS = 16

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.api import abstract_assistant_params
-from gemma4_mtp_jax.config import (
+from gemma4_mtp_jax.model.config import (
     FULL,
     SLIDING,
     AssistantConfig,
@@ -27,7 +27,7 @@ from gemma4_mtp_jax.config import (
     check_pair,
     parse_assistant_config,
 )
-from gemma4_mtp_jax.runtime import Assistant
+from gemma4_mtp_jax.model.runtime import Assistant
 from gemma4_mtp_jax.weights.hf_loader import flatten_shapes, unflatten
 
 _ORDERED = "masked_embedding"

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax import demo
+from gemma4_mtp_jax.weights import demo
 from gemma4_mtp_jax.api import abstract_assistant_params, load_assistant, load_target
-from gemma4_mtp_jax.config import ConfigError, read_config_json
+from gemma4_mtp_jax.model.config import ConfigError, read_config_json
 from gemma4_mtp_jax.train import arch, checkpoint
 from gemma4_mtp_jax.train.centroids import cluster_of_tokens, fit_centroid_head, refine_centroids
 from gemma4_mtp_jax.train.data import Dataset, DataError, DataOptions, build_dataset

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from gemma4_mtp_jax.runtime import Target
-from gemma4_mtp_jax.sampling import SamplingParams
+from gemma4_mtp_jax.model.runtime import Target
+from gemma4_mtp_jax.model.sampling import SamplingParams
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
 DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".ids", ".npy")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gemma4_mtp_jax.config import FULL, SLIDING
-from gemma4_mtp_jax.demo import BOS_ID, END_OF_TURN_ID, EOS_ID, PACKAGED, PAD_ID, write_tokenizer
+from gemma4_mtp_jax.model.config import FULL, SLIDING
+from gemma4_mtp_jax.weights.demo import BOS_ID, END_OF_TURN_ID, EOS_ID, PACKAGED, PAD_ID, write_tokenizer
 
 _S, _F = SLIDING, FULL
 
@@ -153,7 +153,7 @@ def target_config(args) -> dict:
 
 
 def stage_target(args, out: Path, tok, streams: dict[str, np.ndarray]) -> dict:
-    from gemma4_mtp_jax.config import parse_target_config
+    from gemma4_mtp_jax.model.config import parse_target_config
     from gemma4_mtp_jax.train.export import target_checkpoint_tensors, write_checkpoint
     from gemma4_mtp_jax.train.pretrain import PretrainConfig, pretrain
 

@@ -22,7 +22,7 @@ import optax
 from tqdm.auto import tqdm
 
 from gemma4_mtp_jax.api import abstract_target_params
-from gemma4_mtp_jax.config import TextConfig
+from gemma4_mtp_jax.model.config import TextConfig
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.train.trainer import adamw, warmup_cosine
 from gemma4_mtp_jax.weights.hf_loader import flatten_shapes, unflatten

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from gemma4_mtp_jax.demo import BOS_ID, EOS_ID, SPECIALS
+from gemma4_mtp_jax.weights.demo import BOS_ID, EOS_ID, SPECIALS
 
 
 def train_bpe(files: Sequence[Path], vocab_size: int, min_frequency: int = 2):

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from gemma4_mtp_jax.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.model.config import AssistantConfig, TextConfig
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.train import checkpoint

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from gemma4_mtp_jax.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.model.config import AssistantConfig, TextConfig
 from gemma4_mtp_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
 # Multimodal checkpoints (Gemma4ForConditionalGeneration) carry towers the text model never reads.

@@ -13,12 +13,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import SLIDING, owning_layers
-from gemma4_mtp_jax.device_state import StepInputs
-from gemma4_mtp_jax.kv_state import KVLayout, PagedKV
+from gemma4_mtp_jax.model.config import SLIDING, owning_layers
+from gemma4_mtp_jax.steps.device_state import StepInputs
+from gemma4_mtp_jax.model.kv_state import KVLayout, PagedKV
 from gemma4_mtp_jax.model.target import Gemma4Target
-from gemma4_mtp_jax.runtime import Target
-from gemma4_mtp_jax.sampling import sample
+from gemma4_mtp_jax.model.runtime import Target
+from gemma4_mtp_jax.model.sampling import sample
 
 Array = jax.Array
 

@@ -24,12 +24,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import SLIDING, TextConfig, owning_layers
+from gemma4_mtp_jax.model.config import SLIDING, TextConfig, owning_layers
 from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, rope_tables
 from gemma4_mtp_jax.kernels.device_budget import kernels_chosen
 from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
-from gemma4_mtp_jax.sharding import head_parallel, tensor_parallel_size
+from gemma4_mtp_jax.model.sharding import head_parallel, tensor_parallel_size
 
 Array = jax.Array
 NULL_PAGE = 0

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gemma4_mtp_jax.config import TextConfig, owning_layers
+from gemma4_mtp_jax.model.config import TextConfig, owning_layers
 
 AXIS = "tp"
 _LAYER = re.compile(r"^layers_(\d+)\.")

@@ -18,16 +18,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.config import SLIDING
-from gemma4_mtp_jax.device_state import StepInputs
-from gemma4_mtp_jax.forward import StepSpec, forward_paged, lm_logits
+from gemma4_mtp_jax.model.config import SLIDING
+from gemma4_mtp_jax.steps.device_state import StepInputs
+from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
-from gemma4_mtp_jax.kv_state import PagedDraftKV
+from gemma4_mtp_jax.model.kv_state import PagedDraftKV
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.traced import traced_once
-from gemma4_mtp_jax.runtime import Assistant, shapes_only
-from gemma4_mtp_jax.sampling import SamplingBatch, filter_logits
+from gemma4_mtp_jax.model.runtime import Assistant, shapes_only
+from gemma4_mtp_jax.model.sampling import SamplingBatch, filter_logits
 
 Array = jax.Array
 _NEG = -jnp.inf

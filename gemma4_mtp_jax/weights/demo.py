@@ -21,7 +21,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.config import FULL, SLIDING
+from gemma4_mtp_jax.model.config import FULL, SLIDING
 
 DEMO_VERSION = 4  # of the random pair's recipe (its cache directory)
 # Special tokens of both pairs' tokenizers, ids 0..5; <eos> and <end_of_turn> both end a generation.
@@ -212,7 +212,7 @@ def resolve(target: str | os.PathLike | None, assistant: str | os.PathLike | Non
 def build_random_pair(root: str | os.PathLike | None = None, force: bool = False) -> tuple[Path, Path]:
     """Write the random-weight test pair under `root` (default ~/.cache/gemma4_mtp_jax/demo-vN) unless there."""
     from gemma4_mtp_jax.api import abstract_assistant_params, abstract_target_params
-    from gemma4_mtp_jax.config import parse_assistant_config, parse_target_config
+    from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config
     from gemma4_mtp_jax.weights.hf_loader import flax_to_hf_name
 
     root = Path(root) if root else default_root()

@@ -20,16 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.device_state import DeviceState, StepInputs, finish_round, init_slots, stop_check
-from gemma4_mtp_jax.executable_cache import user_cache_dir
-from gemma4_mtp_jax.forward import StepSpec, decode_step, prefill_step
-from gemma4_mtp_jax.input_pack import pack_rows, packed_width, return_in, unpack_rows
+from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs, finish_round, init_slots, stop_check
+from gemma4_mtp_jax.programs.executable_cache import user_cache_dir
+from gemma4_mtp_jax.steps.forward import StepSpec, decode_step, prefill_step
+from gemma4_mtp_jax.programs.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
-from gemma4_mtp_jax.kv_state import KVLayout, abstract_pages, init_pages
-from gemma4_mtp_jax.param_pack import PackedParams, ParamPack
-from gemma4_mtp_jax.runtime import Target, shapes_only
-from gemma4_mtp_jax.sharding import Placement, mesh_context
-from gemma4_mtp_jax.speculative import AssistantDrafter, Drafter, speculative_step
+from gemma4_mtp_jax.model.kv_state import KVLayout, abstract_pages, init_pages
+from gemma4_mtp_jax.programs.param_pack import PackedParams, ParamPack
+from gemma4_mtp_jax.model.runtime import Target, shapes_only
+from gemma4_mtp_jax.model.sharding import Placement, mesh_context
+from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter, speculative_step
 from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class CompiledSteps:
     layout: KVLayout
     cache_dtype: Any
     attention_impl: str = "auto"
-    drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (gemma4_mtp_jax.speculative)
+    drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (gemma4_mtp_jax.steps.speculative)
     k: int = 0
     num_slots: int = 1
     # Tensor parallelism: the mesh the programs run on and each parameter's and page's sharding (None: one device,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.sampling import SamplingBatch
+from gemma4_mtp_jax.model.sampling import SamplingBatch
 
 Array = jax.Array
 

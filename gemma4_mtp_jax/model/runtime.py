@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from gemma4_mtp_jax.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.model.config import AssistantConfig, TextConfig
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
