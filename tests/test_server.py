@@ -37,6 +37,7 @@ openai = pytest.importorskip("openai")
 
 MAX_LEN = 128
 HEADER_TIMEOUT = BODY_TIMEOUT = 3.0  # the server's --header/--body-timeout-seconds here (default 30)
+MAX_MESSAGES, MAX_REQUEST_BYTES = 64, 8 * 2**20  # its --max-messages and --max-request-size
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def srv(paths):
     tdir, adir, cache = paths
     t0 = time.time()
     s = InProcessServer(server_argv(tdir, adir, cache, "--header-timeout-seconds", str(HEADER_TIMEOUT),
-                                    "--body-timeout-seconds", str(BODY_TIMEOUT)))
+                                    "--body-timeout-seconds", str(BODY_TIMEOUT), "--max-messages", str(MAX_MESSAGES),
+                                    "--max-request-size", "8MiB"))
     print(f"\n[test_server] server up in {time.time() - t0:.1f}s at {s.url}")
     yield s
     s.close()
@@ -377,7 +379,9 @@ BAD_REQUESTS = [
      "max_completion_tokens"),
     ("unknown-route", "POST", "/v1/embeddings", _GOOD, 404, None),
     ("wrong-method", "GET", C, None, 405, None),
-    ("body-too-large", "POST", C, b"{" + b" " * (17 * 2**20) + b"}", 413, None),
+    ("body-too-large", "POST", C, b"{" + b" " * (9 * 2**20) + b"}", 413, None),
+    ("chat-too-many-messages", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "x"}] * (
+        MAX_MESSAGES + 1)}, 400, "messages"),
     # values the engine cannot hold, strings the tokenizer cannot take, ill-typed ignored fields
     ("top-k-above-int32", "POST", C, {**_GOOD, "top_k": 2**31}, 400, "top_k"),
     ("chat-top-k-above-int32", "POST", CH, {**_CHAT, "top_k": 2**31}, 400, "top_k"),
@@ -423,6 +427,8 @@ def test_bad_request(srv, name, method, path, body, status, param):
     assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
     if param is not None:
         assert err["param"] == param, err
+    if status == 413:  # the server's flag
+        assert f"limit of {MAX_REQUEST_BYTES} bytes" in err["message"], err
 
 
 def test_server_fine_after_bad_requests(srv, client):
