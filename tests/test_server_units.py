@@ -740,6 +740,20 @@ def test_connections_beyond_the_limit_get_503(fake_server):
     assert sample(after, "gemma4_requests_total", **key) - sample(before, "gemma4_requests_total", **key) == 1
 
 
+def test_large_bodies_after_close_get_503(demo_tok):
+    """A body read in full after the server stopped its workers: 503, and no worker process starts."""
+    import asyncio
+
+    from gemma4_mtp_jax.server.prepare import RequestPreparer, ServerSettings
+
+    preparer = RequestPreparer(ServerSettings("fake", max_model_len=64, vocab_size=512), demo_tok)
+    preparer.close()
+    with pytest.raises(APIError) as ei:
+        asyncio.run(preparer.prepare(_padded(b'{"prompt": "x"}'), "completion"))
+    assert ei.value.status == 503 and preparer._pool is None
+    assert asyncio.run(preparer.prepare(b'{"prompt": "x"}', "completion")).prompt_ids == demo_tok.encode("x")
+
+
 def test_connection_and_body_flags():
     from gemma4_mtp_jax.server.cli import build_parser, max_connections
 

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -142,6 +143,7 @@ class RequestPreparer:
         self.local = Preparer(settings, tokenizer)
         self._worker_args = (settings, None if tokenizer is None else str(tokenizer.directory))
         self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
 
     async def prepare(self, raw: bytes, kind: str) -> Prepared:
         if len(raw) <= INLINE_BYTES:
@@ -161,6 +163,8 @@ class RequestPreparer:
         self._workers().submit(_ready)
 
     def _workers(self) -> ProcessPoolExecutor:
+        if self._closed:  # a request still being read when the server stopped: no workers to start any more
+            raise APIError(503, "The server is shutting down", code="shutting_down")
         if self._pool is None:
             import multiprocessing
 
@@ -172,7 +176,7 @@ class RequestPreparer:
 
     def close(self) -> None:
         """Stop the worker processes (work not yet begun is dropped). Blocks until they exit."""
-        pool, self._pool = self._pool, None
+        pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -182,6 +186,7 @@ _worker: Preparer | None = None  # the worker process's own
 
 def _start_worker(settings: ServerSettings, tokenizer_dir: str | None) -> None:
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
     _worker = Preparer(settings, None if tokenizer_dir is None else TextTokenizer(tokenizer_dir))
 
 
