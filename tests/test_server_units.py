@@ -422,7 +422,7 @@ def fake_server(demo_tok):
     engine = FakeEngine()
     fake_server_engine[:] = [engine]
     server = OpenAIServer(AsyncEngine(engine, max_queue_len=4, metrics=metrics), demo_tok,
-                          ServerSettings("fake", max_model_len=64, vocab_size=512, num_speculative_tokens=3), metrics,
+                          ServerSettings("fake", max_model_len=256, vocab_size=512, num_speculative_tokens=3), metrics,
                           engine.eos_ids)
     fake_server_engine.append(server)
     sock = bind_socket("127.0.0.1", 0)
@@ -648,10 +648,10 @@ def test_a_14_mib_body_delays_no_stream(fake_server):
     assert request("127.0.0.1", port, "POST", "/v1/completions", _padded(b'{"prompt": "x", "max_tokens": 1}'))[0] == 200
 
     arrivals: list[float] = []
-    engine.per_step, engine.delay = 1, 0.04  # 60 steps of 40 ms: the stream outlasts the body
+    engine.per_step = 1  # 150 steps of 20 ms: the stream outlasts the body
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     try:
-        ask = json.dumps({"prompt": "x", "max_tokens": 60, "stream": True}).encode()
+        ask = json.dumps({"prompt": "x", "max_tokens": 150, "stream": True}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(ask) + ask)
 
@@ -669,7 +669,7 @@ def test_a_14_mib_body_delays_no_stream(fake_server):
         answered = time.perf_counter()
         reader.join(60)
     finally:
-        engine.per_step, engine.delay = 3, 0.02
+        engine.per_step = 3
         sock.close()
     err = json.loads(raw)["error"]
     assert status == 400 and err["param"] == "messages" and err["code"] == "too_many_messages", raw
