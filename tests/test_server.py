@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 
+import openai  # in the test extra: a missing wheel fails, it does not skip
 import pytest
 
 from test_server_support import (
@@ -33,10 +34,9 @@ from test_server_support import (
     wait_idle,
 )
 
-openai = pytest.importorskip("openai")
-
 MAX_LEN = 128
 HEADER_TIMEOUT = BODY_TIMEOUT = 3.0  # the server's --header/--body-timeout-seconds here (default 30)
+MAX_MESSAGES, MAX_REQUEST_BYTES = 64, 8 * 2**20  # its --max-messages and --max-request-size
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def srv(paths):
     tdir, adir, cache = paths
     t0 = time.time()
     s = InProcessServer(server_argv(tdir, adir, cache, "--header-timeout-seconds", str(HEADER_TIMEOUT),
-                                    "--body-timeout-seconds", str(BODY_TIMEOUT)))
+                                    "--body-timeout-seconds", str(BODY_TIMEOUT), "--max-messages", str(MAX_MESSAGES),
+                                    "--max-request-size", "8MiB"))
     print(f"\n[test_server] server up in {time.time() - t0:.1f}s at {s.url}")
     yield s
     s.close()
@@ -301,10 +302,17 @@ def test_32_concurrent_streams_equal_sequential_runs(srv, client, monkeypatch):
 def test_single_token_and_default_max_tokens(client):
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, temperature=0)
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason in ("length", "stop")
-    r = client.completions.create(model=MODEL, prompt="Hello", temperature=0)  # OpenAI's default: 16
-    assert r.usage.completion_tokens <= 16
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0)
-    assert r.usage.total_tokens <= MAX_LEN  # chat's default: whatever fits in the context
+    # Without max_tokens, generated in full (ignore_eos): completions get OpenAI's 16, or what the context has left
+    # when that is less; chat what the context has left.
+    full = {"ignore_eos": True}
+    r = client.completions.create(model=MODEL, prompt="Hello", temperature=0, extra_body=full)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=[2] + [70] * (MAX_LEN - 6), temperature=0, extra_body=full)
+    assert r.usage.prompt_tokens == MAX_LEN - 5 and r.usage.completion_tokens == 5
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                       extra_body=full)
+    assert r.usage.prompt_tokens < MAX_LEN and r.usage.total_tokens == MAX_LEN
+    assert r.choices[0].finish_reason == "length"
 
 
 # ---------------------------------------------------------------------------------------------------- bad requests
@@ -377,7 +385,9 @@ BAD_REQUESTS = [
      "max_completion_tokens"),
     ("unknown-route", "POST", "/v1/embeddings", _GOOD, 404, None),
     ("wrong-method", "GET", C, None, 405, None),
-    ("body-too-large", "POST", C, b"{" + b" " * (17 * 2**20) + b"}", 413, None),
+    ("body-too-large", "POST", C, b"{" + b" " * (9 * 2**20) + b"}", 413, None),
+    ("chat-too-many-messages", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "x"}] * (
+        MAX_MESSAGES + 1)}, 400, "messages"),
     # values the engine cannot hold, strings the tokenizer cannot take, ill-typed ignored fields
     ("top-k-above-int32", "POST", C, {**_GOOD, "top_k": 2**31}, 400, "top_k"),
     ("chat-top-k-above-int32", "POST", CH, {**_CHAT, "top_k": 2**31}, 400, "top_k"),
@@ -423,6 +433,8 @@ def test_bad_request(srv, name, method, path, body, status, param):
     assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
     if param is not None:
         assert err["param"] == param, err
+    if status == 413:  # the server's flag
+        assert f"limit of {MAX_REQUEST_BYTES} bytes" in err["message"], err
 
 
 def test_server_fine_after_bad_requests(srv, client):
@@ -481,13 +493,39 @@ def test_disconnect_mid_stream_frees_pages(srv, slow_engine):
     assert sample(after, gen) - sample(before, gen) < 100
 
 
-def test_disconnect_while_waiting_for_non_streamed_answer(srv, slow_engine):
+def test_disconnect_while_waiting_for_non_streamed_answer(srv, slow_engine, monkeypatch):
+    """Six non-streamed requests (4 running, 2 queued) whose clients go away before their answers: each is cancelled
+    in the engine after far fewer than its 100 tokens, counted as a 499 and as cancelled, and every slot and KV page
+    comes back."""
+    engine, added = srv.engine, []
+    assert engine.wait_for_programs(300), "the background compiling did not finish"  # until then: 2 run at most
+    real_add = engine.add_request
+
+    def add_request(*args, **kwargs):
+        added.append(real_add(*args, **kwargs))
+        return added[-1]
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    slow_engine["delay"] = 0.1  # 100 tokens take >= 20 steps (2 s) even if every draft is accepted
+    before = metric_samples(srv.host, srv.port)
     socks = [_open_stream(srv, {"prompt": f"Hello {i}", "max_tokens": 100, "temperature": 0}) for i in range(6)]
-    # 4 run, 2 wait in the queue; everyone disconnects before the answer
-    _wait_for(lambda: health(srv.host, srv.port)["in_flight"] == 6, what="6 requests in flight")
+    _wait_for(lambda: (lambda h: h["in_flight"] == 6 and h["running"] == 4)(health(srv.host, srv.port)),
+              what="6 requests in flight, 4 of them running")
     for s in socks:
         s.close()
-    wait_idle(srv.host, srv.port)
+    h = wait_idle(srv.host, srv.port)
+    assert h["status"] == "ok" and not engine.running and not engine.waiting
+    assert len(added) == 6 and all(r.finish_reason == "cancelled" for r in added), [r.finish_reason for r in added]
+    generated = [len(r.output) for r in added]
+    assert max(generated) < 50, generated
+    after = metric_samples(srv.host, srv.port)
+
+    def delta(name, **labels):
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("gemma4_request_finished_total", finish_reason="cancelled") == 6
+    assert delta("gemma4_requests_total", endpoint="completions", status="499") == 6
+    assert delta("gemma4_generation_tokens_total") <= sum(generated)
 
 
 # ------------------------------------------------------------------------------------------------------- overload

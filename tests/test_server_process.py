@@ -95,7 +95,8 @@ def test_help_lists_every_flag():
     assert r.returncode == 0
     for flag in ["--ckpt", "--assistant", "--num-speculative-tokens", "--host", "--port", "--max-num-seqs",
                  "--max-model-len", "--dtype", "--api-key", "--max-queue-len", "--shutdown-grace-seconds",
-                 "--header-timeout-seconds", "--body-timeout-seconds"]:
+                 "--header-timeout-seconds", "--body-timeout-seconds", "--max-request-size", "--max-messages",
+                 "--max-connections"]:
         assert flag in r.stdout
     assert "127.0.0.1" in r.stdout and "demo" in r.stdout
 

@@ -4,6 +4,7 @@ app.py           the ASGI app: endpoints, SSE streaming, disconnect handling, th
 connection.py    uvicorn's HTTP/1.1 protocol with header / body deadlines (slow clients)
 async_engine.py  the engine thread and the queues between it and the event loop
 protocol.py      request validation (OpenAI-style 4xx errors, errors.py)
+prepare.py       a request's body -> parameters and prompt ids: on the event loop, or in worker processes if large
 detokenize.py    incremental, UTF-8-safe detokenization with stop strings
 chat.py          tokenizer + chat template (jinja2, sandboxed)
 metrics.py       Prometheus metrics

@@ -3,6 +3,10 @@
     POST /v1/completions        POST /v1/chat/completions     (JSON or SSE streams)
     GET  /v1/models             GET  /health                  GET /metrics (Prometheus)
 
+A generation request's body is read up to `max_request_bytes` (413 beyond) and prepared (parsed, validated, its
+chat rendered, tokenized) by prepare.py: on the event loop when small, in a worker process when large, so that no
+body delays the streams the loop runs.
+
 Generation responses are raw ASGI callables that watch the connection while they run: when the client goes
 away (mid-stream, or while waiting for a non-streamed answer) the request is cancelled in the engine and its KV
 pages are freed at once.
@@ -45,33 +49,22 @@ from gemma4_mtp_jax.server.chat import TextTokenizer
 from gemma4_mtp_jax.server.detokenize import TextStream
 from gemma4_mtp_jax.server.errors import APIError, bad_request, json_bytes
 from gemma4_mtp_jax.server.metrics import Metrics
-from gemma4_mtp_jax.server.protocol import GenerationParams, parse_chat, parse_completion, parse_json, show_json
+from gemma4_mtp_jax.server.prepare import RequestPreparer, ServerSettings
+from gemma4_mtp_jax.server.protocol import GenerationParams
 
 log = logging.getLogger("gemma4_mtp_jax.server")
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
-_OFFLOAD_CHARS = 16384  # tokenize longer texts in a worker thread, not on the event loop
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions", "/v1/models": "models",
               "/health": "health", "/metrics": "metrics"}  # metric labels; any other path counts as "other"
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before its answer (never sent, only counted)
 _INTERNAL_ERROR = APIError(500, "Internal server error", code="internal_error")
 
 
-@dataclasses.dataclass
-class ServerSettings:
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    api_key: str | None = None
-    aliases: tuple[str, ...] = ()  # other names accepted in "model" (e.g. the checkpoint path)
-    default_temperature: float = 1.0
-    default_top_k: int = 0
-    default_top_p: float = 1.0
-    default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat: up to max_model_len
-    max_request_bytes: int = 16 * 2**20
-    num_speculative_tokens: int = 0
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
 
 
 def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -90,6 +83,7 @@ class OpenAIServer:
         self.settings = settings
         self.metrics = metrics
         self.eos_ids = frozenset(eos_ids)
+        self.preparer = RequestPreparer(settings, tokenizer)
         metrics.spec_tokens.set(settings.num_speculative_tokens)
         self.routes = Starlette(
             routes=[
@@ -114,7 +108,9 @@ class OpenAIServer:
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.engine.stop)
+            await loop.run_in_executor(None, self.preparer.close)
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests (503); abort those still running after `grace_s` seconds. Signal-handler safe."""
@@ -179,67 +175,14 @@ class OpenAIServer:
         limit = self.settings.max_request_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"The request body is larger than {limit} bytes", code="request_too_large")
+            raise _too_large(limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise APIError(413, f"The request body is larger than {limit} bytes", code="request_too_large")
+                raise _too_large(limit)
             chunks.append(chunk)
         return b"".join(chunks)
-
-    def _check_model(self, model: str | None) -> None:
-        if model is None or model == self.settings.model_name or model in self.settings.aliases:
-            return
-        raise APIError(404, f"The model {show_json(model, 200)} does not exist; this server serves "
-                            f"'{self.settings.model_name}'",
-                       param="model", code="model_not_found")
-
-    async def _encode(self, text: str, param: str) -> list[int]:
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer (tokenizer.json): send the prompt as token ids", param)
-        try:
-            if len(text) > _OFFLOAD_CHARS:
-                return await asyncio.to_thread(self.tokenizer.encode, text)
-            return self.tokenizer.encode(text)
-        except Exception as e:  # the tokenizer is a function of the text alone: a text it refuses is the client's
-            log.warning("the tokenizer refused '%s': %s: %s", param, type(e).__name__, e)
-            raise bad_request(f"'{param}' could not be tokenized ({type(e).__name__})", param,
-                              "invalid_string") from None
-
-    async def _prompt_ids(self, p: GenerationParams) -> list[int]:
-        L = self.settings.max_model_len
-        if p.kind == "chat":
-            if self.tokenizer is None:
-                raise bad_request("this model has no tokenizer (tokenizer.json): chat is not available", "messages")
-            ids, where = await self._encode(self.tokenizer.render_chat(p.messages), "messages"), "messages"
-        elif isinstance(p.prompt, str):
-            ids, where = await self._encode(p.prompt, "prompt"), "prompt"
-        else:
-            ids, where = list(p.prompt), "prompt"
-            V = self.settings.vocab_size
-            if len(ids) < L:  # (a longer one is refused below, without scanning it)
-                bad = next((t for t in ids if not 0 <= t < V), None)
-                if bad is not None:
-                    raise bad_request(f"prompt token id {show_json(bad)} is outside the vocabulary [0, {V})", "prompt")
-        if not ids:
-            raise bad_request("the prompt is empty after tokenization", where)
-        if len(ids) >= L:
-            raise bad_request(f"This model's maximum context length is {L} tokens; the prompt has {len(ids)} tokens "
-                              f"(at least one token must be left to generate)", where, "context_length_exceeded")
-        return ids
-
-    def _max_tokens(self, p: GenerationParams, prompt_len: int) -> int:
-        L = self.settings.max_model_len
-        room = L - prompt_len
-        if p.max_tokens is None:
-            return room if p.kind == "chat" else min(self.settings.default_completion_max_tokens, room)
-        if p.max_tokens > room:
-            param = "max_tokens"
-            raise bad_request(f"This model's maximum context length is {L} tokens; you asked for "
-                              f"{prompt_len + p.max_tokens} ({prompt_len} in the prompt, {p.max_tokens} to generate)",
-                              param, "context_length_exceeded")
-        return p.max_tokens
 
     def _sampling(self, p: GenerationParams) -> SamplingParams:
         s = self.settings
@@ -262,15 +205,12 @@ class OpenAIServer:
             self._authorize(request)
             if self.engine.draining:
                 raise APIError(503, "The server is shutting down", code="shutting_down")
-            body = parse_json(await self._read_body(request))
-            params = parse_completion(body) if kind == "completion" else parse_chat(body)
-            self._check_model(params.model)
-            prompt_ids = await self._prompt_ids(params)
-            max_tokens = self._max_tokens(params, len(prompt_ids))
+            prepared = await self.preparer.prepare(await self._read_body(request), kind)
+            params, prompt_ids = prepared.params, prepared.prompt_ids
             sampling = self._sampling(params)
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
             stop_ids = frozenset() if params.ignore_eos else None  # None: the model's EOS ids
-            stream = await self.engine.submit(prompt_ids, max_tokens, sampling, stop_ids, rid)
+            stream = await self.engine.submit(prompt_ids, prepared.max_tokens, sampling, stop_ids, rid)
         except APIError as e:
             return self._rejected(endpoint, e)
         except QueueFull as e:

@@ -4,6 +4,11 @@ The chat template comes from the checkpoint's `chat_template.jinja` file, or `ch
 `chat_template` entry of `tokenizer_config.json` (a string, or a list of named templates: "default" is used). It
 is rendered with jinja2 in a sandbox, with the special tokens of `tokenizer_config.json` (`bos_token`, ...) and
 `add_generation_prompt=True`, as Hugging Face tokenizers render it.
+
+A chat's special tokens are the template's alone: the text of a special token inside a message's content
+(`<end_of_turn>`, `<start_of_turn>model`) is tokenized as the plain text it is, never as the control token, so that
+a client cannot forge turns (`TextTokenizer.encode_chat`). A completions prompt is the client's raw model input:
+there the text of a special token is the special token (`TextTokenizer.encode`), as in vLLM and Hugging Face.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +46,31 @@ class TemplateRenderError(Exception):
     pass
 
 
+def literal_pattern(words) -> re.Pattern:
+    """A regex of `words` that matches, at the leftmost position, the longest of them there (as a tokenizer matches
+    its added tokens). A trie, not an alternation: the time per position does not grow with the number of words."""
+    trie: dict = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a word ends here
+
+    def pattern(node: dict) -> str:
+        alternatives = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
+        if not alternatives:
+            return ""
+        body = alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer word first
+
+    return re.compile(pattern(trie) if trie else "(?!)")
+
+
+# Placeholders for special-token text in message contents: Unicode's supplementary private use area B, which no
+# template filter changes (not whitespace, no case) and no tokenizer splits or normalizes away.
+_PLACEHOLDERS = range(0x100000, 0x10FFFE)
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str], origin: str = "<string>"):
         import jinja2
@@ -61,6 +92,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         self.origin = origin
+        self.source = source
         self.special_tokens = special_tokens
         try:
             self._template = env.from_string(source)
@@ -87,11 +119,22 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         d = Path(directory)
+        self.directory = d
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        # The same tokenizer reading the text of special tokens as plain text (a second one: the switch is the
+        # tokenizer's state, and encodings run in several threads at once).
+        self._literal = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self._literal.encode_special_tokens = True
+        added = self.tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special_text = literal_pattern(t.content for t in added.values() if t.special and t.content)
         cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
         self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(cfg.get(k))) is not None}
         self.bos_token = self.special_tokens.get("bos_token")
         self.chat_template = self._load_template(d, cfg)
+        # Characters a rendered chat holds besides the messages' own: placeholders must be none of them.
+        self._template_chars = frozenset("".join([self.chat_template.source if self.chat_template else "",
+                                                  *self.special_tokens.values()]))
 
     def _load_template(self, d: Path, cfg: dict) -> ChatTemplate | None:
         source, origin = None, None
@@ -109,8 +152,9 @@ class TextTokenizer:
         return ChatTemplate(source, self.special_tokens, origin)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; the tokenizer's special tokens (BOS) are added unless the text already starts with
-        the BOS token (as a rendered chat template does)."""
+        """Token ids of `text`, the text of a special token included (`<end_of_turn>` is the control token: a
+        completions prompt is raw model input). The tokenizer's special tokens (BOS) are added unless the text
+        already starts with the BOS token (as a rendered chat template does)."""
         add_special = not (self.bos_token and text.startswith(self.bos_token))
         return self.tokenizer.encode(text, add_special_tokens=add_special).ids
 
@@ -122,3 +166,68 @@ class TextTokenizer:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages",
                            code="no_chat_template")
         return self.chat_template.render(messages, add_generation_prompt=True)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the rendered chat, where only the template's special tokens are control tokens: the text of
+        a special token inside a message's content is tokenized as plain text. A chat without such text gets
+        exactly `encode(render_chat(messages))`.
+
+        Such text is swapped for a placeholder character before rendering (so every template filter, `trim`
+        included, sees the content as before), and each stretch of the rendered text between two of the template's
+        special tokens that holds a placeholder is tokenized again with the text put back, special tokens read as
+        plain text. The tokenizer splits a text at its added tokens and tokenizes the pieces apart, so the other
+        stretches keep their tokens."""
+        escaped, restore = self._escape_special_text(messages)
+        text = self.render_chat(escaped)
+        if not restore:
+            return self.encode(text)
+        placeholder = re.compile("[" + "".join(map(chr, restore)) + "]")
+        enc = self.tokenizer.encode(text, add_special_tokens=not (self.bos_token and text.startswith(self.bos_token)))
+        ids, offsets, added = enc.ids, enc.offsets, enc.special_tokens_mask
+        lo, hi = 0, len(ids)  # the tokens of the text, between those the post-processor added (a BOS)
+        while lo < hi and added[lo]:
+            lo += 1
+        while hi > lo and added[hi - 1]:
+            hi -= 1
+        out = ids[:lo]
+        start, first = 0, lo  # the stretch of text since the last special token, and its first token
+
+        def stretch(end_char: int, end_token: int) -> None:
+            piece = text[start:end_char]
+            if placeholder.search(piece):
+                out.extend(self._literal.encode(piece.translate(restore), add_special_tokens=False).ids)
+            else:
+                out.extend(ids[first:end_token])
+
+        for i in range(lo, hi):
+            if ids[i] in self.special_ids:
+                stretch(offsets[i][0], i)
+                out.append(ids[i])
+                start, first = offsets[i][1], i + 1
+        stretch(len(text), hi)
+        return out + ids[hi:]
+
+    def _escape_special_text(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[int, str]]:
+        """The messages with each special token's text in their contents replaced by a placeholder character, and
+        the map back ({} when no content holds any)."""
+        hits = [i for i, m in enumerate(messages) if self._special_text.search(m["content"])]
+        if not hits:
+            return messages, {}
+        taken = set(self._template_chars).union(*(m["content"] for m in messages))
+        free = (chr(c) for c in _PLACEHOLDERS if chr(c) not in taken)
+        placeholders: dict[str, str] = {}
+
+        def swap(m: re.Match) -> str:
+            text = m.group()
+            if text not in placeholders:
+                p = next(free, None)
+                if p is None:
+                    raise bad_request("the messages use every character of Unicode's private use area B, which the "
+                                      "server needs to read special-token text in them as text", "messages")
+                placeholders[text] = p
+            return placeholders[text]
+
+        out = list(messages)
+        for i in hits:
+            out[i] = {**out[i], "content": self._special_text.sub(swap, out[i]["content"])}
+        return out, {ord(p): text for text, p in placeholders.items()}

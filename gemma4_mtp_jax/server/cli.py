@@ -152,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout-seconds", type=float, default=30.0,
                    help="a request's body must arrive in full within this long of its headers; otherwise the "
                         "connection is closed")
+    s.add_argument("--max-request-size", type=parse_size, default=None, metavar="SIZE",
+                   help="largest request body accepted, e.g. 16MiB or 4MB; a larger one gets 413 (default: 16MiB). "
+                        "Bodies over 16 KiB are parsed, rendered and tokenized in worker processes, so a large one "
+                        "delays no stream")
+    s.add_argument("--max-messages", type=int, default=None, metavar="N",
+                   help="messages a chat request may hold; more get 400 (default: 4096)")
+    s.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections served at once, as uvicorn's --limit-concurrency: a request on a connection "
+                        "beyond them gets 503 and the connection is closed. Default: 1024, or twice the requests the "
+                        "server holds (--max-num-seqs x --data-parallel-size + --max-queue-len) when that is more")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="log verbosity")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     return ap
@@ -174,6 +184,9 @@ def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error("--num-speculative-tokens must be >= 1")
     if a.max_queue_len < 0:
         ap.error("--max-queue-len must be >= 0")
+    for name in ("max_messages", "max_connections"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.shutdown_grace_seconds < 0:
         ap.error("--shutdown-grace-seconds must be >= 0")
     for name in ("header_timeout_seconds", "body_timeout_seconds"):
@@ -405,6 +418,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
 
     gen = target.generation_config or {}
+    limits = {"max_request_bytes": args.max_request_size, "max_messages": args.max_messages}
     settings = ServerSettings(
         model_name=name,
         max_model_len=config.max_model_len,
@@ -416,6 +430,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         default_top_k=int(gen.get("top_k") or 0),
         default_top_p=float(gen.get("top_p") or 1.0),
         num_speculative_tokens=engine.k,
+        **{k: v for k, v in limits.items() if v is not None},  # flags not given: ServerSettings' defaults
     )
     metrics = Metrics(name)
     aengines = [AsyncEngine(e, max_queue_len=args.max_queue_len, metrics=metrics) for e in engines]
@@ -455,6 +470,14 @@ def _is_loopback(sock: socket.socket) -> bool:
         return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
     except ValueError:
         return False
+
+
+def max_connections(args: argparse.Namespace) -> int:
+    """--max-connections, or its default: room for every request the server holds (running and queued) twice over,
+    for the keep-alive connections of clients' pools, probes and refused requests; at least 1024."""
+    if args.max_connections is not None:
+        return args.max_connections
+    return max(1024, 2 * (args.max_num_seqs * args.data_parallel_size + args.max_queue_len))
 
 
 DRAIN_OVERRUN_S = 5.0  # past the grace period, stop listening even if the engine has not closed every request
@@ -498,7 +521,8 @@ def make_uvicorn_server(server, args: argparse.Namespace):
 
     config = uvicorn.Config(
         server.app,
-        http=guarded_h11_protocol(args.header_timeout_seconds, args.body_timeout_seconds, count),
+        http=guarded_h11_protocol(args.header_timeout_seconds, args.body_timeout_seconds, count,
+                                  max_connections(args)),
         log_level=args.log_level,
         access_log=not args.no_access_log,
         timeout_graceful_shutdown=args.shutdown_grace_seconds + 10.0,
@@ -536,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, DeviceMemoryError, OSError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2
+    server.preparer.start()  # a worker process for large request bodies, ready before the first one comes
     sock.listen(2048)
     url = _url(sock)
     log.info("serving '%s' on %s (OpenAI API: %s/v1, health: %s/health, metrics: %s/metrics)%s",

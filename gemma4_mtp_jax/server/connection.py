@@ -9,8 +9,10 @@ connection is closed: with a 408 for a head that never completed (so the client 
 client that went away for the handler reading it (counted as 499 there).
 
 h11 already bounds a head's size (16 KiB) and refuses malformed requests; uvicorn's plain-text 400 for those is
-replaced by a JSON one in the API's error format. Both it and the 408 are counted in the request metrics under the
-endpoint "other". The server always runs this protocol, httptools or not, so the deadlines always hold.
+replaced by a JSON one in the API's error format. `max_connections` is uvicorn's `limit_concurrency` (a request on a
+connection beyond that many, or beyond that many requests in progress, gets 503 and its connection is closed),
+answered in JSON here too. The 400, 408 and 503 are counted in the request metrics under the endpoint "other". The
+server always runs this protocol, httptools or not, so the deadlines always hold.
 """
 
 from __future__ import annotations
@@ -35,14 +37,25 @@ def error_bytes(e: APIError) -> bytes:
             % (e.status, reason, len(body)) + body)
 
 
-def guarded_h11_protocol(header_timeout: float, body_timeout: float,
-                         count: Callable[[int], None] | None = None) -> type[H11Protocol]:
-    """An H11Protocol class (for uvicorn.Config(http=...)) with these deadlines; `count(status)` is called for each
-    response it answers itself."""
+def guarded_h11_protocol(header_timeout: float, body_timeout: float, count: Callable[[int], None] | None = None,
+                         max_connections: int | None = None) -> type[H11Protocol]:
+    """An H11Protocol class (for uvicorn.Config(http=...)) with these deadlines and connection limit; `count(status)`
+    is called for each response it answers itself."""
+
+    async def too_many_connections(scope, receive, send) -> None:
+        body = json_bytes(APIError(503, f"The server is serving as many connections as it takes ({max_connections}); "
+                                        f"retry later", code="too_many_connections").body())
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+        if count is not None:
+            count(503)
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self._app = self.app
             self._deadline: asyncio.TimerHandle | None = None
             self._waiting_for: str | None = None  # "headers" | "body"
 
@@ -98,6 +111,9 @@ def guarded_h11_protocol(header_timeout: float, body_timeout: float,
             super().data_received(data)
 
         def handle_events(self) -> None:
+            if max_connections is not None:  # the app a request parsed now goes to (uvicorn's limit_concurrency rule)
+                full = len(self.connections) > max_connections or len(self.tasks) >= max_connections
+                self.app = too_many_connections if full else self._app
             super().handle_events()
             self._track()
 

@@ -31,8 +31,16 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
+    def __reduce__(self):  # raised in the worker processes that prepare large requests (prepare.py)
+        return _api_error, (self.status, self.message, self.param, self.code, self.type, self.headers)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _api_error(status: int, message: str, param: str | None, code: str | None, type: str,
+               headers: dict[str, str]) -> APIError:
+    return APIError(status, message, param=param, code=code, type=type, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -22,6 +22,9 @@ from gemma4_mtp_jax.model.sampling import FLOAT32_MAX, INT32_MAX
 from gemma4_mtp_jax.server.errors import bad_request
 
 MAX_STOP_STRINGS = 16
+# A chat's messages at most, by default (--max-messages): each costs the template a few tokens, so 4096 fill ~20k
+# tokens with turn markers alone; long agent sessions stay well below.
+DEFAULT_MAX_MESSAGES = 4096
 MAX_STOP_CHARS = 256
 # Below this, sampling is greedy (as in vLLM): the logits divided by a much smaller temperature overflow float32,
 # and at this one sampling already is argmax but for exact ties.
@@ -341,7 +344,7 @@ def _text_content(content: Any, where: str) -> str:
                       "messages")
 
 
-def parse_chat(body: dict) -> GenerationParams:
+def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> GenerationParams:
     _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_CHAT)
     p = _common(body, "chat")
     mct = _get_int(body, "max_completion_tokens", lo=1)
@@ -357,6 +360,9 @@ def parse_chat(body: dict) -> GenerationParams:
         raise bad_request(f"'messages' must be an array, got {_type_name(msgs)}", "messages")
     if not msgs:
         raise bad_request("'messages' must not be empty", "messages")
+    if len(msgs) > max_messages:
+        raise bad_request(f"'messages' may hold at most {max_messages} messages on this server, got {len(msgs)}",
+                          "messages", "too_many_messages")
     out = []
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
