@@ -124,7 +124,7 @@ def main() -> None:
         layout = layout_for(cfg, max_b, page_size=args.page_size, max_model_len=context + 16)
         target = Target(cfg, params, dtype, None, {})
         steps = CompiledSteps(target, layout, dtype, args.attention, max_batch=max_b)
-        state = steps.init_state(random_pages(cfg, layout, dtype))
+        state = steps.arrays.init_state(random_pages(cfg, layout, dtype))
         rng = np.random.default_rng(0)
         for B in args.batch:
             t0 = time.perf_counter()

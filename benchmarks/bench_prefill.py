@@ -85,7 +85,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn = steps.compile_prefill(1, chunk)
             compile_s = time.perf_counter() - t0
-            state = steps.init_state(random_pages(cfg, layout, dtype))
+            state = steps.arrays.init_state(random_pages(cfg, layout, dtype))
             state, out = run_prompt(fn, steps.program_params, state, prompt, chunk, tables, sampling)  # warm-up
             hs[impl] = written_kv(cfg, state, tables, prompt_len, args.page_size)
             samples = []

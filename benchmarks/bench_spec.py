@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, experts_touched, random_pages  # noqa: E402
 from benchmarks.common import (ASSISTANTS, TARGETS, compile_concurrently, copy_bandwidth,  # noqa: E402
-                               environment, fresh_inputs, gemv_bandwidth, layout_for, pipelined_time, random_params,
+                               environment, fresh_inputs, gemv_bandwidth, layout_for, lower_program, pipelined_time,
+                               random_params,
                                write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
@@ -150,7 +151,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
     def verify_lowering(B, k, tables):
         tokens = jax.ShapeDtypeStruct((B, k + 1), jnp.int32)
         with mesh_context(placement):  # attention splits by heads under tensor parallelism
-            return jax.jit(verify, donate_argnums=(1,), out_shardings=(steps[k].page_shardings(), None)
+            return jax.jit(verify, donate_argnums=(1,), out_shardings=(steps[k].arrays.page_shardings(), None)
                            if placement else None).lower(params, pages, tokens, tokens, tables)
 
     cases = {}  # B -> (tokens, lengths, tables)
@@ -161,10 +162,10 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
             tables[g] = rng.permutation(np.arange(1, layout.pages(g)))[: B * w].reshape(B, w).astype(np.int32)
         cases[B] = (rng.integers(0, tcfg.vocab_size, B).astype(np.int32), np.full(B, context - max(ks) - 2, np.int32),
                     tables)
-        lowerings[("decode", B, 0)] = functools.partial(plain._lower_decode, B, args.sampled)
+        lowerings[("decode", B, 0)] = lambda B=B: lower_program(plain.decode_program(B, args.sampled))
         for k in ks:
             lowerings[("verify", B, k)] = functools.partial(verify_lowering, B, k, tables)
-            lowerings[("speculative", B, k)] = functools.partial(steps[k]._lower_speculative, B, args.sampled)
+            lowerings[("speculative", B, k)] = lambda B=B, k=k: lower_program(steps[k].speculative_program(B, args.sampled))
     t0 = time.perf_counter()
     compiled = compile_concurrently(lowerings)
     print(f"[{name}] {len(compiled)} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -175,7 +176,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
         dec, t_compile = compiled[("decode", B, 0)]
         dec_fn = lambda s, *r: dec(plain.program_params, s, *r)  # noqa: E731
         dec_in = (fresh_inputs(tokens, P, tables, plain.num_slots, sampling),)
-        t, tp, (state,) = timed(dec_fn, (plain.init_state(pages),), dec_in, args.repeats)
+        t, tp, (state,) = timed(dec_fn, (plain.arrays.init_state(pages),), dec_in, args.repeats)
         decode = {"compile_decode_s": t_compile, "decode_ms": t * 1e3, "decode_pipelined_ms": tp * 1e3}
         if args.profile:
             decode["decode_profile"], (state,) = profiled(dec_fn, (state,), dec_in, f"{name} B={B} decode", t)
@@ -204,7 +205,7 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
             spec, row["compile_spec_s"] = compiled[("speculative", B, k)]
             spec_fn = lambda s, *r: spec(st.program_params, st.draft_params, s, *r)  # noqa: E731
             spec_in = (fresh_inputs(tokens, P, tables, st.num_slots, sampling),)
-            t, tp, (state,) = timed(spec_fn, (st.init_state(pages, hidden),), spec_in, args.repeats)
+            t, tp, (state,) = timed(spec_fn, (st.arrays.init_state(pages, hidden),), spec_in, args.repeats)
             if args.profile:
                 row["spec_profile"], (state,) = profiled(spec_fn, (state,), spec_in,
                                                          f"{name} B={B} k={k} speculative", t)

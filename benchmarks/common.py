@@ -114,6 +114,12 @@ def gemv_bandwidth(gib: float = 2.0, repeats: int = 20) -> float:
     return w.nbytes / t
 
 
+def lower_program(program: tuple) -> jax.stages.Lowered:
+    """A CompiledSteps program ((jitted, abstract args), e.g. `decode_program(B, sampled)`) lowered."""
+    jitted, args = program
+    return jitted.lower(*args)
+
+
 def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.ndarray], num_slots: int,
                  sampling: SamplingParams | None = None) -> np.ndarray:
     """A decode or speculative step's packed host inputs (CompiledSteps.inputs) whose rows all bring their token and

@@ -36,7 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import (ASSISTANTS, COMPILE_ONLY_TARGETS, TARGETS, add_pack_params_arg,  # noqa: E402
-                               compile_only_device, environment, layout_for, ptxas_report, write_json)
+                               compile_only_device, environment, layout_for, lower_program, ptxas_report,
+                               write_json)
 from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, abstract_target_params,  # noqa: E402
                                 load_assistant, load_target)
 from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
@@ -203,20 +204,20 @@ def programs(target: Target, assistant: Assistant, batch: int, k: int, context: 
     spec = CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=batch,
                          pack_params=pack_params)
     plain = CompiledSteps(target, layout, dtype, "auto", pack_params=pack_params, max_batch=batch)
-    params, state = plain._abstract()
+    params, _, state, _ = plain._abstract_args(batch)
     tables = plain._abstract_inputs(batch).tables
-    pages, tokens = state.pages, plain._i32(batch, k + 1)
+    pages, tokens = state.pages, jax.ShapeDtypeStruct((batch, k + 1), jnp.int32)
 
     def verify(params, pages, tokens, positions, tables):
-        params = plain.pack.unpack(params)
+        params = plain.arrays.pack.unpack(params)
         h, pages = forward_paged(StepSpec(target, layout), params, pages, tokens, positions, tables)
         return pages, jnp.argmax(lm_logits(target, params, h), -1)
 
-    return {"decode": lambda: plain._lower_decode(batch, False),
+    return {"decode": lambda: lower_program(plain.decode_program(batch, False)),
             "verify": lambda: jax.jit(verify, donate_argnums=(1,)).lower(params, pages, tokens, tokens, tables),
-            "speculative": lambda: spec._lower_speculative(batch, False),
-            "decode_sampled": lambda: plain._lower_decode(batch, True),
-            "speculative_sampled": lambda: spec._lower_speculative(batch, True)}
+            "speculative": lambda: lower_program(spec.speculative_program(batch, False)),
+            "decode_sampled": lambda: lower_program(plain.decode_program(batch, True)),
+            "speculative_sampled": lambda: lower_program(spec.speculative_program(batch, True))}
 
 
 def main() -> None:

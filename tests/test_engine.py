@@ -134,13 +134,13 @@ def test_each_kind_of_layer_is_traced_once(family, jax_models, tiny_ckpts, monke
     target = jax_models.target(tiny_ckpts[family]["target_plain"])
     cfg = target.config
     steps = Engine(target, _engine_config(compile_at_start=False)).steps
-    jitted, args = steps._decode_program(2, False)
+    jitted, args = steps.decode_program(2, False)
     calls = [e for e in jitted.trace(*args).jaxpr.eqns if e.params.get("name") == "decoder_layer"]
     kinds = {representative(cfg, i) for i in range(cfg.num_layers)}
     assert len(calls) == cfg.num_layers and len({id(e.params["jaxpr"]) for e in calls}) == len(kinds) < len(calls)
     assistant = jax_models.assistant(tiny_ckpts[family]["assistant"])
     spec = Engine(target, _engine_config(compile_at_start=False), assistant=assistant).steps
-    jitted, args = spec._speculative_program(2, True)
+    jitted, args = spec.speculative_program(2, True)
     steps = [e for e in jitted.trace(*args).jaxpr.eqns if e.params.get("name") == "draft_step"]
     assert len(steps) == spec.k > 1 and len({id(e.params["jaxpr"]) for e in steps}) == 1
 
@@ -192,9 +192,8 @@ def test_donation_check_can_fail(engines):
     output (the state's leaves and the result) in an allocation of its own."""
     engine = engines("e2b")
     steps = engine.steps
-    params, state = steps._abstract()
-    plain = jax.jit(functools.partial(steps._decode_fn, sampled=False)).lower(
-        params, state, steps._abstract_packed(2)).compile()
+    params, _, state, packed = steps._abstract_args(2)
+    plain = jax.jit(functools.partial(steps._decode_fn, sampled=False)).lower(params, state, packed).compile()
     assert plain.memory_analysis().alias_size_in_bytes == 0
     from testenv import hlo_outputs_of_their_own
 
@@ -565,8 +564,8 @@ def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, m
     import jax
 
     from gemma4_mtp_jax.engine import DeviceMemoryError, Engine
+    from gemma4_mtp_jax.programs.arrays import ProgramArrays
     from gemma4_mtp_jax.programs.program_set import ProgramSet
-    from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
 
@@ -578,10 +577,10 @@ def test_out_of_device_memory_at_start_up_is_explained(jax_models, tiny_ckpts, m
                                                 r"pools .* GB \(max_num_seqs=4 sequences of max_model_len=64.*"
                                                 r"--kv-cache-memory.*Not enough PA budget"):
         Engine(target, _engine_config())
-    monkeypatch.setattr(CompiledSteps, "init_state", exhausted)
+    monkeypatch.setattr(ProgramArrays, "init_state", exhausted)
     with pytest.raises(DeviceMemoryError, match="allocating the KV pools"):
         Engine(target, _engine_config(compile_at_start=False))
-    monkeypatch.setattr(CompiledSteps, "init_state", lambda self: (_ for _ in ()).throw(
+    monkeypatch.setattr(ProgramArrays, "init_state", lambda self: (_ for _ in ()).throw(
         jax.errors.JaxRuntimeError("INTERNAL: something else")))
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):  # other runtime errors pass through
         Engine(target, _engine_config(compile_at_start=False))
@@ -889,7 +888,7 @@ def test_step_inputs_and_result_move_in_one_array(engines):
         text = compiled.as_text()
         shape = f"s32[{batch},{packed_width(steps._abstract_inputs(batch, tokens))}]"
         users = hlo_parameter_users(text, shape)
-        staged = [u for u in users if re.search(rf"= s32\[{steps.input_capacity}\]", u)]
+        staged = [u for u in users if re.search(rf"= s32\[{steps.arrays.input_capacity}\]", u)]
         returned = [u for u in users if re.search(rf"= {re.escape(shape)}", u)]
         assert len(users) == 2 and len(staged) == 1 and len(returned) == 1, \
             f"{name}: the packed inputs {shape} are read by {len(users)} instructions: {users}"

@@ -77,8 +77,8 @@ def test_packed_parameters_give_the_same_output(tiny_ckpts, jax_models):
                                              min_prefill_bucket=4, compile_at_start=False, pack_params=pack))
         steps = engine.steps
         leaves = jax.tree_util.tree_leaves(steps.params)
-        assert len(jax.tree_util.tree_leaves(steps.program_params)) == steps.pack.num_arrays
-        assert steps.pack.num_arrays < len(leaves) // 4 if pack else steps.pack.num_arrays == len(leaves)
+        assert len(jax.tree_util.tree_leaves(steps.program_params)) == steps.arrays.pack.num_arrays
+        assert steps.arrays.pack.num_arrays < len(leaves) // 4 if pack else steps.arrays.pack.num_arrays == len(leaves)
         assert all(isinstance(a, jax.Array) for a in jax.tree_util.tree_leaves(steps.program_params))
         reqs = [engine.add_request(p, 6, stop_ids=frozenset()) for p in ([5, 6, 7], [9, 3, 4, 8, 2])]
         engine.run()

@@ -139,7 +139,7 @@ class Engine:
         state: DeviceState | None = None
         if not shapes_only(target.params):
             with explained("allocating the KV pools"):
-                state = self.steps.init_state()
+                state = self.steps.arrays.init_state()
         self.runner = Runner(self.programs, self.kv, state, cfg.max_num_seqs, cfg.prefill_chunk)
         self.eos_ids = _eos_ids(target)
         self._ids = itertools.count()

@@ -1,5 +1,5 @@
 """The compiled programs: prefill chunks, decode, and the speculative round, built from the pure step functions
-of `forward.py` and `speculative.py`.
+of steps/ (`forward.py`, `speculative.py`).
 
 Each step is one XLA program per shape bucket, compiled ahead of time. The engine's device state
 (`device_state.DeviceState`: pages, the drafter's hidden buffer, each slot's newest token and length) is donated
@@ -20,15 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs, finish_round, init_slots, stop_check
+from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs, finish_round, stop_check
 from gemma4_mtp_jax.programs.executable_cache import user_cache_dir
 from gemma4_mtp_jax.steps.forward import StepSpec, decode_step, prefill_step
 from gemma4_mtp_jax.programs.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
-from gemma4_mtp_jax.model.kv_state import KVLayout, abstract_pages, init_pages
-from gemma4_mtp_jax.programs.param_pack import PackedParams, ParamPack
-from gemma4_mtp_jax.model.runtime import Target, shapes_only
-from gemma4_mtp_jax.model.sharding import Placement, mesh_context
+from gemma4_mtp_jax.model.kv_state import KVLayout
+from gemma4_mtp_jax.model.runtime import Target
+from gemma4_mtp_jax.model.sharding import Placement
+from gemma4_mtp_jax.programs.arrays import ProgramArrays, jit_on
 from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter, speculative_step
 from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
 
@@ -95,12 +95,6 @@ def compile_lowered(lowered: jax.stages.Lowered, autotune: bool = True) -> Any:
     return lowered.compile()
 
 
-def _shapes(tree: Any, shardings: Any = None) -> Any:
-    if shardings is None:
-        return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    return jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
 def _with_pallas_kernels(fn: Callable) -> Callable:
     """fn, traced under `device_budget.pallas_kernels()` in whichever thread lowers it."""
 
@@ -111,34 +105,18 @@ def _with_pallas_kernels(fn: Callable) -> Callable:
     return traced
 
 
-@dataclasses.dataclass(frozen=True)
-class _MeshJit:
-    """A jitted function traced (lowered or called) inside its placement's mesh, so that attention and the MoE
-    split by heads and experts (sharding.head_parallel, sharding.expert_parallel)."""
-
-    jitted: Any
-    placement: Placement
-
-    def lower(self, *args) -> jax.stages.Lowered:
-        with mesh_context(self.placement):
-            return self.jitted.lower(*args)
-
-    def __call__(self, *args):
-        with mesh_context(self.placement):
-            return self.jitted(*args)
-
-
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
     with a drafter, the speculative round, each in two variants: `sampled` False for batches whose rows are all
-    greedy, True when some row samples (`sampling.sample` says why the host, not the device, decides)."""
+    greedy, True when some row samples (`sampling.sample` says why the host, not the device, decides). What the
+    programs take besides their host inputs (parameters, the device state) is `arrays` (arrays.py)."""
 
     target: Target
     layout: KVLayout
     cache_dtype: Any
     attention_impl: str = "auto"
-    drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (gemma4_mtp_jax.steps.speculative)
+    drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (steps/speculative.py)
     k: int = 0
     num_slots: int = 1
     # Tensor parallelism: the mesh the programs run on and each parameter's and page's sharding (None: one device,
@@ -155,128 +133,41 @@ class CompiledSteps:
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
     speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
+
     def __post_init__(self):
         self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k)
+        self._rep = None if self.placement is None else self.placement.replicated
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
         rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len
-        self.input_capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows)),
-                                      packed_width(self._abstract_inputs(1, tokens)))
-        # The drafter's device arrays, an input of every speculative program (the engine passes them each step).
-        self.draft_params = self.drafter.params() if self.drafter is not None else None
-        # On the programs' devices once (a loader may leave the weights in host memory: each tensor then goes
-        # straight to its shards); already-placed arrays are not copied.
-        # Shapes alone (jax.ShapeDtypeStruct leaves) stay as they are: such steps lower and compile but never run.
-        pl = self.placement
-        shardings = self.param_shardings()
-        tree = self.target.params
-        if pl is None:
-            self.pack = ParamPack.plan(tree, enabled=self.pack_params)
-        else:  # only replicated leaves are packed: the packed groups are replicated
-            flat = dict(zip((jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shardings)[0]),
-                            jax.tree_util.tree_leaves(shardings)))
-            self.pack = ParamPack.plan(tree, lambda path, _: flat[path].is_fully_replicated,
-                                       enabled=self.pack_params)
-        # What the programs take for the target's parameters (`program_params`): with `pack_params` its leaves
-        # stacked into a few arrays (param_pack.py says why), else every array as it is. Packed, the leaves go to
-        # the device group by group and only the packed arrays stay there (weights loaded into host memory are
-        # never whole on the device twice); `params` then rebuilds the tree on demand.
-        if shapes_only(tree):
-            self._params = tree
-            self.program_params = self.pack.abstract(_shapes(tree, shardings), self._rep)
-            return
-        if pl is None:
-            self.draft_params = None if self.draft_params is None else jax.device_put(self.draft_params)
-        elif self.draft_params is not None:
-            self.draft_params = pl.put(self.draft_params, pl.replicate(self.draft_params))
-        packed = self.pack.pack(tree)  # packed groups are concatenated on the default device
-        if pl is None:
-            packed = jax.device_put(packed)
-        else:
-            kept_shardings = tuple(s for s, slot in zip(self.pack.treedef.flatten_up_to(shardings), self.pack.slots)
-                                   if slot.group < 0)
-            packed = PackedParams(pl.put(packed.kept, kept_shardings), pl.put(packed.packed, self._rep))
-        self.program_params = packed
-        # Unpacked, every leaf is kept: the kept leaves, placed, are the tree.
-        self._params = None if self.pack_params else self.pack.treedef.unflatten(packed.kept)
+        capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows)),
+                           packed_width(self._abstract_inputs(1, tokens)))
+        self.arrays = ProgramArrays(self.target, self.layout, self.cache_dtype,
+                                    self.drafter.params() if self.drafter is not None else None, self.num_slots,
+                                    capacity, self.placement, self.pack_params)
+        # What every program takes (the engine's runner passes them each step).
+        self.program_params, self.draft_params = self.arrays.program_params, self.arrays.draft_params
 
     @property
     def params(self) -> Any:
-        """The target's parameter tree on the programs' devices. With `pack_params` it is rebuilt from the packed
-        arrays on each access (a copy of the weights: for inspection, not for the step loop)."""
-        if self._params is not None:
-            return self._params
-        return jax.jit(self.pack.unpack)(self.program_params)
+        """The target's parameter tree on the programs' devices (ProgramArrays.params)."""
+        return self.arrays.params
 
-    # ------------------------------------------------------------------ shardings (None without a placement)
-    def param_shardings(self) -> Any:
-        pl = self.placement
-        return None if pl is None else pl.target_params(self.target.config, self.target.params)
-
-    def page_shardings(self) -> Any:
-        return None if self.placement is None else self.placement.pages(self.target.config)
-
-    @property
-    def _rep(self):
-        return None if self.placement is None else self.placement.replicated
-
-    def _sds(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._rep)
-
-    def _i32(self, *shape: int) -> jax.ShapeDtypeStruct:
-        return self._sds(shape, jnp.int32)
-
-    def _jit(self, fn, donate: tuple[int, ...], out: Any):
+    def _jit(self, fn, donate: tuple[int, ...]):
         if self.attention_impl == "pallas":  # the Pallas kernels throughout, interpreted off the GPU
             fn = _with_pallas_kernels(fn)
-        if self.placement is None:
-            return jax.jit(fn, donate_argnums=donate)
-        return _MeshJit(jax.jit(fn, donate_argnums=donate, out_shardings=out), self.placement)
-
-    def state_shardings(self) -> Any:
-        """The DeviceState's shardings (None without a placement): pages by KV head, the rest replicated."""
-        if self.placement is None:
-            return None
-        rep = self._rep
-        return DeviceState(self.page_shardings(), rep if self.drafter is not None else None, rep, rep, rep, rep)
-
-    def init_state(self, pages: Any = None, hidden: Any = None) -> DeviceState:
-        """The engine's device state, made where it lives: zeroed page pools (or `pages`, e.g. a benchmark's random
-        ones), with a drafter its zeroed hidden buffer [num_slots + 1, H] (or `hidden`), every slot finished, and
-        the staging buffer for the steps' inputs."""
-        H = self.target.config.hidden_size
-
-        def make(pages, hidden):
-            if pages is None:
-                pages = init_pages(self.target.config, self.layout, self.cache_dtype)
-            if hidden is None and self.drafter is not None:
-                hidden = jnp.zeros((self.num_slots + 1, H), self.cache_dtype)
-            inputs = jnp.zeros((self.input_capacity,), jnp.int32)
-            return DeviceState(pages, hidden, *init_slots(self.num_slots), inputs)
-
-        donate = tuple(i for i, a in enumerate((pages, hidden)) if a is not None)
-        return self._jit(make, donate, self.state_shardings())(pages, hidden)
-
-    # ------------------------------------------------------------------ programs
-    def abstract_state(self) -> DeviceState:
-        H = self.target.config.hidden_size
-        pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
-        hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype) if self.drafter is not None else None
-        slots = [jax.ShapeDtypeStruct((self.num_slots + 1,), jnp.int32)] * 3
-        inputs = jax.ShapeDtypeStruct((self.input_capacity,), jnp.int32)
-        return _shapes(DeviceState(pages, hidden, *slots, inputs), self.state_shardings())
-
-    def _abstract(self) -> tuple:
-        """(program params, state) as every program takes them."""
-        params = self.pack.abstract(_shapes(self.target.params, self.param_shardings()), self._rep)
-        return params, self.abstract_state()
+        return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(), self._rep))
 
     def _abstract_inputs(self, batch: int, tokens: int | None = None) -> StepInputs:
         """A program's host inputs: a prefill's (PrefillRows of `tokens` per row) or, for tokens None, a decode or
         speculative step's (StepRows)."""
         return StepInputs.abstract(batch, self.layout.pages_per_seq, tokens, self._rep)
 
-    def _abstract_packed(self, batch: int, tokens: int | None = None) -> jax.ShapeDtypeStruct:
-        return self._i32(batch, packed_width(self._abstract_inputs(batch, tokens)))
+    def _abstract_args(self, batch: int, tokens: int | None = None) -> tuple:
+        """(program params, draft params, state, packed inputs) as shapes."""
+        params, draft = self.arrays.abstract_params()
+        packed = jax.ShapeDtypeStruct((batch, packed_width(self._abstract_inputs(batch, tokens))), jnp.int32,
+                                      sharding=self._rep)
+        return params, draft, self.arrays.abstract_state(), packed
 
     @staticmethod
     def inputs(inputs: StepInputs) -> np.ndarray:
@@ -296,7 +187,7 @@ class CompiledSteps:
         a prompt's final chunk) as a packed [B, 4] result; the drafter's h (the hidden there) into its slot."""
         inputs, state = self._unpack(state, packed, tokens)
         rows = inputs.rows
-        pages, token, h_last = prefill_step(self.spec, self.pack.unpack(params), state.pages, inputs)
+        pages, token, h_last = prefill_step(self.spec, self.arrays.pack.unpack(params), state.pages, inputs)
         state = state.replace(pages=pages)
         if state.hidden is not None:
             state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
@@ -307,7 +198,8 @@ class CompiledSteps:
     def _decode_fn(self, params, state: DeviceState, packed, *, sampled: bool) -> tuple[DeviceState, jax.Array]:
         inputs, state = self._unpack(state, packed)
         inputs = inputs.replace(rows=inputs.rows.resolve(state))
-        pages, nxt = decode_step(self.spec.but(sampled=sampled), self.pack.unpack(params), state.pages, inputs)
+        pages, nxt = decode_step(self.spec.but(sampled=sampled), self.arrays.pack.unpack(params), state.pages,
+                                 inputs)
         state, result = finish_round(state.replace(pages=pages), inputs.rows, nxt[:, None], jnp.zeros_like(nxt))
         return state, return_in(packed, result)
 
@@ -315,42 +207,23 @@ class CompiledSteps:
                         sampled: bool) -> tuple[DeviceState, jax.Array]:
         inputs, state = self._unpack(state, packed)
         inputs = inputs.replace(rows=inputs.rows.resolve(state))
-        pages, hidden, emitted, n = speculative_step(self.spec.but(sampled=sampled), self.pack.unpack(params),
+        pages, hidden, emitted, n = speculative_step(self.spec.but(sampled=sampled), self.arrays.pack.unpack(params),
                                                      params_d, state.pages, state.hidden, inputs)
         state, result = finish_round(state.replace(pages=pages, hidden=hidden), inputs.rows, emitted, n)
         return state, return_in(packed, result)
 
-    # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both, and the
-    # executable cache keys on the arguments without lowering.
-    def _prefill_program(self, batch: int, tokens: int) -> tuple[Any, tuple]:
-        params, state = self._abstract()
-        fn = functools.partial(self._prefill_fn, tokens=tokens)
-        return (self._jit(fn, (1, 2), (self.state_shardings(), self._rep)),
-                (params, state, self._abstract_packed(batch, tokens)))
+    # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both
+    # (`jitted.lower(*args)`), and the executable cache keys on the arguments without lowering.
+    def prefill_program(self, batch: int, tokens: int) -> tuple[Any, tuple]:
+        params, _, state, packed = self._abstract_args(batch, tokens)
+        return self._jit(functools.partial(self._prefill_fn, tokens=tokens), (1, 2)), (params, state, packed)
 
-    def _decode_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
-        params, state = self._abstract()
-        fn = functools.partial(self._decode_fn, sampled=sampled)
-        return self._jit(fn, (1, 2), (self.state_shardings(), self._rep)), (params, state, self._abstract_packed(batch))
+    def decode_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
+        params, _, state, packed = self._abstract_args(batch)
+        return self._jit(functools.partial(self._decode_fn, sampled=sampled), (1, 2)), (params, state, packed)
 
-    def _speculative_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
-        params, state = self._abstract()
-        rep = None if self.placement is None else self.placement.replicate(self.draft_params)
-        fn = functools.partial(self._speculative_fn, sampled=sampled)
-        return (self._jit(fn, (2, 3), (self.state_shardings(), self._rep)),
-                (params, _shapes(self.draft_params, rep), state, self._abstract_packed(batch)))
-
-    def _lower_prefill(self, batch: int, tokens: int) -> jax.stages.Lowered:
-        jitted, args = self._prefill_program(batch, tokens)
-        return jitted.lower(*args)
-
-    def _lower_decode(self, batch: int, sampled: bool) -> jax.stages.Lowered:
-        jitted, args = self._decode_program(batch, sampled)
-        return jitted.lower(*args)
-
-    def _lower_speculative(self, batch: int, sampled: bool) -> jax.stages.Lowered:
-        jitted, args = self._speculative_program(batch, sampled)
-        return jitted.lower(*args)
+    def speculative_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
+        return self._jit(functools.partial(self._speculative_fn, sampled=sampled), (2, 3)), self._abstract_args(batch)
 
     def static_description(self) -> tuple | None:
         """What shapes every program besides its arguments and the package's code (the executable cache's key):
@@ -363,7 +236,7 @@ class CompiledSteps:
         else:
             return None
         return (self.layout, str(jnp.dtype(self.cache_dtype)), self.attention_impl, self.k, self.num_slots,
-                self.placement, self.pack_params, self.input_capacity, self.target.config,
+                self.placement, self.pack_params, self.arrays.input_capacity, self.target.config,
                 str(jnp.dtype(self.target.dtype)), drafter,
                 tuple(getattr(jax.config, name, None) for name in _TRACE_CONFIG))
 
@@ -372,28 +245,29 @@ class CompiledSteps:
         returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step (finish_round)."""
         return np.asarray(out)[:, : 4 if prefill else 4 + (self.k if self.drafter is not None else 0)]
 
+    @staticmethod
+    def _compiled(table: dict, key: tuple, program: Callable[[], tuple[Any, tuple]]) -> Any:
+        if key not in table:
+            jitted, args = program()
+            table[key] = compile_lowered(jitted.lower(*args))
+        return table[key]
+
     def compile_prefill(self, batch: int, tokens: int) -> Any:
-        """(program_params, state, inputs) -> (state, out); inputs: `inputs(PrefillRows, tables, sampling)` of B
-        rows of T tokens; state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
-        if (batch, tokens) not in self.prefill:
-            self.prefill[(batch, tokens)] = compile_lowered(self._lower_prefill(batch, tokens))
-        return self.prefill[(batch, tokens)]
+        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` of B rows of T tokens
+        (PrefillRows); state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
+        return self._compiled(self.prefill, (batch, tokens), lambda: self.prefill_program(batch, tokens))
 
     def compile_decode(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepRows, tables, sampling)`; state and
+        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows); state and
         inputs donated; `result(out)` is the packed [B, 4] result. `sampled`: some row samples (False: every row
         must be greedy)."""
-        if (batch, sampled) not in self.decode:
-            self.decode[(batch, sampled)] = compile_lowered(self._lower_decode(batch, sampled))
-        return self.decode[(batch, sampled)]
+        return self._compiled(self.decode, (batch, sampled), lambda: self.decode_program(batch, sampled))
 
     def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, draft_params, state, inputs) -> (state, out); inputs: `inputs(StepRows, tables,
-        sampling)`; state and inputs donated; `result(out)` is the packed [B, k+4] result. `sampled`: some row
-        samples (False: every row must be greedy)."""
-        if (batch, sampled) not in self.speculative:
-            self.speculative[(batch, sampled)] = compile_lowered(self._lower_speculative(batch, sampled))
-        return self.speculative[(batch, sampled)]
+        """(program_params, draft_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows);
+        state and inputs donated; `result(out)` is the packed [B, k+4] result. `sampled`: some row samples (False:
+        every row must be greedy)."""
+        return self._compiled(self.speculative, (batch, sampled), lambda: self.speculative_program(batch, sampled))
 
     def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
         """Every program the engine runs with these buckets: (name, build, store), where build() gives the jitted
@@ -405,14 +279,14 @@ class CompiledSteps:
         # speculative programs compile in ~55 s, the greedy ones in 21-46 s: docs/decisions/0013-compile-in-
         # background.md).
         batch_buckets, prefill_buckets = sorted(batch_buckets, reverse=True), sorted(prefill_buckets, reverse=True)
-        progs = [(f"prefill[1x{t}]", lambda t=t: self._prefill_program(1, t), put(self.prefill, (1, t)))
+        progs = [(f"prefill[1x{t}]", lambda t=t: self.prefill_program(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
         for sampled in (True, False):
             tag = ",sampled" if sampled else ""
             if self.drafter is None:
-                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self._decode_program(b, s),
+                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self.decode_program(b, s),
                            put(self.decode, (b, sampled))) for b in batch_buckets]
             else:
-                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self._speculative_program(b, s),
+                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self.speculative_program(b, s),
                            put(self.speculative, (b, sampled))) for b in batch_buckets]
         return progs

@@ -117,7 +117,7 @@ class ProgramSet:
         progs = sorted(steps.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times: dict[str, float] = {}
-        out_like = (steps.abstract_state(), 0)  # what every program returns: (state, its output array)
+        out_like = (steps.arrays.abstract_state(), 0)  # what every program returns: (state, its output array)
         static = None if cache is None else steps.static_description()
         if cache is not None and static is None:
             log.info("executable cache: not used with a drafter of type %s", type(steps.drafter).__name__)
