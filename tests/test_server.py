@@ -498,7 +498,7 @@ def test_disconnect_while_waiting_for_non_streamed_answer(srv, slow_engine, monk
     in the engine after far fewer than its 100 tokens, counted as a 499 and as cancelled, and every slot and KV page
     comes back."""
     engine, added = srv.engine, []
-    assert engine.wait_for_programs(300), "the background compiling did not finish"  # until then: 2 run at most
+    assert engine.programs.wait(300), "the background compiling did not finish"  # until then: 2 run at most
     real_add = engine.add_request
 
     def add_request(*args, **kwargs):
@@ -514,7 +514,7 @@ def test_disconnect_while_waiting_for_non_streamed_answer(srv, slow_engine, monk
     for s in socks:
         s.close()
     h = wait_idle(srv.host, srv.port)
-    assert h["status"] == "ok" and not engine.running and not engine.waiting
+    assert h["status"] == "ok" and not engine.scheduler.running and not engine.scheduler.waiting
     assert len(added) == 6 and all(r.finish_reason == "cancelled" for r in added), [r.finish_reason for r in added]
     generated = [len(r.output) for r in added]
     assert max(generated) < 50, generated

@@ -163,7 +163,7 @@ GEMMA_STYLE_TEMPLATE = (
 @pytest.fixture(scope="module")
 def pair_tok() -> TextTokenizer:
     """The packaged demo pair's: a byte-level BPE tokenizer (demo_tok's is one token per byte) and its template."""
-    from gemma4_mtp_jax.demo import demo_pair
+    from gemma4_mtp_jax.weights.demo import demo_pair
 
     return TextTokenizer(demo_pair()[0])
 
