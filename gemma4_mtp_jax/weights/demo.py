@@ -28,7 +28,7 @@ DEMO_VERSION = 4  # of the random pair's recipe (its cache directory)
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 5
 _BYTE_OFFSET = len(SPECIALS)
-PACKAGED = Path(__file__).resolve().parent / "demo_pair"
+PACKAGED = Path(__file__).resolve().parent.parent / "demo_pair"  # gemma4_mtp_jax/demo_pair
 VOCAB = 512  # specials, 256 bytes, unused ids up to a multiple of the centroid count
 _S, _F = SLIDING, FULL
 
