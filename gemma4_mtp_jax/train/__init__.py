@@ -10,7 +10,6 @@ export.py      the Hugging Face checkpoint directory
 cli.py         `python -m gemma4_mtp_jax.train_assistant`
 tokenizer.py   byte-level BPE for a model trained from scratch; documents as token ids
 pretrain.py    a target from scratch (next-token cross-entropy)
-corpus.py      the demo corpus from packages that ship public-domain text
 demo_recipe.py `python -m gemma4_mtp_jax.train_demo`: tokenizer, target, assistant, the shipped pair
 """
 

