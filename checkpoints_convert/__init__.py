@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from typing import Any, Callable, Mapping
@@ -48,9 +47,6 @@ COPIED_FILES = (
     "processor_config.json",
 )
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
 class ConvertError(ValueError):
     """A user error: bad arguments, missing or unsuitable input, output in the way."""
 
@@ -66,23 +62,21 @@ def kind_of_model_type(model_type: str | None) -> str:
 
 
 def resolve_source(hf: str, log: Callable[[str], None] = print) -> str:
-    """A local directory as is; otherwise a Hugging Face hub id, downloaded (weights, config, tokenizer)."""
-    path = os.path.abspath(os.path.expanduser(hf))
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
-        raise ConvertError(f"--hf {hf}: is a file, expected a checkpoint directory or a hub id")
-    if not _HUB_ID.match(hf):
-        raise ConvertError(f"--hf {hf}: no such directory")
-    log(f"[convert] {hf} is not a local directory; fetching it from the Hugging Face hub")
-    try:
-        from huggingface_hub import snapshot_download
+    """The absolute checkpoint directory `--hf` names, resolved as the loaders resolve it
+    (`gemma4_mtp_jax.weights.resolve`): a local directory, or a hub id downloaded first (announced through `log`).
+    Every failure is a one-line ConvertError naming --hf."""
+    from gemma4_mtp_jax.model.config import ConfigError
+    from gemma4_mtp_jax.weights.resolve import hub_id, resolve_checkpoint
 
-        return snapshot_download(
-            repo_id=hf,
-            allow_patterns=["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer.model", "*.jinja"],
-        )
-    except Exception as e:  # network, auth, unknown repo: all user-facing
+    try:
+        repo = hub_id(hf)
+    except ConfigError as e:
+        raise ConvertError(f"--hf {e}") from e
+    if repo is not None:
+        log(f"[convert] {hf} is not a local directory; fetching it from the Hugging Face hub")
+    try:
+        return os.path.abspath(resolve_checkpoint(hf))
+    except Exception as e:  # the download: network, auth, unknown repo: all user-facing
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConvertError(f"--hf {hf}: no such directory, and downloading it from the hub failed: {msg}") from e
 

@@ -29,6 +29,7 @@ from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.runtime import Assistant, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io
 from gemma4_mtp_jax.weights.dummy import random_params
+from gemma4_mtp_jax.weights.resolve import resolve_checkpoint
 
 __all__ = [
     "Assistant",
@@ -45,7 +46,6 @@ __all__ = [
 
 Array = jax.Array
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model"]
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -61,23 +61,6 @@ class DraftOutput:
     logits: Array  # [B, V]
     h_next: Array  # [B, Hb], the post_projection output fed to the next draft step
     hidden: Array  # [B, Ha], the normed draft hidden the logits come from
-
-
-def _resolve(path_or_id: str | os.PathLike) -> Path:
-    """A local directory, or a Hugging Face hub id downloaded (weights, configs, tokenizer) to the HF cache."""
-    p = Path(path_or_id).expanduser()
-    if p.is_dir():
-        return p
-    s = str(path_or_id)
-    if p.exists():
-        raise ConfigError(f"{p}: expected a checkpoint directory, found a file")
-    if s.count("/") == 1 and not s.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-        except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
-            raise ConfigError(f"{s}: not a local directory, and huggingface_hub is not installed") from e
-        return Path(snapshot_download(s, allow_patterns=_HUB_FILES))
-    raise ConfigError(f"{s}: no such checkpoint directory (and not a hub id of the form 'org/name')")
 
 
 def _dtype(dtype: str | Any | None, d: Path, cfg_json: dict) -> Any:
@@ -155,7 +138,7 @@ def _checkpoint_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None, l
                        kind: str) -> tuple[Path, Any, Any, dict]:
     """(directory, config, dtype, parameter shapes) of a target or assistant checkpoint: its JSON files alone."""
     _check_load_format(load_format)
-    d = _resolve(path_or_id) if load_format == "auto" else Path(path_or_id)
+    d = resolve_checkpoint(path_or_id) if load_format == "auto" else Path(path_or_id)
     cfg_json = read_config_json(d)
     dt = _dtype(dtype, d, cfg_json)
     if kind == "target":

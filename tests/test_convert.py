@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,8 +132,62 @@ def test_refuses_nonempty_out_then_force(tiny_ckpts, tmp_path):
 def test_missing_dir(tmp_path):
     missing = tmp_path / "does_not_exist"
     line = _user_error(_run("--hf", str(missing), "--out", str(tmp_path / "out")), str(missing))
-    assert "no such directory" in line
+    assert "no such checkpoint directory" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_resolves_as_the_loaders_do(tiny_ckpts, tmp_path, monkeypatch):
+    """--hf goes through the loaders' own resolution (weights/resolve.py): a local directory (relative kept by the
+    loader, absolute for the converter), a file or a missing non-hub path refused with the same words, and a hub id
+    downloaded by one snapshot whose files are all a checkpoint needs (sharded weights and their index included)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from checkpoints_convert import COPIED_FILES, ConvertError, resolve_source
+    from gemma4_mtp_jax.model.config import ConfigError
+    from gemma4_mtp_jax.weights.resolve import HUB_FILES, resolve_checkpoint
+
+    local = Path(tiny_ckpts["e2b"]["assistant"])
+    monkeypatch.chdir(local.parent)
+    assert resolve_checkpoint(local.name) == Path(local.name)
+    assert resolve_source(local.name, log=pytest.fail) == str(local)
+    file, missing = local / "config.json", tmp_path / "missing"
+    for arg, words in ((file, "is a file, expected a checkpoint directory or a hub id"),
+                       (missing, "no such checkpoint directory")):
+        with pytest.raises(ConfigError, match=words):
+            resolve_checkpoint(arg)
+        with pytest.raises(ConvertError, match=f"^--hf {re.escape(str(arg))}: {words}"):
+            resolve_source(str(arg), log=pytest.fail)
+
+    sharded = Path(tiny_ckpts["a26b"]["target_sharded"])
+    assert any(f.name.endswith(".index.json") for f in sharded.iterdir())
+    for name in [f.name for f in sharded.iterdir()] + list(COPIED_FILES):
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in HUB_FILES), name
+    downloads = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        downloads.append((repo_id, allow_patterns))
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    logged = []
+    assert resolve_source("org/tiny-assistant", log=logged.append) == str(local)
+    assert logged == ["[convert] org/tiny-assistant is not a local directory; fetching it from the Hugging Face hub"]
+    want = hf_tiny.import_gemma4_mtp_jax().load_assistant(local, "float32")
+    _assert_identical(hf_tiny.import_gemma4_mtp_jax().load_assistant("org/tiny-assistant", "float32").params,
+                      want.params)
+    assert downloads == [("org/tiny-assistant", HUB_FILES)] * 2
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("cannot reach the hub\nretry later")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ConvertError, match=r"^--hf org/x: no such directory, and downloading it from the hub failed: "
+                                           r"cannot reach the hub$"):
+        resolve_source("org/x", log=logged.append)
+    with pytest.raises(OSError, match="cannot reach the hub"):
+        resolve_checkpoint("org/x")
 
 
 def test_wrong_model_type(tiny_ckpts, tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma4_mtp_jax.train import corpus
+from tools import corpus
 
 # ------------------------------------------------------------------------------------------ R XDR test encoder
 

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("compiled programs", ["programs"]),
     ("engine", ["engine"]),
     ("loaders", ["weights", "api"]),
-    ("applications", ["", "server", "serve", "generate", "train", "train_assistant", "train_demo"]),
+    ("applications", ["", "server", "serve", "generate", "train"]),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The assistant trainer (gemma4_mtp_jax/train, `python -m gemma4_mtp_jax.train_assistant`), on the tiny transformers-
+"""The assistant trainer (gemma4_mtp_jax/train, `python -m gemma4_mtp_jax.train assistant`), on the tiny transformers-
 built pairs of hf_tiny.py (CPU, float32).
 
 One training run is shared by the module (`trained`): a fresh assistant for the tiny e2b target (PLE, KV-shared
@@ -343,3 +343,26 @@ def test_data_files(tmp_path):
         list(read_documents(d / "a.txt", None, 512))
     with pytest.raises(DataError, match="no such file"):
         data_files([str(tmp_path / "missing")])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------------------------------
+def test_train_commands_reach_their_own_parsers(capsys, tmp_path):
+    """`python -m gemma4_mtp_jax.train COMMAND ...` hands everything after COMMAND, --help included, to that command's
+    parser (each lists an option only it has), and runs the command; a missing or unknown command is a usage error."""
+    from gemma4_mtp_jax.train.__main__ import main
+
+    for command, own_option in (("assistant", "--init"), ("demo", "--install")):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0 and out.startswith(f"usage: python -m gemma4_mtp_jax.train {command} "), out
+        assert own_option in out, out
+    missing = tmp_path / "missing"
+    assert main(["assistant", "--target", str(missing), "--data", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: {missing}: no such checkpoint directory" in capsys.readouterr().err
+    for argv, error in (([], "required: COMMAND"), (["nope"], "invalid choice: 'nope'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and error in capsys.readouterr().err

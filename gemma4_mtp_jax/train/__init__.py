@@ -7,11 +7,10 @@ trainer.py     AdamW + warmup/cosine, the compiled train/eval steps, the loop, t
 centroids.py   balanced k-means for the centroid head (E2B/E4B style) and its coverage check
 checkpoint.py  resumable training checkpoints
 export.py      the Hugging Face checkpoint directory
-cli.py         `python -m gemma4_mtp_jax.train_assistant`
+cli.py         `python -m gemma4_mtp_jax.train assistant`
 tokenizer.py   byte-level BPE for a model trained from scratch; documents as token ids
 pretrain.py    a target from scratch (next-token cross-entropy)
-corpus.py      the demo corpus from packages that ship public-domain text
-demo_recipe.py `python -m gemma4_mtp_jax.train_demo`: tokenizer, target, assistant, the shipped pair
+demo_recipe.py `python -m gemma4_mtp_jax.train demo`: tokenizer, target, assistant, the shipped pair
 """
 
 import importlib

@@ -1,4 +1,4 @@
-"""`python -m gemma4_mtp_jax.train_assistant`: train an MTP assistant for a frozen Gemma 4 target.
+"""`python -m gemma4_mtp_jax.train assistant`: train an MTP assistant for a frozen Gemma 4 target.
 
 --out DIR receives, besides the checkpoint itself (config.json, generation_config.json, model.safetensors, written
 at the end):
@@ -43,12 +43,13 @@ from gemma4_mtp_jax.train.trainer import (
 )
 from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
 
+PROG = "python -m gemma4_mtp_jax.train assistant"
 EPILOG = """\
 examples:
-  python -m gemma4_mtp_jax.train_assistant --target demo --data corpus/ --out runs/demo-assistant --steps 500
-  python -m gemma4_mtp_jax.train_assistant --target ckpt/e2b --init ckpt/e2b-assistant --data corpus/ \\
+  python -m gemma4_mtp_jax.train assistant --target demo --data corpus/ --out runs/demo-assistant --steps 500
+  python -m gemma4_mtp_jax.train assistant --target ckpt/e2b --init ckpt/e2b-assistant --data corpus/ \\
       --out runs/e2b-assistant --dtype bfloat16 --steps 20000 --batch-size 16 --seq-len 1024 --k 4
-  python -m gemma4_mtp_jax.train_assistant --target ckpt/31b --data corpus/ --out runs/31b-assistant \\
+  python -m gemma4_mtp_jax.train assistant --target ckpt/31b --data corpus/ --out runs/31b-assistant \\
       --assistant-config '{"text_config": {"hidden_size": 512, "intermediate_size": 4096}}'
 
 Running the same command again resumes from the newest checkpoint in --out (same options required; --steps may
@@ -63,7 +64,7 @@ class RunError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m gemma4_mtp_jax.train_assistant",
+        prog=PROG,
         description="Train a Gemma 4 MTP assistant (drafter) for a frozen target by distillation on its own draft "
                     "rounds, and write it as a Hugging Face checkpoint.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

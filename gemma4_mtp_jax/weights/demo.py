@@ -2,7 +2,7 @@
 
 `demo_pair()` is the embedded default of `serve` and `generate`: a small Gemma 4-shaped target (sliding and full
 layers with proportional RoPE, KV-shared layers, per-layer embeddings, double-wide MLP) and its centroid-head MTP
-assistant, trained on public-domain text by `python -m gemma4_mtp_jax.train_demo` and shipped in bf16 under
+assistant, trained on public-domain text by `python -m gemma4_mtp_jax.train demo` and shipped in bf16 under
 `gemma4_mtp_jax/demo_pair/` (its MODEL_CARD.md says how and on what).
 
 `build_random_pair()` writes a much smaller pair with random weights, deterministically, for tests that need a
@@ -196,7 +196,7 @@ def demo_pair() -> tuple[Path, Path]:
     for d in (tdir, adir):
         if not (d / "model.safetensors").is_file():
             raise FileNotFoundError(f"{d / 'model.safetensors'}: the packaged demo pair is missing (an install "
-                                    "without package data?); rebuild it with python -m gemma4_mtp_jax.train_demo")
+                                    "without package data?); rebuild it with python -m gemma4_mtp_jax.train demo")
     return tdir, adir
 
 

