@@ -431,6 +431,12 @@ class Engine:
             self._num_programs = len(steps.programs(*self._all_buckets))
         return len(steps.prefill) + len(steps.decode) + len(steps.speculative), self._num_programs
 
+    def programs_untuned(self) -> int:
+        """Programs serving in their quick form, compiled without XLA's autotuning (compile_in_background where
+        XLA autotunes), until `_compile_rest` swaps in their tuned versions. Every program is in its final form
+        once programs_ready() counts them all and this is 0: the engine runs at its steady speed from then on."""
+        return len(self.steps.untuned)
+
     def _buckets(self) -> tuple[list[int], list[int]]:
         """(batch buckets, prefill buckets) the scheduler may use now: every one, or while programs still compile in
         the background, those whose programs are compiled (a batch bucket's greedy and sampled ones)."""

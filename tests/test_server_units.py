@@ -338,6 +338,7 @@ class FakeEngine:
         self.waiting, self.running = [], []
         self.tokens = [BYTE0 + b for b in tokens]
         self.allocators = {"full_attention": SimpleNamespace(capacity=8)}
+        self.programs, self.untuned = [3, 3], 0  # (compiled, total) and programs not yet tuned
         self.num_preemptions = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         self.served = []  # every request added
@@ -358,7 +359,10 @@ class FakeEngine:
         return 9 * 4096
 
     def programs_ready(self):
-        return 3, 3
+        return tuple(self.programs)
+
+    def programs_untuned(self):
+        return self.untuned
 
     def close(self):
         self.closed = True
@@ -537,7 +541,8 @@ def test_every_numeric_field_at_every_edge(field):
 def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
     """Replicas (--data-parallel-size): concurrent requests spread over the engines (the least loaded first),
     each answered in full; /health and the gauges report the sum over the replicas; a cancel reaches the
-    replica that holds the request."""
+    replica that holds the request. /health's programs_final is true only once every replica has compiled every
+    program and none is untuned."""
     import asyncio
     import threading
     import time
@@ -553,6 +558,7 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
 
     metrics = Metrics("fake")
     engines = [FakeEngine(max_num_seqs=2), FakeEngine(max_num_seqs=2)]
+    engines[0].programs, engines[1].untuned = [2, 3], 1  # one program still compiling, one not yet tuned
     front = Replicas([AsyncEngine(e, max_queue_len=4, metrics=metrics) for e in engines], metrics)
     server = OpenAIServer(front, demo_tok, ServerSettings("fake", max_model_len=64, vocab_size=512,
                                                           num_speculative_tokens=3), metrics, engines[0].eos_ids)
@@ -565,6 +571,26 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
         wait_healthy("127.0.0.1", port, 30)
         h = health("127.0.0.1", port)
         assert h["kv_pages_total"] == {"full_attention": 16} and h["kv_cache_bytes"] == 2 * 9 * 4096
+        assert (h["programs_compiled"], h["programs_total"], h["programs_untuned"]) == (5, 6, 1)
+        assert h["programs_final"] is False
+
+        def health_when(pred):  # the engine threads publish what /health reads when idle, every IDLE_POLL_S
+            deadline = time.time() + 10
+            while not pred(h := health("127.0.0.1", port)) and time.time() < deadline:
+                time.sleep(0.05)
+            return h
+
+        def counted(compiled, untuned):  # /health once both replicas have published this state
+            h = health_when(lambda h: (h["programs_compiled"], h["programs_untuned"]) == (compiled, untuned))
+            assert (h["programs_compiled"], h["programs_untuned"]) == (compiled, untuned), h
+            return h["programs_final"]
+
+        engines[1].untuned = 0
+        assert counted(5, 0) is False  # none untuned, one program still compiling
+        engines[0].programs, engines[1].untuned = [3, 3], 1
+        assert counted(6, 1) is False  # every program compiled, one untuned
+        engines[1].untuned = 0
+        assert counted(6, 0) is True
         answers = [None] * 4
 
         def ask(i):

@@ -340,6 +340,7 @@ class AsyncEngine:
                 "prefix_cache_hits": eng.prefix_cache_hits, "in_flight": len(self._active)}
         # Below the total while the larger buckets' programs compile in the background (compile_in_background).
         snap["programs_compiled"], snap["programs_total"] = eng.programs_ready()
+        snap["programs_untuned"] = eng.programs_untuned()  # until the tuned replacements land (GPU)
         grown = {key: snap[key] - self.snapshot[key] for key in ("preemptions", "prefix_cache_queries",
                                                                  "prefix_cache_hits")}
         self.snapshot = snap
