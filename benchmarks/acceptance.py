@@ -2,10 +2,20 @@
 k = 1..8 drafts per round, greedy and sampled, on held-out corpus prompts and on chat prompts.
 
     python benchmarks/acceptance.py --corpus CORPUS_DIR [--ckpt demo --assistant demo] [--out acceptance.json]
+        [--sources heldout,chat,heldout_chat]
 
-Prompts: `--prompts-per-source` held-out passages (the first --prompt-len tokens of evenly spaced paragraphs of
-CORPUS_DIR/heldout, <bos> first) and as many chat prompts (CHAT_PROMPTS below, through the target's chat
-template). They are written to --prompts-out, the file benchmarks/acceptance_hf.py reads, so transformers' assisted
+Prompts, `--prompts-per-source` of each source:
+- heldout: held-out passages (the first --prompt-len tokens of evenly spaced paragraphs of CORPUS_DIR/heldout,
+  <bos> first): text neither model saw. The sources in --heldout-skip-sources are left out (default: Shakespeare,
+  which the shipped pair's corpus did not have: its held-out text is out of the pair's domain, not just unseen).
+- chat: CHAT_PROMPTS below, through the target's chat template. Not unseen text for the demo pair: they follow
+  the training chat templates (gemma4_mtp_jax/train/corpus.py), and several ask to continue or quote passages of
+  the training text (the opening of Pride and Prejudice, Genesis 1:1, the first line of Paradise Lost).
+- heldout_chat: the first user turn of evenly spaced examples of CORPUS_DIR/heldout/chat.jsonl, through the chat
+  template: chat examples that corpus.py built from the held-out text alone, so the passages they quote or
+  continue are unseen (the request templates are the training ones). Examples of the template kinds in
+  --heldout-chat-skip are left out (default: Shakespeare's, for the same reason).
+They are written to --prompts-out, the file benchmarks/acceptance_hf.py reads, so transformers' assisted
 generation sees exactly the same token ids.
 
 Counting: a round proposes k drafts and the target accepts the longest agreeing prefix (greedy) or what rejection
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -29,6 +40,11 @@ from gemma4_mtp_jax.api import load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
 from gemma4_mtp_jax.generate import generate, load_tokenizer
 from gemma4_mtp_jax.model.sampling import SamplingParams
+
+# The demo corpus's sources that the shipped pair never trained on (scripts/fetch_demo_corpus.sh added them later),
+# and their chat template kinds in gemma4_mtp_jax/train/corpus.py: left out of the held-out prompts by default.
+PAIR_UNSEEN_SOURCES = ("shakespeare",)
+PAIR_UNSEEN_CHAT_KINDS = ("shakespeare", "shakespeare_scene", "shakespeare_poem")
 
 CHAT_PROMPTS = [
     "Who is Mr. Darcy?",
@@ -67,10 +83,14 @@ CHAT_PROMPTS = [
 ]
 
 
-def heldout_prompts(tokenizer, corpus: Path, count: int, prompt_len: int, bos_id: int) -> list[list[int]]:
-    """`count` prompts: the first prompt_len tokens of paragraphs spread evenly over the held-out .txt files."""
+def heldout_prompts(tokenizer, corpus: Path, count: int, prompt_len: int, bos_id: int,
+                    skip_sources: tuple[str, ...] = PAIR_UNSEEN_SOURCES) -> list[list[int]]:
+    """`count` prompts: the first prompt_len tokens of paragraphs spread evenly over the held-out .txt files
+    (heldout/<source>/...), those of `skip_sources` left out."""
     paragraphs = []
     for f in sorted((corpus / "heldout").rglob("*.txt")):
+        if f.relative_to(corpus / "heldout").parts[0] in skip_sources:
+            continue
         for para in f.read_text(encoding="utf-8").split("\n\n"):
             ids = tokenizer.encode(para.strip(), add_special_tokens=False).ids
             if len(ids) >= prompt_len:
@@ -82,14 +102,51 @@ def heldout_prompts(tokenizer, corpus: Path, count: int, prompt_len: int, bos_id
     return [[bos_id] + paragraphs[i] for i in pick]
 
 
-def chat_prompts(target_dir: Path, tokenizer, count: int) -> list[list[int]]:
+def _render_chat(target_dir: Path, tokenizer, questions: list[str]) -> list[list[int]]:
+    """Each question as one user turn through the target's chat template, tokenised."""
     from gemma4_mtp_jax.server.chat import ChatTemplate
 
     cfg = json.loads((target_dir / "tokenizer_config.json").read_text())
     specials = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token") if k in cfg}
     template = ChatTemplate(cfg["chat_template"], specials, str(target_dir / "tokenizer_config.json"))
-    texts = [template.render([{"role": "user", "content": q}]) for q in (CHAT_PROMPTS * 4)[:count]]
+    texts = [template.render([{"role": "user", "content": q}]) for q in questions]
     return [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+
+
+def chat_prompts(target_dir: Path, tokenizer, count: int) -> list[list[int]]:
+    return _render_chat(target_dir, tokenizer, (CHAT_PROMPTS * 4)[:count])
+
+
+def _template_kind_patterns(kinds: list[str]) -> list[re.Pattern]:
+    """Regexes of corpus.py's chat request templates of these kinds ({x}, {y}: any text)."""
+    from gemma4_mtp_jax.train.corpus import _CHAT_PROMPTS
+
+    unknown = set(kinds) - set(_CHAT_PROMPTS)
+    if unknown:
+        raise SystemExit(f"--heldout-chat-skip: unknown template kinds {sorted(unknown)}; known: "
+                         f"{sorted(_CHAT_PROMPTS)}")
+    return [re.compile(re.escape(t).replace(r"\{x\}", "(.+)").replace(r"\{y\}", "(.+)"), re.S)
+            for kind in kinds for t in _CHAT_PROMPTS[kind]]
+
+
+def heldout_chat_prompts(target_dir: Path, tokenizer, corpus: Path, count: int,
+                         skip_kinds: list[str]) -> list[list[int]]:
+    """`count` prompts: the first user turn of evenly spaced examples of corpus/heldout/chat.jsonl (built from
+    the held-out text alone), leaving out requests that match a template of `skip_kinds`."""
+    path = corpus / "heldout" / "chat.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--corpus {corpus}: no heldout/chat.jsonl (python -m gemma4_mtp_jax.train.corpus writes it)")
+    skip = _template_kind_patterns(skip_kinds)
+    questions = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        text = json.loads(line)["text"]
+        user = text.split("<start_of_turn>user\n", 1)[1].split("<end_of_turn>", 1)[0]
+        if not any(p.fullmatch(user) for p in skip):
+            questions.append(user)
+    if len(questions) < count:
+        raise SystemExit(f"--corpus {corpus}: {len(questions)} held-out chat examples left, fewer than {count}")
+    pick = np.linspace(0, len(questions) - 1, count).round().astype(int)
+    return _render_chat(target_dir, tokenizer, [questions[i] for i in pick])
 
 
 def summarize(stats: list[dict], k: int) -> dict:
@@ -111,6 +168,11 @@ def main() -> None:
     ap.add_argument("--corpus", required=True, help="the demo corpus directory (its heldout/ part is read)")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--sources", default="heldout,chat,heldout_chat", help="prompt sources (see above)")
+    ap.add_argument("--heldout-skip-sources", default=",".join(PAIR_UNSEEN_SOURCES),
+                    help="corpus sources left out of heldout ('' keeps every one)")
+    ap.add_argument("--heldout-chat-skip", default=",".join(PAIR_UNSEEN_CHAT_KINDS),
+                    help="corpus.py chat template kinds left out of heldout_chat ('' keeps every example)")
     ap.add_argument("--prompts-per-source", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -124,8 +186,16 @@ def main() -> None:
     target, assistant = load_target(ckpt, args.dtype), load_assistant(assistant_ckpt, args.dtype)
     tok = load_tokenizer(target.path)
     n = args.prompts_per_source
-    prompts = {"heldout": heldout_prompts(tok, Path(args.corpus), n, args.prompt_len, target.config.bos_token_id),
-               "chat": chat_prompts(Path(target.path), tok, n)}
+    makers = {"heldout": lambda: heldout_prompts(tok, Path(args.corpus), n, args.prompt_len,
+                                                 target.config.bos_token_id,
+                                                 tuple(x for x in args.heldout_skip_sources.split(",") if x)),
+              "chat": lambda: chat_prompts(Path(target.path), tok, n),
+              "heldout_chat": lambda: heldout_chat_prompts(Path(target.path), tok, Path(args.corpus), n,
+                                                           [k for k in args.heldout_chat_skip.split(",") if k])}
+    sources = [s for s in args.sources.split(",") if s]
+    if not sources or set(sources) - set(makers):
+        ap.error(f"--sources: expected some of {','.join(makers)}, got {args.sources!r}")
+    prompts = {s: makers[s]() for s in sources}
     Path(args.prompts_out).write_text(json.dumps(
         [{"source": s, "ids": ids} for s, ps in prompts.items() for ids in ps]))
     flat = [(s, ids) for s, ps in prompts.items() for ids in ps]
@@ -144,7 +214,7 @@ def main() -> None:
                 stats = [o.stats for (s, _), o in zip(flat, out) if s == source]
                 rec = {"k": k, "temperature": temp, "source": source, **summarize(stats, k)}
                 results.append(rec)
-                print(f"k={k} T={temp} {source:8s} L={rec['mean_acceptance_length']:.2f} "
+                print(f"k={k} T={temp} {source:12s} L={rec['mean_acceptance_length']:.2f} "
                       f"per-position {rec['rate_per_position']}", flush=True)
         print(f"  (k={k}: {time.perf_counter() - t0:.0f} s)", flush=True)
     report = {"ckpt": str(ckpt), "assistant": str(assistant_ckpt), "dtype": str(target.dtype),

@@ -12,8 +12,8 @@ Usage:
         [--ks 1,2,4,8] [--temperatures 0,0.8] [--max-new-tokens 128] [--dtype float32|bfloat16] [--seed 0] \\
         [--out results.json]
 
-FILE: a JSON list of {"source": "heldout" | "chat", "ids": [prompt token ids, <bos> included]}; the ids are fed
-as they are (no re-tokenising), so this sees exactly what our engine's benchmark sees.
+FILE: a JSON list of {"source": "heldout" | "chat" | "heldout_chat", "ids": [prompt token ids, <bos> included]};
+the ids are fed as they are (no re-tokenising), so this sees exactly what our engine's benchmark sees.
 
 Which rounds count (the `rounds` of the report): a round is one target verify forward that followed a draft. Left
 out of the acceptance statistics, but not of `tokens_generated` / `wall_s`:
@@ -56,7 +56,7 @@ from typing import Any, Iterator
 
 import torch
 
-SOURCES = ("heldout", "chat")
+SOURCES = ("heldout", "chat", "heldout_chat")  # benchmarks/acceptance.py's prompt sources
 GREEDY_CHECK_PROMPTS = 3  # prompts whose greedy assisted output is compared with plain greedy `generate`
 
 
@@ -265,14 +265,14 @@ def summarise(source: str, temperature: float, k: int, runs: list[tuple[list[int
 
 def print_table(rows: list[dict]) -> None:
     kmax = max(r["k"] for r in rows)
-    head = f"{'source':8} {'T':>4} {'k':>2} {'rounds':>6} {'acc_len':>7} {'tok':>6} {'s/prompt':>8}  rate@1..{kmax}"
+    head = f"{'source':12} {'T':>4} {'k':>2} {'rounds':>6} {'acc_len':>7} {'tok':>6} {'s/prompt':>8}  rate@1..{kmax}"
     print(head)
     print("-" * len(head))
     for r in rows:
         al = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] is not None else "-"
         rates = " ".join("-" if x is None else f"{x:.2f}" for x in r["acceptance_rate_per_position"])
-        print(f"{r['source']:8} {r['temperature']:>4g} {r['k']:>2} {r['rounds']:>6} {al:>7} {r['tokens_generated']:>6} "
-              f"{r['s_per_prompt']:>8.3f}  {rates}")
+        print(f"{r['source']:12} {r['temperature']:>4g} {r['k']:>2} {r['rounds']:>6} {al:>7} "
+              f"{r['tokens_generated']:>6} {r['s_per_prompt']:>8.3f}  {rates}")
 
 
 def main(argv: list[str] | None = None) -> int:

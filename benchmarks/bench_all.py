@@ -13,7 +13,10 @@ times out is recorded and the others go on.
     python benchmarks/bench_all.py --smoke       # tiny shapes, CPU
 
 Beside the matrix (`--hf-models`, default E2B and 31B): transformers' own `generate` at batch 1, greedy, eager
-PyTorch, on the same shapes and context (bench_hf_eager.py), where torch and transformers are installed.
+PyTorch, on the same shapes and context, where torch and transformers are installed, against this stack's own
+`generate` timed the same way (bench_hf_eager.py --impl transformers / ours, one process each): the whole loop
+against the whole loop, per token after the first. The decode program's pipelined time at the smallest batch
+stands beside them, labelled, for scale only.
 
 The whole matrix takes longer than one 600 s device call. `--merge OLD.json [...]` keeps the model runs of earlier
 bench_all.json files that succeeded, runs only the models left, and writes the union (plots included): call it
@@ -33,6 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_hf_eager import JSON_NAMES  # noqa: E402
 from benchmarks.common import TARGETS, environment  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,11 +73,14 @@ def run_spec(model: str | None, batch: list[int], ks: list[int], args) -> dict:
             **_run("bench_spec.py", cmd, "bench_spec.json", args.timeout)}
 
 
-def run_hf(model: str | None, args) -> dict:
-    """One bench_hf_eager.py process (transformers' generate, batch 1): {kind "hf_eager", model, rc, ...}."""
-    cmd = ["--smoke"] if model is None else ["--models", model, "--context", str(args.context)]
-    return {"kind": "hf_eager", "model": model or "smoke",
-            **_run("bench_hf_eager.py", cmd, "bench_hf_eager.json", args.timeout)}
+GENERATE_KINDS = {"hf_eager": "transformers", "ours_generate": "ours"}  # run kind -> bench_hf_eager.py --impl
+
+
+def run_generate(kind: str, model: str | None, args) -> dict:
+    """One bench_hf_eager.py process (transformers' generate or ours, batch 1): {kind, model, rc, ...}."""
+    impl = GENERATE_KINDS[kind]
+    cmd = ["--impl", impl] + (["--smoke"] if model is None else ["--models", model, "--context", str(args.context)])
+    return {"kind": kind, "model": model or "smoke", **_run("bench_hf_eager.py", cmd, JSON_NAMES[impl], args.timeout)}
 
 
 def _kept_runs(paths: list[str]) -> list[dict]:
@@ -160,8 +167,8 @@ def main() -> int:
     ap.add_argument("--merge", nargs="+", default=None, metavar="OLD_JSON",
                     help="earlier bench_all.json files: their successful model runs are kept, not run again")
     ap.add_argument("--hf-models", nargs="*", default=["e2b", "31b"], choices=sorted(TARGETS),
-                    help="beside the matrix: transformers' own generate at batch 1 (bench_hf_eager.py; needs torch "
-                         "and transformers >= 5.24); the flag alone, with no model, skips it")
+                    help="beside the matrix: transformers' own generate at batch 1 against ours (bench_hf_eager.py; "
+                         "needs torch and transformers >= 5.24); the flag alone, with no model, skips it")
     args = ap.parse_args()
     out_dir = args.out or os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
@@ -169,16 +176,17 @@ def main() -> int:
     runs = _kept_runs(args.merge) if args.merge else []
     done = {(rec.get("kind", "spec"), rec["model"]) for rec in runs}
     todo = [("spec", m) for m in ([None] if args.smoke else args.models)]
-    todo += [("hf_eager", m) for m in ([None] if args.smoke else args.hf_models)]
+    todo += [(kind, m) for m in ([None] if args.smoke else args.hf_models) for kind in GENERATE_KINDS]
     for kind, model in todo:
         if (kind, model or "smoke") in done:
             print(f"[{kind} {model or 'smoke'}] kept from {' '.join(args.merge)}", flush=True)
             continue
-        rec = run_spec(model, batch, args.k, args) if kind == "spec" else run_hf(model, args)
+        rec = run_spec(model, batch, args.k, args) if kind == "spec" else run_generate(kind, model, args)
         print(f"[{kind} {rec['model']}] rc={rec['rc']} in {rec['seconds']:.0f}s, {len(rec['rows'])} rows", flush=True)
         runs.append(rec)
     rows = [r for rec in runs if rec.get("kind", "spec") == "spec" for r in rec["rows"]]
     hf_rows = [r for rec in runs if rec.get("kind") == "hf_eager" for r in rec["rows"]]
+    our_rows = {r["model"]: r for rec in runs if rec.get("kind") == "ours_generate" for r in rec["rows"]}
     pngs = plot(rows, out_dir) if rows else []
     with open(os.path.join(out_dir, "bench_all.json"), "w") as f:
         json.dump({"env": environment(), "config": vars(args), "runs": runs, "plots": pngs}, f, indent=1)
@@ -193,14 +201,17 @@ def main() -> int:
               f"{r['spec_pipelined_ms']:7.3f} "
               f"{r['spec_over_decode_pipelined']:8.2f}")
     if hf_rows:
-        print("\ntransformers' generate, batch 1, beside this stack's decode step at the smallest batch measured:")
-        print(f"{'model':6} {'ctx':>6} {'hf ms/token':>11}  {'attention':9} {'ours B':>6} {'ours pipelined ms':>17} "
-              f"{'hf / ours':>9}")
+        print("\ngenerate at batch 1, greedy, ms per token after the first (bench_hf_eager.py): transformers' against "
+              "this stack's, both the whole loop;\nbeside them, for scale only, this stack's decode program alone "
+              "(pipelined, the smallest batch measured)")
+        print(f"{'model':6} {'ctx':>6} {'transformers':>12}  {'attention':9} {'ours generate':>13} {'ratio':>6} "
+              f"{'program B':>9} {'program ms':>10}")
         for h in hf_rows:
-            ours = sorted((r["batch"], r["decode_pipelined_ms"]) for r in rows if r["model"] == h["model"])
-            b, ms = ours[0] if ours else (0, float("nan"))
-            print(f"{h['model']:6} {h['context']:6d} {h['ms_per_token']:11.2f}  {h['attn_implementation']:9} {b:6d} "
-                  f"{ms:17.3f} {h['ms_per_token'] / ms:9.1f}")
+            ours = our_rows.get(h["model"], {}).get("ms_per_token", float("nan"))
+            step = sorted((r["batch"], r["decode_pipelined_ms"]) for r in rows if r["model"] == h["model"])
+            b, ms = step[0] if step else (0, float("nan"))
+            print(f"{h['model']:6} {h['context']:6d} {h['ms_per_token']:12.2f}  {h['attn_implementation']:9} "
+                  f"{ours:13.2f} {h['ms_per_token'] / ours:6.1f} {b:9d} {ms:10.3f}")
     failed = [f"{rec.get('kind', 'spec')} {rec['model']}: rc {rec['rc']}" for rec in runs if rec["rc"] != 0]
     for line in failed:
         print("FAILED", line)

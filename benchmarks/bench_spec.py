@@ -5,12 +5,15 @@ For each model and batch size, over a context of --context tokens per sequence (
 draft steps of the assistant, verify, acceptance, bookkeeping: one program). Reports the ratio
 speculative / decode and the projected speedup at a mean acceptance length L (tokens per round):
 L * t_decode / t_spec. Acceptance itself is not measured here (random weights accept nothing); the step's
-time does not depend on it (shapes never do).
+time does not depend on it (shapes never do). L is each model family's own at that k, measured or stated by a
+peer (common.ACCEPTANCE_LENGTHS, its source in each row's `acceptance_length_source`), or --acceptance-length for
+every row; a family and k with none known get no projection. Without one, the ratio speculative / decode is
+itself the L at which speculation breaks even.
 
     python benchmarks/bench_spec.py --models e2b 31b --batch 1 16 --k 4
     python benchmarks/bench_spec.py --models e2b --batch 1 2 16 64 --k 2 4 8   # one process, every program
                                                                                # compiled before any is timed
-    python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512 --acceptance-length 3.2
+    python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512   # projected at its measured L
     python benchmarks/bench_spec.py --models e2b --batch 2 16 --sampled   # the sampling programs (T = 1, top-p;
                                                                            # --top-k 64 for Gemma 3's default)
     python benchmarks/bench_spec.py --smoke
@@ -34,10 +37,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, experts_touched, random_pages  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, compile_concurrently, copy_bandwidth,  # noqa: E402
-                               environment, fresh_inputs, gemv_bandwidth, layout_for, lower_program, pipelined_time,
-                               random_params,
-                               write_json)
+from benchmarks.common import (ASSISTANTS, TARGETS, acceptance_length, compile_concurrently,  # noqa: E402
+                               copy_bandwidth, environment, fresh_inputs, gemv_bandwidth, layout_for, lower_program,
+                               pipelined_time, random_params, write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
@@ -215,7 +217,12 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
             row["spec_over_decode_pipelined"] = row["spec_pipelined_ms"] / row["decode_pipelined_ms"]
             row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
             row["draft_ms_est"] = row["spec_ms"] - row["verify_ms"]
-            row["projected_speedup"] = args.acceptance_length * row["decode_ms"] / row["spec_ms"]
+            if args.acceptance_length is not None:
+                L, source = args.acceptance_length, "given: --acceptance-length"
+            else:
+                L, source = acceptance_length(name, k)
+            row["acceptance_length"], row["acceptance_length_source"] = L, source
+            row["projected_speedup"] = None if L is None else L * row["decode_ms"] / row["spec_ms"]
             print(row, flush=True)
             yield row
 
@@ -229,8 +236,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--acceptance-length", type=float, default=3.9,
-                    help="mean tokens per round for the projected speedup (vLLM's 31B figure at k=4)")
+    ap.add_argument("--acceptance-length", type=float, default=None,
+                    help="mean tokens per round for every row's projected speedup (default: each model's own at "
+                         "that k, from common.ACCEPTANCE_LENGTHS; none known: no projection)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the target over the first N devices (sharding.py)")
     ap.add_argument("--pack-params", action="store_true",
@@ -257,16 +265,21 @@ def main() -> None:
         for row in bench_model(name, args, bw, gemv_bw):
             rows.append(row)  # written row by row: a process cut short still leaves what it measured
             write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "gemv_TBps": gemv_bw / 1e12,
-                                           "acceptance_length": args.acceptance_length, "rows": rows})
-    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; projected speedup at mean acceptance length "
-          f"{args.acceptance_length}")
+                                           "rows": rows})
+    print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; speedup = L x decode / spec (synchronised), L each model's own "
+          f"at k (sources below); '-': no L known")
     print(f"{'model':6} {'k':>2} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
-          f"{'spec/dec':>8} {'speedup':>8} {'dec pipe':>8} {'spec pipe':>9} {'ratio':>6}")
+          f"{'spec/dec':>8} {'L':>5} {'speedup':>8} {'dec pipe':>8} {'spec pipe':>9} {'ratio':>6}")
     for r in rows:
+        L, speedup = r["acceptance_length"], r["projected_speedup"]
         print(f"{r['model']:6} {r['k']:2d} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
               f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:8.3f} {r['spec_ms']:8.3f} "
-              f"{r['draft_ms_est']:8.3f} {r['spec_over_decode']:8.2f} {r['projected_speedup']:8.2f} "
+              f"{r['draft_ms_est']:8.3f} {r['spec_over_decode']:8.2f} {'-' if L is None else f'{L:.2f}':>5} "
+              f"{'-' if speedup is None else f'{speedup:.2f}':>8} "
               f"{r['decode_pipelined_ms']:8.3f} {r['spec_pipelined_ms']:9.3f} {r['spec_over_decode_pipelined']:6.2f}")
+    print("L sources:")
+    for model, k, source in sorted({(r["model"], r["k"], r["acceptance_length_source"]) for r in rows}):
+        print(f"  {model} k={k}: {source}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,34 @@ ASSISTANTS: dict[str, dict] = {
 }
 
 
+# Mean acceptance length L (tokens a round emits: accepted drafts + the bonus) per model family and k, greedy, each
+# with its source, for projecting a speedup (L x t_decode / t_spec) from step times: random weights accept nothing,
+# so a projection borrows L from a measurement of the real pair or a peer's published figure, and never another
+# family's (a small target and its assistant agree at other rates than a large one and its own). A family or k
+# missing here gets no projection: only the L at which speculation breaks even (t_spec / t_decode).
+_31B_RATES = (0.92, 0.78, 0.67, 0.57)  # vLLM, 31B-it and its assistant, per draft position at k = 4
+_DEMO_L = (1.67, 2.09, 2.29, 2.39, 2.45, 2.53, 2.55, 2.54)  # k = 1..8
+ACCEPTANCE_LENGTHS: dict[str, dict[int, tuple[float, str]]] = {
+    "31b": {k: (round(1 + sum(_31B_RATES[:k]), 2),
+                "stated: vLLM's per-position acceptance of 31B-it with its assistant at k = 4, 0.92 / 0.78 / 0.67 / "
+                "0.57 (a community report, github.com/noonghunna/club-3090/issues/274)"
+                + ("" if k == 4 else f"; the first {k} positions")) for k in range(1, 5)},
+    "e4b": {2: (2.28, "stated: vLLM's CI test_gemma4_mtp_acceptance_lengths, E4B-it with its assistant, k = 2, "
+                      "T = 0, MT-Bench (HumanEval 2.68, GSM8K 2.67)")},
+    "demo": {k: (L, "measured: benchmarks/acceptance.py --corpus CORPUS --prompts-per-source 32 --max-new-tokens "
+                    "128, the shipped pair (32010e5) in bf16, greedy, held-out corpus prompts")
+             for k, L in enumerate(_DEMO_L, 1)},
+}
+
+
+def acceptance_length(model: str, k: int) -> tuple[float, str] | tuple[None, str]:
+    """(L, its source) of `model` at k drafts per round (ACCEPTANCE_LENGTHS), or (None, why not)."""
+    known = ACCEPTANCE_LENGTHS.get(model, {})
+    if k in known:
+        return known[k]
+    return None, (f"none known for {model} at k = {k}" + (f" (known at k = {sorted(known)})" if known else ""))
+
+
 def write_random_checkpoint(model: str, root: str) -> tuple[str, str]:
     """config.json of `model`'s target and assistant (TARGETS / ASSISTANTS) under `root`, for a server started with
     --load-format dummy (random weights at the real shapes). Returns (target dir, assistant dir)."""

@@ -7,12 +7,17 @@ Two engines (max_num_seqs 1) serve every prompt, greedy, after a warm-up of both
 program) and speculative (the assistant's speculative program). Plain is not the speculative engine with a request's
 `speculative` flag off: that still runs the draft steps, and costs a whole round per token. Per request the decode
 phase is
-latency - TTFT (prefill excluded), so
-    realized = plain decode time per token / speculative decode time per token
-    L        = tokens emitted per round (accepted drafts + bonus)
-and, with `--bench-spec` (benchmarks/bench_spec.py's JSON for the same pair at batch 1, run in the same session:
-the decode step and the speculative step timed alone, as compiled programs),
-    projected = L x t_decode / t_spec.
+latency - TTFT (prefill excluded), which emits the reply's tokens after the first, so per request
+    plain rate   = (plain tokens - 1) / plain decode time        (tokens/s)
+    spec rate    = (spec tokens - 1) / speculative decode time
+    realized     = spec rate / plain rate
+    L            = tokens emitted per round (accepted drafts + bonus), measured on this request
+Each mode's rate counts its own tokens: where bf16 outputs part ways (below) the two replies can differ in length,
+and a ratio of decode totals would then compare different amounts of work. With `--bench-spec` (bench_spec.py's
+JSON for the same pair at batch 1, run in the same session: the decode step and the speculative step timed alone,
+as compiled programs; `--bench-spec-model` picks its rows),
+    projected = L x t_decode / t_spec,
+with this run's own L (the pair's measured acceptance, labelled so in the output, never another model's).
 Medians over prompts; realized / projected says how much of the step-time arithmetic survives in the generation
 loop (host work between steps, rounds cut short at the end of a reply).
 
@@ -58,6 +63,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=None, help="drafts per round (default: the assistant's)")
     ap.add_argument("--bench-spec", default=None, help="bench_spec.py's JSON (decode_ms, spec_ms at batch 1)")
+    ap.add_argument("--bench-spec-model", default="demo",
+                    help="the model of --bench-spec's rows to take (bench_spec.py --models NAME; default: demo)")
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's (bf16 for the demo pair)")
     ap.add_argument("--out", default="realized_speedup.json")
     args = ap.parse_args()
@@ -92,21 +99,31 @@ def main() -> None:
         if exact and not same:
             raise SystemExit(f"greedy speculative output differs from plain in float32 ({source} prompt {ids[:8]}...)")
         diverge = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b), None)
-        compared.append({"source": source, "same": same, "first_divergence": diverge, "plain_tokens": len(plain.tokens)})
-        n = len(plain.tokens)
-        if n < 8:
+        n_plain, n_spec = len(plain.tokens), len(spec.tokens)
+        compared.append({"source": source, "same": same, "first_divergence": diverge, "plain_tokens": n_plain,
+                         "spec_tokens": n_spec})
+        if min(n_plain, n_spec) < 8:
             continue  # a reply of a few tokens measures prefill, not decoding
         ps, ss = plain.stats, spec.stats
-        rows.append({"source": source, "tokens": n, "rounds": ss["rounds"], "L": ss["mean_acceptance_length"],
-                     "loop_decode_ms_per_step": 1e3 * decode_time(ps) / (n - 1),
+        plain_rate, spec_rate = (n_plain - 1) / decode_time(ps), (n_spec - 1) / decode_time(ss)
+        rows.append({"source": source, "plain_tokens": n_plain, "spec_tokens": n_spec, "rounds": ss["rounds"],
+                     "L": ss["mean_acceptance_length"],
+                     "loop_plain_ms_per_token": 1e3 / plain_rate, "loop_spec_ms_per_token": 1e3 / spec_rate,
                      "loop_spec_ms_per_round": 1e3 * decode_time(ss) / ss["rounds"],
-                     "realized": decode_time(ps) / decode_time(ss),
-                     "plain_tokens_per_s": (n - 1) / decode_time(ps), "spec_tokens_per_s": (n - 1) / decode_time(ss)})
+                     "plain_tokens_per_s": plain_rate, "spec_tokens_per_s": spec_rate,
+                     "realized": spec_rate / plain_rate})
+    if not rows:
+        raise SystemExit(f"every reply was shorter than 8 tokens: nothing to time (--max-new-tokens "
+                         f"{args.max_new_tokens})")
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "source"}
+    med["L_source"] = "measured: this run's speculative requests (tokens per round, median over prompts)"
     if args.bench_spec:
-        b1 = [r for r in json.loads(Path(args.bench_spec).read_text())["rows"] if r["batch"] == 1 and r["k"] == engine.k]
+        rows_in = json.loads(Path(args.bench_spec).read_text())["rows"]
+        b1 = [r for r in rows_in if r["model"] == args.bench_spec_model and r["batch"] == 1 and r["k"] == engine.k]
         if not b1:
-            raise SystemExit(f"--bench-spec {args.bench_spec}: no row at batch 1 with k = {engine.k}")
+            raise SystemExit(f"--bench-spec {args.bench_spec}: no row of model {args.bench_spec_model!r} at batch 1 "
+                             f"with k = {engine.k} (models there: {sorted({r['model'] for r in rows_in})})")
+        med["step_times_model"] = args.bench_spec_model
         med["step_decode_ms"], med["step_spec_ms"] = b1[0]["decode_ms"], b1[0]["spec_ms"]
         for r in rows:
             r["projected"] = r["L"] * b1[0]["decode_ms"] / b1[0]["spec_ms"]

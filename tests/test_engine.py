@@ -495,20 +495,25 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
     background is done it batches as wide as max_num_seqs.
 
     Where XLA autotunes (the GPU; here said so), the three first programs compile without autotuning, and the
-    background, once the other buckets' are done, replaces them with tuned ones, which serve the same tokens."""
+    background, once the other buckets' are done, replaces them with tuned ones, which serve the same tokens.
+    Until the last replacement lands the engine counts them untuned (what /health's programs_final reads), even
+    once every bucket's program is compiled."""
     import threading
+    import time
 
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.programs import program_set as step_mod
 
-    real, gate, calls = step_mod.compile_lowered, threading.Event(), []
+    real, gate, tuned_gate, calls = step_mod.compile_lowered, threading.Event(), threading.Event(), []
 
     def gated(lowered, autotune):
         if threading.current_thread() is threading.main_thread():
             raise AssertionError("the engine compiled a program on its own thread")
         calls.append(autotune)
-        if len(calls) > 3:  # the three start-up programs go through; the background waits for the gate
-            assert gate.wait(300)
+        # The three start-up programs go through; the other buckets' wait for `gate`, the tuned replacements
+        # of the first three for `tuned_gate`.
+        if len(calls) > 3:
+            assert (gate if len(calls) <= 6 else tuned_gate).wait(300)
         return real(lowered, autotune)
 
     monkeypatch.setattr(step_mod, "compile_lowered", gated)
@@ -517,7 +522,7 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
     engine = Engine(target, _engine_config(compile_in_background=True))  # batch buckets [2, 4], prefill [4, 8]
     first = {"decode[2]": engine.steps.decode[(2, False)], "prefill[1x4]": engine.steps.prefill[(1, 4)]}
     try:
-        assert engine.programs.ready() == (3, 6)
+        assert engine.programs.ready() == (3, 6) and engine.stats()["programs_untuned"] == 3
         assert calls == [False] * 3 and engine.programs.untuned == {"decode[2]", "decode[2,sampled]", "prefill[1x4]"}
         prompts = _prompts(11, [3, 9, 20, 5])
 
@@ -532,7 +537,13 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
         early, widest = serve(engine)
         assert widest == 2 and engine.programs.ready() == (3, 6)
         gate.set()
+        deadline = time.monotonic() + 300
+        while len(calls) < 7 and time.monotonic() < deadline:  # every bucket compiled, the replacements begun
+            time.sleep(0.01)
+        assert engine.programs.ready() == (6, 6) and engine.stats()["programs_untuned"] == 3
+        tuned_gate.set()
         assert engine.programs.wait(300) and engine.programs.ready() == (6, 6)
+        assert engine.stats()["programs_untuned"] == 0
         assert calls == [False] * 3 + [True] * 6 and engine.programs.untuned == set()
         assert engine.steps.decode[(2, False)] is not first["decode[2]"]
         assert engine.steps.prefill[(1, 4)] is not first["prefill[1x4]"]
@@ -542,6 +553,7 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
         assert early == late == reference
     finally:
         gate.set()
+        tuned_gate.set()
         engine.close()
 
 

@@ -337,6 +337,7 @@ class FakeEngine:
         self.eos_ids = frozenset([1])
         self.waiting, self.running = [], []
         self.tokens = [BYTE0 + b for b in tokens]
+        self.programs, self.untuned = [3, 3], 0  # (compiled, total) and programs not yet tuned
         self.served = []  # every request added
         self.k = 3
         self.per_step, self.delay = 3, 0.02
@@ -349,7 +350,8 @@ class FakeEngine:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_pages_in_use": {"full_attention": len(self.running)}, "kv_pages_total": {"full_attention": 8},
                 "kv_cache_bytes": 9 * 4096, "preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                "programs_compiled": 3, "programs_total": 3}
+                "programs_compiled": self.programs[0], "programs_total": self.programs[1],
+                "programs_untuned": self.untuned}
 
     def close(self):
         self.closed = True
@@ -528,7 +530,8 @@ def test_every_numeric_field_at_every_edge(field):
 def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
     """Replicas (--data-parallel-size): concurrent requests spread over the engines (the least loaded first),
     each answered in full; /health and the gauges report the sum over the replicas; a cancel reaches the
-    replica that holds the request."""
+    replica that holds the request. /health's programs_final is true only once every replica has compiled every
+    program and none is untuned."""
     import asyncio
     import threading
     import time
@@ -544,6 +547,7 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
 
     metrics = Metrics("fake")
     engines = [FakeEngine(max_num_seqs=2), FakeEngine(max_num_seqs=2)]
+    engines[0].programs, engines[1].untuned = [2, 3], 1  # one program still compiling, one not yet tuned
     front = Replicas([AsyncEngine(e, max_queue_len=4, metrics=metrics) for e in engines], metrics)
     server = OpenAIServer(front, demo_tok, ServerSettings("fake", max_model_len=64, vocab_size=512,
                                                           num_speculative_tokens=3), metrics, engines[0].eos_ids)
@@ -556,6 +560,26 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
         wait_healthy("127.0.0.1", port, 30)
         h = health("127.0.0.1", port)
         assert h["kv_pages_total"] == {"full_attention": 16} and h["kv_cache_bytes"] == 2 * 9 * 4096
+        assert (h["programs_compiled"], h["programs_total"], h["programs_untuned"]) == (5, 6, 1)
+        assert h["programs_final"] is False
+
+        def health_when(pred):  # the engine threads publish what /health reads when idle, every IDLE_POLL_S
+            deadline = time.time() + 10
+            while not pred(h := health("127.0.0.1", port)) and time.time() < deadline:
+                time.sleep(0.05)
+            return h
+
+        def counted(compiled, untuned):  # /health once both replicas have published this state
+            h = health_when(lambda h: (h["programs_compiled"], h["programs_untuned"]) == (compiled, untuned))
+            assert (h["programs_compiled"], h["programs_untuned"]) == (compiled, untuned), h
+            return h["programs_final"]
+
+        engines[1].untuned = 0
+        assert counted(5, 0) is False  # none untuned, one program still compiling
+        engines[0].programs, engines[1].untuned = [3, 3], 1
+        assert counted(6, 1) is False  # every program compiled, one untuned
+        engines[1].untuned = 0
+        assert counted(6, 0) is True
         answers = [None] * 4
 
         def ask(i):

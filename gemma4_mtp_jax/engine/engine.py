@@ -175,15 +175,17 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """What a server reports of the engine now: sequences running and waiting, KV pages in use and in all per
-        group, the pools' bytes, preemptions and prefix-cache tokens looked up and found so far, and the programs
-        compiled of those the buckets need."""
+        group, the pools' bytes, preemptions and prefix-cache tokens looked up and found so far, the programs
+        compiled of those the buckets need, and those serving in their quick form, compiled without XLA's
+        autotuning until the background swaps in their tuned versions (every program is in its final form, and the
+        engine at its steady speed, once all are compiled and none is untuned)."""
         kv, scheduler = self.kv, self.scheduler
         compiled, total = self.programs.ready()
         return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                 "kv_pages_in_use": kv.pages_in_use(), "kv_pages_total": kv.pages_total(),
                 "kv_cache_bytes": self.kv_cache_bytes(), "preemptions": scheduler.num_preemptions,
                 "prefix_cache_queries": kv.queries, "prefix_cache_hits": kv.hits,
-                "programs_compiled": compiled, "programs_total": total}
+                "programs_compiled": compiled, "programs_total": total, "programs_untuned": len(self.programs.untuned)}
 
     def close(self) -> None:
         """Stop compiling in the background: no further program starts, the ones compiling finish (waited for)."""

@@ -137,7 +137,10 @@ class OpenAIServer:
             status = "degraded"
         else:
             status = "ok"
-        body = {"status": status, "model": self.settings.model_name, **snap,
+        # Steady speed: every bucket's program compiled and none still in its quick untuned form. Until then
+        # the server serves, but slower (a benchmark waits for this, not for ready).
+        final = snap["programs_compiled"] == snap["programs_total"] and snap["programs_untuned"] == 0
+        body = {"status": status, "model": self.settings.model_name, **snap, "programs_final": final,
                 "num_speculative_tokens": self.settings.num_speculative_tokens,
                 "last_error": self.engine.last_error}
         return _json_response(body, 200 if status in ("ok", "degraded") else 503)

@@ -329,7 +329,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         # programs_compiled stays below programs_total while the larger buckets' programs compile in the
-        # background (compile_in_background).
+        # background (compile_in_background); programs_untuned above 0 until the tuned replacements land (GPU).
         snap = {**self.engine.stats(), "in_flight": len(self._active)}
         grown = {key: snap[key] - self.snapshot[key] for key in ("preemptions", "prefix_cache_queries",
                                                                  "prefix_cache_hits")}
