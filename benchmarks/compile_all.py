@@ -30,7 +30,8 @@ from gemma4_mtp_jax.api import (Assistant, Target, abstract_assistant_params, ab
                                 load_assistant, load_target)
 from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
 from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
-from gemma4_mtp_jax.server.cli import DEFAULT_MAX_MODEL_LEN_CAP, _max_position_embeddings, build_parser  # noqa: E402
+from gemma4_mtp_jax.server.cli import _max_position_embeddings  # noqa: E402
+from gemma4_mtp_jax.server.flags import DEFAULT_MAX_MODEL_LEN_CAP, build_parser  # noqa: E402
 
 FAMILIES = ["demo", "e2b", "e4b", "26b", "31b"]
 REAL_MAX_POSITIONS = 131072  # every released Gemma 4 text config allows at least this; the server caps it

@@ -741,7 +741,7 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
     its new tokens, while the engine thread hands them to its stream (a fault there once killed the thread), or while
     detokenizing them in the server: that request alone gets an error; the others' tokens equal an undisturbed run,
     every KV page comes back, /health stays ok and the server keeps serving."""
-    import gemma4_mtp_jax.server.app as app_module
+    import gemma4_mtp_jax.server.generation as app_module
 
     prompts = [f"Fault {i}: tell me" for i in range(4)]
     victim = 2

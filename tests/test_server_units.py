@@ -245,7 +245,7 @@ def test_literal_pattern_matches_the_longest_word_at_the_leftmost_place():
 def test_kv_cache_memory_sizes():
     import argparse
 
-    from gemma4_mtp_jax.server.cli import build_parser, parse_size
+    from gemma4_mtp_jax.server.flags import build_parser, parse_size
 
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("512MB") == 512 * 10**6 and parse_size("1.5 gib") == 3 * 2**29
     assert parse_size("4096") == 4096
@@ -770,7 +770,7 @@ def test_large_bodies_after_close_get_503(demo_tok):
 
 
 def test_connection_and_body_flags():
-    from gemma4_mtp_jax.server.cli import build_parser, max_connections
+    from gemma4_mtp_jax.server.flags import build_parser, max_connections
 
     parse = build_parser().parse_args
     assert max_connections(parse([])) == 1024  # 2 x (8 running + 256 queued) is fewer

@@ -67,21 +67,21 @@ def test_memory_fraction_set_before_the_backend_only(gpu_machine, caplog):
 
 def test_the_servers_memory_fraction(gpu_machine):
     """--gpu-memory-utilization, else the user's environment, else the server's default (vLLM's 0.9)."""
-    from gemma4_mtp_jax.server import cli
+    from gemma4_mtp_jax.server import cli, flags
 
     gpu_machine.delenv(xla_env.MEM_FRACTION_ENV, raising=False)
     cli._set_memory_fraction(None)
-    assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == str(cli.DEFAULT_GPU_MEMORY_UTILIZATION)
+    assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == str(flags.DEFAULT_GPU_MEMORY_UTILIZATION)
     gpu_machine.setenv(xla_env.MEM_FRACTION_ENV, "0.6")
     cli._set_memory_fraction(None)
     assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == "0.6"
     cli._set_memory_fraction(0.8)
     assert xla_env.os.environ[xla_env.MEM_FRACTION_ENV] == "0.8"
-    ap = cli.build_parser()
+    ap = flags.build_parser()
     for bad in (["x"], ["1.5"], ["0"]):
         with pytest.raises(SystemExit):
-            cli._check_args(ap, ap.parse_args(["--gpu-memory-utilization", *bad]))
-    cli._check_args(ap, ap.parse_args(["--gpu-memory-utilization", "0.95"]))
+            flags.check_args(ap, ap.parse_args(["--gpu-memory-utilization", *bad]))
+    flags.check_args(ap, ap.parse_args(["--gpu-memory-utilization", "0.95"]))
 
 
 def test_allocator_memory_of_this_machine():
