@@ -12,7 +12,7 @@ requests in flight) or a request rate R (an open loop: requests arrive as a Pois
   need.
 - `--long-prompt-len L`: interference. While each level runs, a request with a random L-token prompt (one token
   out) arrives every `--long-prompt-interval` seconds; the level's inter-chunk gaps are then the running streams'
-  while long prompts prefill (issue 12's goal: p99 <= 2x p50), and the long prompts' TTFT is reported beside them.
+  while long prompts prefill (the goal: p99 <= 2x p50), and the long prompts' TTFT is reported beside them.
 Per (mode, level): output tokens/s, requests/s, TTFT, inter-chunk latency, time per output token, end-to-end latency
 (p50/p90/p99), and the server's own speculative counters from /metrics (acceptance rate, mean acceptance length),
 then a spec-vs-plain speedup table.
