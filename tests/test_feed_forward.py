@@ -90,9 +90,9 @@ def test_kernel_differentiates_through_the_reference():
 
 def test_plan(monkeypatch):
     # The E2B assistant: 32 programs of 64 columns, on the GPU only.
-    monkeypatch.setattr(ff, "on_gpu", lambda: False)
+    monkeypatch.setattr(ff, "kernels_chosen", lambda: False)
     assert ff.plan_block(2, 256, 2048, jnp.bfloat16) is None
-    monkeypatch.setattr(ff, "on_gpu", lambda: True)
+    monkeypatch.setattr(ff, "kernels_chosen", lambda: True)
     assert ff.plan_block(2, 256, 2048, jnp.bfloat16) == 32
     assert ff.plan_block(16, 256, 2048, jnp.bfloat16) == 32
     assert ff.plan_block(17, 256, 2048, jnp.bfloat16) is None  # past MAX_ROWS

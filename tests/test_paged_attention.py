@@ -359,7 +359,7 @@ def test_auto_falls_back_to_xla_when_no_tiling_fits(monkeypatch, caplog):
     c = build_case(8, Tq=2, nH=4, nKV=1, D=32, page_size=8, starts=[12, 3], n_valid=[2, 1], window=7)
     kw = dict(window=c.window, ring_pages=c.ring_pages)
     want = np.asarray(run_reference(c))
-    monkeypatch.setattr(pa, "on_gpu", lambda: True)
+    monkeypatch.setattr(pa, "kernels_chosen", lambda: True)
     monkeypatch.setattr(pa, "default_budget", lambda: GpuBudget(1024, 132, "tiny"))
     pa._log_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger=pa.__name__):
@@ -488,13 +488,18 @@ def test_prep_argument_checks():
             fn(raw, *args, q_norm=q_norm, rope=(cos, sin))
 
 
-def _interpreted_kernel(monkeypatch):
-    """`attend_paged(impl="pallas")` through the kernel in interpret mode off the GPU."""
-    monkeypatch.setattr(pa, "paged_attention", functools.partial(pa.paged_attention, interpret=INTERPRET))
+@pytest.fixture
+def interpreted_kernels():
+    """`attend_paged(impl="pallas")` through the kernel, in interpret mode off the GPU: what a program traced with
+    the Pallas kernels does (`device_budget.pallas_kernels`)."""
+    from gemma4_mtp_jax.kernels.device_budget import pallas_kernels
+
+    with pallas_kernels():
+        yield
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(monkeypatch, dtype):
+def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(interpreted_kernels, dtype):
     """PagedDraftKV, kernel path: prepare hands the projections back, attend has the kernel rope them at the
     projections' positions P = lengths while masking at P-1 with window W+1; as today's path (queries prepared,
     then attended), which the "xla" view runs."""
@@ -502,7 +507,6 @@ def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(monkeypatch, dtype):
     from gemma4_mtp_jax.model.kv_state import PagedDraftKV
     from gemma4_mtp_jax.model.attention import Projections
 
-    _interpreted_kernel(monkeypatch)
     W = 9
     lengths = np.array([41, 14, 0, 7], np.int32)
     c = build_case(15, Tq=1, nH=4, nKV=2, D=32, page_size=4, starts=list(lengths - 1), n_valid=[1, 1, 0, 1],
@@ -521,14 +525,13 @@ def test_draft_view_ropes_at_P_and_masks_at_P_minus_1(monkeypatch, dtype):
     assert np.all(outs["pallas"][2] == 0)
 
 
-def test_target_view_q_only_layer(monkeypatch):
+def test_target_view_q_only_layer(interpreted_kernels):
     """PagedKV, kernel path: a Q-only layer (k None) gets its projections back and the kernel norms and ropes them
     at the layer's positions; an owning layer still gets queries."""
     from gemma4_mtp_jax.model.config import FULL
     from gemma4_mtp_jax.model.kv_state import PagedKV
     from gemma4_mtp_jax.model.attention import Projections
 
-    _interpreted_kernel(monkeypatch)
     c = build_case(17, Tq=5, nH=4, nKV=1, D=32, page_size=8, starts=STARTS, n_valid=_valid(5))
     raw, q_norm, _, inv_freq, _ = prep_inputs(c, 18, jnp.float32)
     _, kp, vp, table, qpos = c.args()
@@ -543,16 +546,15 @@ def test_target_view_q_only_layer(monkeypatch):
 
 
 TP_CHILD = r"""
-import functools, sys
+import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 import test_paged_attention as t
 from gemma4_mtp_jax.model.config import SLIDING
-from gemma4_mtp_jax.kernels import paged_attention as pa
+from gemma4_mtp_jax.kernels.device_budget import pallas_kernels
 from gemma4_mtp_jax.model.kv_state import PagedDraftKV
 from gemma4_mtp_jax.model.attention import Projections
 
-pa.paged_attention = functools.partial(pa.paged_attention, interpret=True)
 W, lengths = 9, np.array([41, 14, 0, 7], np.int32)
 c = t.build_case(19, Tq=1, nH=4, nKV=2, D=32, page_size=4, starts=list(lengths - 1), n_valid=[1, 1, 0, 1],
                  window=W + 1, ring_pages=4)
@@ -566,7 +568,7 @@ for impl in ("pallas", "xla"):
         q, view = view.prepare(0, p)
         assert isinstance(q, Projections) == (impl == "pallas")
         return view.attend(0, q, p.positions, W)
-    with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("tp",))):
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:2]), ("tp",))), pallas_kernels():  # the kernel, interpreted
         text = jax.jit(f).lower(kp, vp, table, p).as_text()
         assert "shard_map" in text or "sdy.manual_computation" in text, "attention not split by heads"
         outs[impl] = np.asarray(jax.jit(f)(kp, vp, table, p))
@@ -597,7 +599,7 @@ def test_auto_fallback_prepares_queries_in_xla(monkeypatch):
     c = build_case(21, Tq=2, nH=4, nKV=1, D=32, page_size=8, starts=[12, 3], n_valid=[2, 1], window=7)
     raw, q_norm, rope_pos, inv_freq, (cos, sin) = prep_inputs(c, 22, jnp.float32)
     want = np.asarray(reference_on(c, prepared_queries(raw, q_norm, rope_pos, inv_freq), jnp.float32))
-    monkeypatch.setattr(pa, "on_gpu", lambda: True)
+    monkeypatch.setattr(pa, "kernels_chosen", lambda: True)
     monkeypatch.setattr(pa, "default_budget", lambda: GpuBudget(1024, 132, "tiny"))
     out = pa.attend_paged(raw, *c.args()[1:], q_norm, cos, sin, window=c.window, ring_pages=c.ring_pages, eps=EPS,
                           impl="auto")
