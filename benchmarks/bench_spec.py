@@ -167,7 +167,8 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
         lowerings[("decode", B, 0)] = lambda B=B: lower_program(plain.decode_program(B, args.sampled))
         for k in ks:
             lowerings[("verify", B, k)] = functools.partial(verify_lowering, B, k, tables)
-            lowerings[("speculative", B, k)] = lambda B=B, k=k: lower_program(steps[k].speculative_program(B, args.sampled))
+            lowerings[("speculative", B, k)] = functools.partial(lower_program,
+                                                                 steps[k].speculative_program(B, args.sampled))
     t0 = time.perf_counter()
     compiled = compile_concurrently(lowerings)
     print(f"[{name}] {len(compiled)} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
