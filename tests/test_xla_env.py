@@ -50,7 +50,7 @@ def test_left_alone_where_it_cannot_apply(gpu_machine, why):
 def test_a_started_backend_is_seen():
     import jax
 
-    jax.devices()  # the test session's backend
+    jax.devices()  # the backend the suite runs on
     assert xla_env._backend_started()
 
 

@@ -37,7 +37,7 @@ from gemma4_mtp_jax.engine.config import EngineConfig
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.memory import out_of_memory_explained, pool_sizes
 from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent
-from gemma4_mtp_jax.engine.runner import Dispatched, Runner
+from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner
 from gemma4_mtp_jax.engine.scheduler import Scheduler
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
 from gemma4_mtp_jax.model.kv_state import KVLayout, make_layout, page_bytes
@@ -296,7 +296,7 @@ class Engine:
             self.runner.dispatch(rows)
         return previous
 
-    def _rows(self, reqs: list[Request], events: list[StepEvent]) -> list:
+    def _rows(self, reqs: list[Request], events: list[StepEvent]) -> list[Row]:
         rows, failed = self.runner.rows(reqs)
         events += [self.scheduler.fail(req, "building its row of the batch", e) for req, e in failed]
         return rows
