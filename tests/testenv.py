@@ -34,3 +34,19 @@ def hlo_outputs_of_their_own(text: str) -> list[int]:
             break
         count += ch == "," and depth == 1
     return [i for i in range(count) if i not in aliased]
+
+
+def kl_and_top1(reference, approx) -> tuple[float, float]:
+    """(mean KL(softmax(reference) || softmax(approx)) in nats, share of positions where the argmaxes agree), over
+    the leading axes of two logit arrays [..., V]: how far a quantized model's next-token law strays from the exact
+    one, the measure the fp8 accuracy tests bound."""
+    import numpy as np
+
+    ref = np.asarray(reference, np.float64).reshape(-1, np.shape(reference)[-1])
+    got = np.asarray(approx, np.float64).reshape(-1, np.shape(approx)[-1])
+    log_p = ref - ref.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    log_q = got - got.max(-1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    kl = float(np.mean(np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)))
+    return kl, float(np.mean(ref.argmax(-1) == got.argmax(-1)))
