@@ -97,6 +97,33 @@ def test_kernel_matches_reference_and_never_reads_unrouted_experts(M, G, O, I, s
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("glu", [False, True])
+def test_fp8_experts_scale_each_output_column_by_its_group(glu):
+    """fp8 experts (float8_e4m3fn weights, a float32 scale per expert and output row): the reference equals the
+    per-row oracle on the weights they stand for (q * scale; glu: gate and up each by their own); the kernel (with
+    unrouted experts' weights and scales NaN) equals the reference, in float32 and in bfloat16."""
+    from gemma4_mtp_jax.weights.quantize import dequantize, quantize_fp8
+
+    x, w, sizes = _case(37, 8, 20, 24, seed=11, skew=True)
+    w = w * np.linspace(0.2, 4.0, 8 * 20).reshape(8, 20, 1)  # distinct scales per expert and row
+    q, scale = (np.asarray(a) for a in quantize_fp8(w))
+    want = _oracle(x, dequantize(q, scale, np.float64), sizes, glu)
+    ref = gm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(q), jnp.asarray(sizes), glu=glu,
+                                      scale=jnp.asarray(scale))
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5)
+    q_poisoned, s_poisoned = q.copy(), scale.copy()
+    q_poisoned[sizes == 0], s_poisoned[sizes == 0] = np.nan, np.nan
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        xd = jnp.asarray(x, dtype)
+        got = gm.grouped_matmul(xd, jnp.asarray(q_poisoned), jnp.asarray(sizes), glu=glu,
+                                scale=jnp.asarray(s_poisoned), interpret=INTERPRET)
+        assert got.dtype == dtype and np.isfinite(np.asarray(got, np.float32)).all()
+        ref = gm.grouped_matmul_reference(xd, jnp.asarray(q), jnp.asarray(sizes), glu=glu, scale=jnp.asarray(scale))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="scale must be"):
+        gm.grouped_matmul_reference(jnp.asarray(x), jnp.asarray(q), jnp.asarray(sizes), scale=jnp.asarray(scale.T))
+
+
 def test_kernel_bf16_within_rounding_of_float32_oracle():
     x, w, sizes = _case(40, 8, 64, 96, seed=3)
     got = gm.grouped_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes),

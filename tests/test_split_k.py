@@ -42,6 +42,35 @@ def test_split_matmul_sums_to_the_matmul():
         sk.split_matmul(x, w, 3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fp8_weights_scale_the_output_columns(dtype):
+    """With an fp8 weight and its per-output-channel scale: the products summed in float32 over the exactly
+    converted fp8 values, each column times its scale, rounded once to x's dtype; split, the scaled partials sum
+    to the same (float32 summation order apart). The scale must multiply columns (a transposed or missing scale,
+    or a dequantized weight rounded to bf16 first, fails)."""
+    from gemma4_mtp_jax.weights.quantize import quantize_fp8
+
+    x, w = _arrays(8, jnp.float32, (2, 3, 256), (96, 256))
+    w = w * jnp.linspace(0.1, 3.0, 96)[:, None]  # rows of different magnitudes: distinct scales
+    q, s = quantize_fp8(w)
+    x = x.astype(dtype)
+    exact = (np.asarray(x, np.float64) @ np.asarray(q, np.float64).T) * np.asarray(s, np.float64)
+    want = np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64)  # the one rounding
+    got = sk.split_matmul(x, q, 1, s)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, **_tol(dtype))
+    if dtype == jnp.bfloat16:  # the one rounding: at most half an ulp of bf16 from the exact value (plus f32 sums)
+        np.testing.assert_allclose(np.asarray(got, np.float64), exact, rtol=2 ** -8 + 1e-5, atol=1e-6)
+    split = sk.split_matmul(x, q, 8, s)
+    assert isinstance(split, sk.SplitSum) and split.partials.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(sk.total(split), np.float64), want, **_tol(dtype))
+    # the weights it stands for: within fp8's rounding (3 mantissa bits) of the float weights
+    np.testing.assert_allclose(np.asarray(q, np.float32) * np.asarray(s)[:, None], np.asarray(w), rtol=2 ** -4,
+                               atol=float(s.max()) * 2 ** -9)
+    with pytest.raises(ValueError, match="scale"):
+        sk.split_matmul(x, q, 1, s[:-1])
+
+
 def test_reference_is_the_models_math():
     """Given a plain array (no split), the reference is exactly what the decoder layer computed before."""
     y, res, w, w2 = _arrays(1, jnp.bfloat16, (4, 64), (4, 64), (64,), (64,))

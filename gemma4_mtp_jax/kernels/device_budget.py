@@ -39,18 +39,37 @@ def is_gpu(device) -> bool:
     return device.platform in ("gpu", "cuda", "rocm")
 
 
+def _capability(device) -> tuple[int, int] | None:
+    """A GPU's compute capability (major, minor), None where it reports none JAX can parse."""
+    try:
+        major, minor = (int(x) for x in str(getattr(device, "compute_capability", None)).split(".")[:2])
+    except (TypeError, ValueError):
+        return None
+    return major, minor
+
+
 def budget_of(device) -> GpuBudget:
     """The budget of `device`: HOPPER off the GPU, else read from its compute capability and SM count."""
     if not is_gpu(device):
         return HOPPER
-    cc = getattr(device, "compute_capability", None)
-    try:
-        major, minor = (int(x) for x in str(cc).split(".")[:2])
-        smem = _SMEM_BY_CC.get((major, minor), _SMEM_UNKNOWN)
-    except (TypeError, ValueError):
-        smem = _SMEM_UNKNOWN
+    cc = _capability(device)
+    smem = _SMEM_UNKNOWN if cc is None else _SMEM_BY_CC.get(cc, _SMEM_UNKNOWN)
     sms = int(getattr(device, "core_count", 0) or HOPPER.num_sms)
     return GpuBudget(smem_per_block=smem, num_sms=sms, name=str(getattr(device, "device_kind", "gpu")))
+
+
+FP8_CAPABILITY = (8, 9)  # Ada and newer: Triton converts float8_e4m3fn (Pallas' lowering refuses it below)
+
+
+def check_fp8_support(devices) -> None:
+    """A ValueError naming the first GPU of `devices` whose compute capability is below FP8_CAPABILITY: fp8 weights
+    (weights/quantize.py) are converted inside the kernels that read them. CPUs pass (the tests run fp8 there)."""
+    for d in devices:
+        cc = _capability(d) if is_gpu(d) else None
+        if cc is not None and cc < FP8_CAPABILITY:
+            raise ValueError(f"fp8 weights need a GPU of compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
+                             f"(Ada, Hopper or newer); device {d.id} ({getattr(d, 'device_kind', 'gpu')}) has "
+                             f"{cc[0]}.{cc[1]}. Load the checkpoint unquantized (--quantization none)")
 
 
 def target_device() -> jax.Device:

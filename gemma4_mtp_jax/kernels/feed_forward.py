@@ -22,8 +22,9 @@ Rounding follows the reference: the norms in float32 rounded after their weights
 gate and up rounded to the activations' dtype as a matmul returns them, GELU in float32 rounded before the
 product, the product rounded once; each partial is a float32 sum over its chunk.
 
-`plan_block(rows, H, I, dtype)` is the kernel's S, or None where the block takes XLA's kernels (the CPU, rows past
-MAX_ROWS, weights past MAX_WEIGHT_BYTES, 4-byte activations, widths Triton's power-of-two blocks do not fit).
+`plan_block(rows, H, I, dtype, quantized)` is the kernel's S, or None where the block takes XLA's kernels (the CPU,
+rows past MAX_ROWS, weights past MAX_WEIGHT_BYTES, 4-byte activations, fp8 weights, widths Triton's power-of-two
+blocks do not fit).
 """
 
 from __future__ import annotations
@@ -64,20 +65,25 @@ def _gelu_tanh(x: Array) -> Array:
     return jax.nn.gelu(x, approximate=True)
 
 
-def mlp(x: Array, gate: Array, up: Array, down: Array, splits: int = 1) -> Array | SplitSum:
+def mlp(x: Array, gate: Array, up: Array, down: Array, splits: int = 1,
+        scales: tuple[Array, Array, Array] | None = None) -> Array | SplitSum:
     """down(gelu_tanh(gate(x)) * up(x)) with PyTorch-layout weights (gate, up [I, H], down [H, I]); down_proj split
-    in `splits` parts of its contraction (a SplitSum) when splits > 1."""
-    h = _gelu_tanh(split_matmul(x, gate, 1)) * split_matmul(x, up, 1)
-    return split_matmul(h, down, splits)
+    in `splits` parts of its contraction (a SplitSum) when splits > 1. `scales`: the three weights' per-output-channel
+    scales when they are fp8 (`split_matmul`)."""
+    sg, su, sd = (None, None, None) if scales is None else scales
+    h = _gelu_tanh(split_matmul(x, gate, 1, sg)) * split_matmul(x, up, 1, su)
+    return split_matmul(h, down, splits, sd)
 
 
 def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def plan_block(rows: int, H: int, I: int, dtype) -> int | None:
-    """S (programs, each CHUNK columns of I) for a block of `rows` tokens, or None to keep XLA's kernels."""
-    if not kernels_chosen():
+def plan_block(rows: int, H: int, I: int, dtype, quantized: bool = False) -> int | None:
+    """S (programs, each CHUNK columns of I) for a block of `rows` tokens, or None to keep XLA's kernels. fp8 weights
+    (`quantized`) keep XLA's: the kernel is sized for the assistants' MLPs, whose 3 MiB are not worth quantizing by
+    default, and reads its weights in the activations' dtype."""
+    if not kernels_chosen() or quantized:
         return None
     itemsize = jnp.dtype(dtype).itemsize
     if rows > MAX_ROWS or itemsize != 2 or 3 * H * I * itemsize > MAX_WEIGHT_BYTES:

@@ -6,6 +6,11 @@ checkpoint layout `w [G, O, I]` (rows are outputs), so nothing is transposed at 
     out[r] = x[r] @ w[group(r)].T                               (plain)
     out[r] = gelu_tanh(x[r] @ w_gate.T) * (x[r] @ w_up.T)      (glu: w[g] = [w_gate; w_up], O = 2 * O')
 
+fp8 experts (weights/quantize.py) come with `scale [G, O]` float32: w[g] ~ w_fp8[g] * scale[g][:, None]. The weight
+is read as stored and converted to the activations' dtype (exact), the products are summed in float32, and each
+output column is multiplied by its group's scale before the one rounding (glu: gate and up each by their own), as
+kernels/split_k.py's `split_matmul` does for a projection.
+
 Two implementations with the same contract:
 
 - `grouped_matmul_reference`: plain XLA (`lax.ragged_dot_general` contracting the weights' last axis). CPU path
@@ -38,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import default_budget, kernels_chosen, kernels_interpreted
-from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, load_as, store
 
 Array = jax.Array
 
@@ -106,12 +111,24 @@ _CONTRACT_LAST = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
-def grouped_matmul_reference(x: Array, w: Array, group_sizes: Array, *, glu: bool = False) -> Array:
-    """x [M, I] sorted by group, w [G, O, I], group_sizes [G] -> [M, O] (glu: [M, O/2]) in x.dtype."""
-    _check_shapes(x, w, group_sizes, glu)
+def row_groups(group_sizes: Array, num_rows: int) -> Array:
+    """The group of each of `num_rows` sorted rows [M] int32 (rows past every group: the last group)."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(num_rows, dtype=ends.dtype)
+    return jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"),
+                       group_sizes.shape[0] - 1).astype(jnp.int32)
+
+
+def grouped_matmul_reference(x: Array, w: Array, group_sizes: Array, *, glu: bool = False,
+                             scale: Array | None = None) -> Array:
+    """x [M, I] sorted by group, w [G, O, I], group_sizes [G] -> [M, O] (glu: [M, O/2]) in x.dtype; `scale`
+    [G, O]: fp8 w's per-output-channel scales."""
+    _check_shapes(x, w, group_sizes, glu, scale)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     y = lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, _CONTRACT_LAST, precision=precision,
                                preferred_element_type=jnp.float32)
+    if scale is not None:
+        y = y * jnp.take(scale.astype(jnp.float32), row_groups(group_sizes, x.shape[0]), axis=0)
     if glu:
         half = w.shape[1] // 2
         # Gate and up are rounded to the activation dtype first, as a separate matmul per projection would.
@@ -120,9 +137,11 @@ def grouped_matmul_reference(x: Array, w: Array, group_sizes: Array, *, glu: boo
     return y.astype(x.dtype)
 
 
-def _check_shapes(x, w, group_sizes, glu):
+def _check_shapes(x, w, group_sizes, glu, scale=None):
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped matmul: x must be [M, I] and w [G, O, I], got x {x.shape}, w {w.shape}")
+    if scale is not None and scale.shape != w.shape[:2]:
+        raise ValueError(f"grouped matmul: scale must be [G, O] = {w.shape[:2]}, got {scale.shape}")
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped matmul: group_sizes must be [{w.shape[0]}], got {group_sizes.shape}")
     if glu and w.shape[1] % 2:
@@ -166,11 +185,14 @@ def kernel_config(num_rows: int, num_groups: int, out_features: int, in_features
     return KernelConfig(block_rows, block_out, block_in, num_warps=4, num_stages=stages)
 
 
-def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_group: int, in_features: int,
-            out_features: int, glu_half: int | None, block_rows: int, block_out: int, block_in: int):
+def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, *refs, rows_per_group: int, in_features: int,
+            out_features: int, glu_half: int | None, block_rows: int, block_out: int, block_in: int,
+            scaled: bool):
     """One program: the rows of one tile times one block of output columns of the tile's group.
 
-    x_ref [M, I]; w_ref [G * O, I] (group g's rows at g * O ...); o_ref [M, O] (glu: [M, O / 2])."""
+    x_ref [M, I]; w_ref [G * O, I] (group g's rows at g * O ...; any float dtype, converted to x's as loaded);
+    with `scaled`, s_ref [G * O] float32 (the rows' scales); o_ref [M, O] (glu: [M, O / 2])."""
+    s_ref, o_ref = refs if scaled else (None, *refs)
     t = pl.program_id(0)
     n0 = pl.program_id(1) * block_out
     g, start, end = group_ref[t], start_ref[t], end_ref[t]
@@ -190,16 +212,19 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_grou
             live_k = k < in_features
             a = load(x_ref.at[rows[:, None], k[None, :]], live_rows[:, None] & live_k[None, :], 0)
             wmask = live_n[:, None] & live_k[None, :]
-            b = load(w_ref.at[w_rows[:, None], k[None, :]], wmask, 0)
+            b = load_as(w_ref.at[w_rows[:, None], k[None, :]], wmask, a.dtype)
             new = [accs[0] + dot(a, b, trans_b=True)]
             if glu_half is not None:
-                u = load(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, 0)
+                u = load_as(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, a.dtype)
                 new.append(accs[1] + dot(a, u, trans_b=True))
             return tuple(new)
 
         n_acc = 2 if glu_half is not None else 1
         accs = tuple(jnp.zeros((block_rows, block_out), jnp.float32) for _ in range(n_acc))
         accs = lax.fori_loop(0, pl.cdiv(in_features, block_in), body, accs)
+        if scaled:  # each output column times its weight row's scale (glu: gate's and up's), before rounding
+            rows_of = [w_rows] if glu_half is None else [w_rows, w_rows + glu_half]
+            accs = tuple(acc * load(s_ref.at[r], live_n, 0)[None, :] for acc, r in zip(accs, rows_of))
         dt = o_ref.dtype
         if glu_half is not None:
             gate = accs[0].astype(dt).astype(jnp.float32)
@@ -211,55 +236,65 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, o_ref, *, rows_per_grou
 
 
 @functools.partial(jax.jit, static_argnames=("glu", "interpret", "config"))
-def _grouped_matmul_pallas(x, w, tiles: RowTiles, *, glu: bool, interpret: bool, config: KernelConfig):
+def _grouped_matmul_pallas(x, w, scale, tiles: RowTiles, *, glu: bool, interpret: bool, config: KernelConfig):
     M, I = x.shape
     G, O, _ = w.shape
     n_out = O // 2 if glu else O
     T = tiles.group.shape[0]
+    scaled = scale is not None
     kernel = functools.partial(
         _kernel, rows_per_group=O, in_features=I, out_features=O, glu_half=n_out if glu else None,
-        block_rows=config.block_rows, block_out=config.block_out, block_in=config.block_in)
+        block_rows=config.block_rows, block_out=config.block_out, block_in=config.block_in, scaled=scaled)
     whole = lambda shape: pl.BlockSpec(shape, lambda t, j: (0,) * len(shape))  # noqa: E731
+    # The weights go in as stored (an fp8 expert stack is read at one byte a weight, converted in the kernel).
+    args = [tiles.group, tiles.start, tiles.end, x, w.reshape(G * O, I)]
+    specs = [whole((T,)), whole((T,)), whole((T,)), whole((M, I)), whole((G * O, I))]
+    if scaled:
+        args.append(scale.astype(jnp.float32).reshape(G * O))
+        specs.append(whole((G * O,)))
     return pl.pallas_call(
         kernel,
         grid=(T, pl.cdiv(n_out, config.block_out)),
-        in_specs=[whole((T,)), whole((T,)), whole((T,)), whole((M, I)), whole((G * O, I))],
+        in_specs=specs,
         out_specs=whole((M, n_out)),
         out_shape=jax.ShapeDtypeStruct((M, n_out), x.dtype),
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
-        name=f"grouped_matmul{'_glu' if glu else ''}_r{config.block_rows}_o{config.block_out}",
-    )(tiles.group, tiles.start, tiles.end, x, w.astype(x.dtype).reshape(G * O, I))
+        name=f"grouped_matmul{'_glu' if glu else ''}{'_scaled' if scaled else ''}_r{config.block_rows}"
+             f"_o{config.block_out}",
+    )(*args)
 
 
-def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, interpret: bool = False,
-                   config: KernelConfig | None = None) -> Array:
+def grouped_matmul(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, scale: Array | None = None,
+                   interpret: bool = False, config: KernelConfig | None = None) -> Array:
     """Pallas grouped matmul (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
     `grouped_matmul_reference`."""
-    _check_shapes(x, w, group_sizes, glu)
+    _check_shapes(x, w, group_sizes, glu, scale)
     M, I = x.shape
     config = config or kernel_config(M, w.shape[0], w.shape[1], I, glu, jnp.dtype(x.dtype).itemsize)
     tiles = row_tiles(group_sizes.astype(jnp.int32), M, config.block_rows)
-    return _grouped_matmul_pallas(x, w, tiles, glu=glu, interpret=interpret, config=config)
+    return _grouped_matmul_pallas(x, w, scale, tiles, glu=glu, interpret=interpret, config=config)
 
 
-def grouped_matmul_auto(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, impl: str = "auto",
-                        interpret: bool = False) -> Array:
+def grouped_matmul_auto(x: Array, w: Array, group_sizes: Array, *, glu: bool = False, scale: Array | None = None,
+                        impl: str = "auto", interpret: bool = False) -> Array:
     """The kernel ("pallas"; `interpret=True` runs it anywhere), the XLA reference ("xla"), or "auto": the kernel
     where `kernels_chosen()` (a GPU), the reference elsewhere."""
     if impl == "auto":
         impl = "pallas" if kernels_chosen() else "xla"
     if impl == "pallas":
-        return grouped_matmul(x, w, group_sizes, glu=glu, interpret=interpret or kernels_interpreted())
+        return grouped_matmul(x, w, group_sizes, glu=glu, scale=scale, interpret=interpret or kernels_interpreted())
     if impl == "xla":
-        return grouped_matmul_reference(x, w, group_sizes, glu=glu)
+        return grouped_matmul_reference(x, w, group_sizes, glu=glu, scale=scale)
     raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
 
 
-def routed_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array, *,
+def routed_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: Array,
+                   gate_up_scale: Array | None = None, down_scale: Array | None = None, *,
                    expert_offset: Array | int | None = None, impl: str = "auto", interpret: bool = False) -> Array:
     """The MoE experts on their routed rows only. x [N, H]; weights, idx [N, k] (router output); gate_up
     [E, 2 Im, H] (gate rows first); down [E, H, Im] -> sum_j weights[n, j] * expert_{idx[n, j]}(x[n]): [N, H].
+    fp8 experts come with their scales, gate_up_scale [E, 2 Im] and down_scale [E, H].
 
     The N*k (token, expert) pairs are sorted by expert; both projections run as grouped matmuls over the sorted
     rows (the gate|up one with the activation fused), and each token sums its k outputs. With `expert_offset`
@@ -276,8 +311,8 @@ def routed_experts(x: Array, weights: Array, idx: Array, gate_up: Array, down: A
     order, group_sizes = sort_by_group(ids, E if here is None else E + 1)
     group_sizes = group_sizes[:E]
     xs = jnp.take(x, order // k, axis=0)  # [N*k, H]
-    act = mm(xs, gate_up, group_sizes, glu=True)  # gelu(gate) * up: [N*k, Im]
-    ys = mm(act, down, group_sizes)  # [N*k, H]; rows in no group are left undefined
+    act = mm(xs, gate_up, group_sizes, glu=True, scale=gate_up_scale)  # gelu(gate) * up: [N*k, Im]
+    ys = mm(act, down, group_sizes, scale=down_scale)  # [N*k, H]; rows in no group are left undefined
     y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
     if here is not None:
         y = jnp.where(here[:, None], y, 0)

@@ -74,17 +74,31 @@ def plan_splits(rows: int, K: int, N: int, itemsize: int = 2, budget: GpuBudget 
     return s
 
 
-def split_matmul(x: Array, w: Array, splits: int) -> Array | SplitSum:
-    """x [..., K] @ w.T (w [N, K], PyTorch layout) in x's dtype; with splits > 1, the unsummed `SplitSum`."""
+def split_matmul(x: Array, w: Array, splits: int, scale: Array | None = None) -> Array | SplitSum:
+    """x [..., K] @ w.T (w [N, K], PyTorch layout) in x's dtype; with splits > 1, the unsummed `SplitSum`.
+
+    The one place a projection's matmul happens, quantized or not. With `scale` ([N] float32: w is an fp8 weight,
+    weights/quantize.py) the weight is converted to x's dtype as read (exact: every float8_e4m3fn value is a
+    bfloat16 one), the products are summed in float32 and each output column is multiplied by its scale, rounded
+    once to x's dtype: a per-output-channel scale commutes with the contraction, so it belongs on the output, not
+    on each weight (which would round every dequantized weight to bfloat16). Split, the float32 partials are
+    multiplied by the scale, which commutes with their sum too."""
     w = w.astype(x.dtype)
+    if scale is not None and scale.shape != w.shape[:1]:
+        raise ValueError(f"split_matmul: scale {scale.shape} does not fit w {w.shape} (one per output row)")
     if splits == 1:
-        return jnp.einsum("...i,oi->...o", x, w)
+        if scale is None:
+            return jnp.einsum("...i,oi->...o", x, w)
+        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
     *lead, K = x.shape
     if K % splits:
         raise ValueError(f"split_matmul: splits={splits} does not divide the contraction K={K}")
     xs = x.reshape(*lead, splits, K // splits)
     ws = w.reshape(w.shape[0], splits, K // splits)
     partials = jnp.einsum("...si,osi->s...o", xs, ws, preferred_element_type=jnp.float32)
+    if scale is not None:
+        partials = partials * scale.astype(jnp.float32)
     return SplitSum(partials, x.dtype)
 
 

@@ -100,14 +100,14 @@ class DecoderLayer(nn.Module):
 
         input_norm = norm_weight("input_layernorm")
         residual = x
+        mlp = MLP(H, lc.intermediate_size, pd, name="mlp")
         block_splits = None if cfg.enable_moe_block or tensor_parallel_size() > 1 else plan_block(
-            math.prod(x.shape[:-1]), H, lc.intermediate_size, x.dtype)
+            math.prod(x.shape[:-1]), H, lc.intermediate_size, x.dtype, mlp.quantized())
         attention = Attention(cfg, self.layer, pd, self.split_k, name="self_attn")
         a, kv = attention(rms_norm(x, eps, input_norm) if normed_x is None else normed_x, positions, kv,
                           None if block_splits is None else input_parts(cfg.num_heads * lc.head_dim))
         post_attention = norm_weight("post_attention_layernorm")
         pre_feedforward = norm_weight("pre_feedforward_layernorm")
-        mlp = MLP(H, lc.intermediate_size, pd, name="mlp")
         if block_splits is not None:  # the attention block's residual add, its norms and the MLP in one kernel
             x, f = mlp.block(a, residual, post_attention, pre_feedforward, eps=eps, splits=block_splits)
         else:

@@ -2,6 +2,10 @@
 
 Parameters keep the Hugging Face names and layouts (`weight` of a projection is `[out, in]`), so a checkpoint
 maps onto the parameter tree by name alone and nothing is transposed at load time.
+
+A projection whose parameters hold a scale beside its weight (`weight_scale`; the experts' `gate_up_proj_scale`,
+`down_proj_scale`) is an fp8 one (weights/quantize.py): the weight is float8_e4m3fn and the matmul multiplies each
+output channel by its scale. `init` creates no scale, so the abstract shapes are the unquantized model's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps, w)
 
 
+def _scale_of(module: nn.Module, name: str) -> Array | None:
+    """The scale parameter `name` of an fp8 weight of `module`, or None (unquantized; and at init)."""
+    return module.get_variable("params", name) if module.has_variable("params", name) else None
+
+
 class Weight(nn.Module):
     """A bare `weight` parameter under its own name, for checkpoint tensors used by a kernel, not a matmul here."""
 
@@ -48,6 +57,10 @@ class Weight(nn.Module):
     @nn.compact
     def __call__(self) -> Array:
         return self.param("weight", self.init, self.shape, self.param_dtype)
+
+    def scale(self) -> Array | None:
+        """The per-output-channel scale of an fp8 `weight` ([shape[0]] float32), None for an unquantized one."""
+        return _scale_of(self, "weight_scale")
 
 
 class Linear(nn.Module):
@@ -61,7 +74,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
         w = self.param("weight", nn.initializers.normal(0.02), (self.features, x.shape[-1]), self.param_dtype)
-        return split_matmul(x, w, splits)
+        return split_matmul(x, w, splits, _scale_of(self, "weight_scale"))
 
 
 def scaled_embedding_lookup(table: Array, ids: Array, hidden_size: int) -> Array:
@@ -100,7 +113,13 @@ class MLP(nn.Module):
         self.down_proj = Weight((H, I), pd)
 
     def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
-        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits)
+        scales = (self.gate_proj.scale(), self.up_proj.scale(), self.down_proj.scale())
+        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits,
+                   None if scales[0] is None else scales)
+
+    def quantized(self) -> bool:
+        """Whether the weights are fp8 (the block's kernel then declines them: `plan_block`)."""
+        return self.gate_proj.scale() is not None
 
     def block(self, a: Array | SplitSum, residual: Array, post_attention_norm: Array, pre_feedforward_norm: Array,
               *, eps: float, splits: int) -> tuple[Array, SplitSum]:
@@ -134,7 +153,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The MoE experts. `gate_up_proj` [E, 2*Im, H] (first Im rows: gate), `down_proj` [E, H, Im].
+    """The MoE experts. `gate_up_proj` [E, 2*Im, H] (first Im rows: gate), `down_proj` [E, H, Im] (fp8: with
+    `gate_up_proj_scale` [E, 2*Im] and `down_proj_scale` [E, H]).
 
     Only the routed experts run (`routed_experts`: (token, expert) pairs sorted by expert through a grouped
     matmul that never reads an expert no token chose); all shapes are static, the routing decides only which
@@ -150,12 +170,13 @@ class Experts(nn.Module):
         E, Im, H = self.num_experts, self.moe_intermediate_size, x.shape[-1]
         gate_up = self.param("gate_up_proj", nn.initializers.normal(0.02), (E, 2 * Im, H), self.param_dtype)
         down = self.param("down_proj", nn.initializers.normal(0.02), (E, H, Im), self.param_dtype)
+        scales = _scale_of(self, "gate_up_proj_scale"), _scale_of(self, "down_proj_scale")  # [E, 2 Im], [E, H]
         lead, k = x.shape[:-1], idx.shape[-1]
         # Router statistics for the benchmarks (a no-op unless "intermediates" is mutable): the experts this call
         # had to read, which is what a memory-bound step costs.
         self.sow("intermediates", "experts_touched", jnp.sum(jnp.any(jax.nn.one_hot(idx.reshape(-1), E) > 0, axis=0)))
         out = expert_parallel(routed_experts, x.reshape(-1, H), weights.reshape(-1, k), idx.reshape(-1, k),
-                              gate_up, down)
+                              gate_up, down, *(() if scales[0] is None else scales))
         return out.reshape(*lead, H)
 
 

@@ -6,7 +6,9 @@ Megatron-style by the parameter's role, read from its checkpoint name (the layou
 - MLP: gate and up split by output rows, down by input columns (one all-reduce after `down_proj`);
 - MoE experts split by expert (expert parallelism);
 - the embedding and the tied LM head split by vocabulary rows (PLE's table too);
-- norms, scalars, routers and small projections replicated.
+- norms, scalars, routers and small projections replicated;
+- an fp8 weight's per-output-channel scale like its weight's output rows: split beside column-parallel projections
+  and the experts, replicated beside the row-parallel o_proj / down_proj.
 K / V projections and pages of a layer whose KV heads N does not divide (31B's 4 global KV heads at N = 8) are
 replicated instead. KV pages `[nKV, pages, page_size, D]` split by KV head like the projections that fill them.
 The assistant is replicated: its weights are small and its layers read the target's pages.
@@ -58,21 +60,22 @@ def head_parallel(attend: Callable[..., jax.Array], q: jax.Array, k_pages: jax.A
 
 
 def expert_parallel(experts: Callable[..., jax.Array], x: jax.Array, weights: jax.Array, idx: jax.Array,
-                    gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """`experts(x, weights, idx, gate_up, down, expert_offset=...)` (kernels.grouped_matmul.routed_experts) with
-    each device running only its own experts on the pairs routed to them, then one all-reduce, when a
-    tensor-parallel mesh is in context and the experts split evenly. Otherwise as is."""
+                    gate_up: jax.Array, down: jax.Array, *scales: jax.Array) -> jax.Array:
+    """`experts(x, weights, idx, gate_up, down, *scales, expert_offset=...)` (kernels.grouped_matmul.routed_experts;
+    `scales`: fp8 experts' [E, O] scales, split like their experts) with each device running only its own experts on
+    the pairs routed to them, then one all-reduce, when a tensor-parallel mesh is in context and the experts split
+    evenly. Otherwise as is."""
     n = tensor_parallel_size()
     if n == 1 or gate_up.shape[0] % n:
-        return experts(x, weights, idx, gate_up, down)
+        return experts(x, weights, idx, gate_up, down, *scales)
     local = gate_up.shape[0] // n
 
-    def shard(x, weights, idx, gate_up, down):
-        out = experts(x, weights, idx, gate_up, down, expert_offset=jax.lax.axis_index(AXIS) * local)
+    def shard(x, weights, idx, gate_up, down, *scales):
+        out = experts(x, weights, idx, gate_up, down, *scales, expert_offset=jax.lax.axis_index(AXIS) * local)
         return jax.lax.psum(out, AXIS)
 
-    return jax.shard_map(shard, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)), out_specs=P(),
-                         check_vma=False)(x, weights, idx, gate_up, down)
+    return jax.shard_map(shard, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)) + (P(AXIS),) * len(scales),
+                         out_specs=P(), check_vma=False)(x, weights, idx, gate_up, down, *scales)
 
 
 def mesh_context(placement: "Placement | None"):
@@ -127,14 +130,18 @@ class Placement:
         """The partition spec of the target parameter `name` (dotted path in the parameter tree)."""
         m = _LAYER.match(name)
         lc = cfg.layers[int(m.group(1))] if m else None
-        if name.endswith(("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
-            return P(AXIS, None) if self._split(shape[0]) else P()
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            return P(AXIS, None) if lc is not None and self._split(lc.num_kv_heads) else P()
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-            return P(None, AXIS) if self._split(shape[1]) else P()
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            return P(AXIS, None, None) if self._split(shape[0]) else P()
+        # An fp8 weight's scale (`<weight>_scale`, one per output row) goes where its weight's output rows go.
+        scale = name.endswith("_scale")
+        weight = name[: -len("_scale")] if scale else name
+        rows = lambda split: P(AXIS, *(None,) * (len(shape) - 1)) if split else P()  # noqa: E731
+        if weight.endswith(("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return rows(self._split(shape[0]))
+        if weight.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            return rows(lc is not None and self._split(lc.num_kv_heads))
+        if weight.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            return P() if scale else P(None, AXIS) if self._split(shape[1]) else P()
+        if weight.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return rows(self._split(shape[0]))
         if name in ("embed_tokens.weight", "embed_tokens_per_layer.weight"):
             return P(AXIS, None) if self._split(shape[0]) else P()
         return P()
