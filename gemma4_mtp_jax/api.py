@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemma4_mtp_jax.model.config import (
     AssistantConfig,
@@ -26,8 +27,9 @@ from gemma4_mtp_jax.model.config import (
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
+from gemma4_mtp_jax.kernels.device_budget import check_fp8_support
 from gemma4_mtp_jax.model.runtime import Assistant, Target
-from gemma4_mtp_jax.weights import hf_loader, orbax_io
+from gemma4_mtp_jax.weights import hf_loader, orbax_io, quantize
 from gemma4_mtp_jax.weights.dummy import random_params
 from gemma4_mtp_jax.weights.resolve import resolve_checkpoint
 
@@ -87,22 +89,37 @@ def _generation_config(d: Path) -> dict:
 
 
 def _restore_orbax(d: Path, kind: str, abstract: Any, dtype: Any) -> dict:
+    """The converted checkpoint's parameters as the model expects them (`abstract`): leaf by leaf onto the default
+    device, fp8 leaves as stored, quantized or dequantized where the checkpoint and the model differ."""
     meta = orbax_io.read_metadata(d)
     if meta.get("kind") != kind:
         raise ConfigError(f"{d}: Orbax checkpoint holds a '{meta.get('kind')}', expected a '{kind}'")
     params, _ = orbax_io.restore_params(d)
     want = hf_loader.flatten_shapes(abstract)
     got = hf_loader.flatten_shapes(params)
-    if set(want) != set(got):
-        diff = sorted(set(want) ^ set(got))
+    weights = lambda names: {n for n in names if not quantize.is_scale(n)}  # noqa: E731
+    if weights(want) != weights(got):
+        diff = sorted(weights(want) ^ weights(got))
         raise ConfigError(f"{d}: Orbax parameters do not match config.json (first difference: '{diff[0]}')")
     out = {}
-    for name, leaf in got.items():
+    for name in sorted(weights(got)):
+        leaf, spath = got.pop(name), quantize.scale_path(name)
         if tuple(leaf.shape) != tuple(want[name].shape):
             raise ConfigError(f"{d}: parameter '{name}' has shape {tuple(leaf.shape)}, "
                               f"config implies {want[name].shape}")
-        cast = jnp.int32 if jnp.issubdtype(want[name].dtype, jnp.integer) else dtype
-        out[name] = jnp.asarray(leaf, cast)
+        if jnp.issubdtype(want[name].dtype, jnp.integer):
+            out[name] = jnp.asarray(leaf, jnp.int32)
+            continue
+        scale = got.pop(spath, None)
+        if (np.dtype(leaf.dtype) == quantize.FP8) != (scale is not None):
+            raise ConfigError(f"{d}: parameter '{name}' is {leaf.dtype} " + (
+                f"with a scale '{spath}'" if scale is not None else f"without its scale '{spath}'"))
+        if scale is not None and tuple(scale.shape) != tuple(leaf.shape[:-1]):
+            raise ConfigError(f"{d}: parameter '{spath}' has shape {tuple(scale.shape)}, its weight "
+                              f"{tuple(leaf.shape)} implies {tuple(leaf.shape[:-1])}")
+        out[name], s = quantize.as_param(leaf, scale, quantized=spath in want, dtype=dtype, on_host=False)
+        if s is not None:
+            out[spath] = s
     return hf_loader.unflatten(out)
 
 
@@ -135,64 +152,77 @@ def _check_load_format(load_format: str) -> None:
 
 
 def _checkpoint_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None, load_format: str,
-                       kind: str) -> tuple[Path, Any, Any, dict]:
-    """(directory, config, dtype, parameter shapes) of a target or assistant checkpoint: its JSON files alone."""
+                       kind: str, quantization: str | None) -> tuple[Path, Any, Any, dict]:
+    """(directory, config, dtype, parameter shapes) of a target or assistant checkpoint: its JSON files alone. The
+    shapes are the fp8 model's (weights.quantize) when `quantization` is "fp8", or None and config.json declares
+    fp8 weights."""
     _check_load_format(load_format)
+    quantize.check_quantization(quantization)
     d = resolve_checkpoint(path_or_id) if load_format == "auto" else Path(path_or_id)
     cfg_json = read_config_json(d)
     dt = _dtype(dtype, d, cfg_json)
+    where = str(d / "config.json")
     if kind == "target":
-        cfg = parse_target_config(cfg_json, str(d / "config.json"))
-        return d, cfg, dt, abstract_target_params(cfg, dt)
-    cfg = parse_assistant_config(cfg_json, str(d / "config.json"))
-    return d, cfg, dt, abstract_assistant_params(cfg, dt)
+        cfg = parse_target_config(cfg_json, where)
+        abstract = abstract_target_params(cfg, dt)
+    else:
+        cfg = parse_assistant_config(cfg_json, where)
+        abstract = abstract_assistant_params(cfg, dt)
+    if quantize.resolve(quantization, quantize.checkpoint_quantization(cfg_json, where)) == "fp8":
+        abstract = quantize.quantize_abstract(abstract)
+    return d, cfg, dt, abstract
 
 
 def target_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
-                  load_format: str = "auto") -> Target:
+                  load_format: str = "auto", quantization: str | None = None) -> Target:
     """The Target that `load_target` gives for these arguments, its parameters shapes alone (jax.ShapeDtypeStruct):
     only the JSON files are read. An engine compiles for it while the weights load (`engine.compile_ahead`)."""
-    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target")
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target", quantization)
     return Target(cfg, abstract, dt, d, _generation_config(d))
 
 
 def assistant_shapes(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
-                     load_format: str = "auto") -> Assistant:
+                     load_format: str = "auto", quantization: str | None = None) -> Assistant:
     """`target_shapes` for an assistant (`load_assistant`)."""
-    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant")
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant", quantization)
     return Assistant(cfg, abstract, dt, d, _generation_config(d))
 
 
+def _load_params(kind: str, d: Path, cfg: Any, abstract: Any, dt: Any, load_format: str, on_host: bool) -> dict:
+    if quantize.is_quantized_tree(abstract) and not on_host:
+        check_fp8_support(jax.devices()[:1])  # the weights go to the default device now (on_host: the engine's)
+    if load_format == "dummy":
+        return random_params(abstract, seed=0 if kind == "target" else 1)
+    if orbax_io.is_orbax_checkpoint(d):
+        return _restore_orbax(d, kind, abstract, dt)
+    load = hf_loader.load_target_params if kind == "target" else hf_loader.load_assistant_params
+    return load(str(d), cfg, abstract, dt, on_host)
+
+
 def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, load_format: str = "auto",
-                on_host: bool = False) -> Target:
+                on_host: bool = False, quantization: str | None = None) -> Target:
     """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
 
     dtype: "float32" | "bfloat16" | None (None: the checkpoint's own dtype). load_format "dummy": only config.json
     is read, the weights are random (timing real shapes without the checkpoint). on_host: keep the safetensors
     weights in host memory, so that an engine over several devices puts each tensor straight onto its shards
     instead of through a full copy on one device.
+
+    quantization: None (the checkpoint's own: fp8 for a checkpoint whose config.json declares fp8 weights, as
+    compressed-tensors' FP8-dynamic ones or our converter's), "fp8" (weight-only fp8, a float checkpoint quantized
+    at load, tensor by tensor) or "none" (an fp8 checkpoint dequantized to `dtype`). See weights/quantize.py.
     """
-    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target")
-    if load_format == "dummy":
-        params = random_params(abstract, seed=0)
-    elif orbax_io.is_orbax_checkpoint(d):
-        params = _restore_orbax(d, "target", abstract, dt)
-    else:
-        params = hf_loader.load_target_params(str(d), cfg, abstract, dt, on_host)
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target", quantization)
+    params = _load_params("target", d, cfg, abstract, dt, load_format, on_host)
     return Target(cfg, params, dt, d, _generation_config(d))
 
 
 def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
-                   load_format: str = "auto", on_host: bool = False) -> Assistant:
+                   load_format: str = "auto", on_host: bool = False, quantization: str | None = None) -> Assistant:
     """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id
-    (load_format and on_host as `load_target`'s)."""
-    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant")
-    if load_format == "dummy":
-        params = random_params(abstract, seed=1)
-    elif orbax_io.is_orbax_checkpoint(d):
-        params = _restore_orbax(d, "assistant", abstract, dt)
-    else:
-        params = hf_loader.load_assistant_params(str(d), cfg, abstract, dt, on_host)
+    (load_format, on_host and quantization as `load_target`'s)."""
+    d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant", quantization)
+    params = _load_params("assistant", d, cfg, abstract, dt, load_format, on_host)
     return Assistant(cfg, params, dt, d, _generation_config(d))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -178,6 +179,7 @@ def test_load_format_dummy_reads_only_config_json(tiny_ckpts, tmp_path):
     import jax
 
     from gemma4_mtp_jax.api import load_assistant, load_target
+    from gemma4_mtp_jax.weights.quantize import quantize_abstract
 
     for kind, load in (("target", load_target), ("assistant", load_assistant)):
         src = tiny_ckpts["e2b"][kind]
@@ -189,19 +191,176 @@ def test_load_format_dummy_reads_only_config_json(tiny_ckpts, tmp_path):
         assert shapes(dummy) == shapes(real)
         assert dummy.config == real.config
         assert all(np.any(np.asarray(a) != 0) for a in jax.tree_util.tree_leaves(dummy.params))
+        # fp8 (the benchmarks' quantized random weights): the fp8 model's shapes, values spread over fp8's range,
+        # scales making the weights they stand for ~N(0, 0.02) like the unquantized ones
+        fp8 = load(d, "float32", load_format="dummy", quantization="fp8")
+        assert shapes(fp8) == jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), quantize_abstract(real.params))
+        q, scale = (np.asarray(a, np.float32) for a in (fp8.params["layers_0"]["self_attn"]["q_proj"]["weight"],
+                                                        fp8.params["layers_0"]["self_attn"]["q_proj"]["weight_scale"]))
+        assert 50 < np.abs(q).max() <= 448 and 0.015 < np.std(q * scale[:, None]) < 0.025
     with pytest.raises(ValueError, match="load_format"):
         load_target(tiny_ckpts["e2b"]["target"], load_format="random")
 
 
 def test_on_host_loading_keeps_host_arrays_and_equal_values(tiny_ckpts):
     """on_host=True (a multi-device engine's loading): the same values as a normal load, as host arrays, so the
-    engine puts each tensor straight onto its shards; the engine still runs from them."""
+    engine puts each tensor straight onto its shards; the engine still runs from them. Quantized at load, the
+    same fp8 values and scales bit for bit."""
     import jax
 
     from gemma4_mtp_jax.api import load_assistant, load_target
 
-    for kind, load in (("target", load_target), ("assistant", load_assistant)):
-        dev, host = load(tiny_ckpts["e2b"][kind], "float32"), load(tiny_ckpts["e2b"][kind], "float32", on_host=True)
+    for kind, load, quantization in (("target", load_target, None), ("assistant", load_assistant, None),
+                                     ("target", load_target, "fp8")):  # fp8: quantized by numpy, and by XLA
+        dev, host = (load(tiny_ckpts["e2b"][kind], "float32", on_host=on_host, quantization=quantization)
+                     for on_host in (False, True))
         for a, b in zip(jax.tree_util.tree_leaves(dev.params), jax.tree_util.tree_leaves(host.params)):
             assert isinstance(b, np.ndarray) and b.dtype == a.dtype
-            np.testing.assert_array_equal(np.asarray(a), b)
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), b.view(np.uint8))
+
+
+# -------------------------------------------------------------------------------------------------- fp8 checkpoints
+FP8_MAX = 448.0
+_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                     r"|per_layer_(model_projection|input_gate|projection))\.weight$")
+
+
+def _compressed_tensors_fp8(src, dst, strategy: str = "channel", scale_dtype: str = "float32"):
+    """A copy of the float checkpoint `src` in the layout of compressed-tensors' "FP8 dynamic" checkpoints
+    (RedHatAI's Gemma 4 FP8-dynamic), written here with safetensors: every `Linear` target's `<module>.weight`
+    float8_e4m3fn [out, in] beside its `<module>.weight_scale` (strategy "channel": [out, 1]; "tensor": [1]) in
+    `scale_dtype`, the router in the `ignore` list, the MoE experts (3-D parameters, no `Linear`) left as they are;
+    config.json's `quantization_config` as compressed-tensors writes it. Returns {weight name: (fp8, scale)}."""
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors, written = load_torch(str(f)), {}
+    for name in [n for n in tensors if _LINEAR.search(n)]:
+        w = tensors[name].float()
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        scale = (amax / FP8_MAX).to(getattr(torch, scale_dtype))
+        q = (w / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale"] = q, scale
+        written[name] = (q.view(torch.uint8).numpy(), scale.float().numpy())
+    save_torch(tensors, str(f))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                        "group_size": None, "block_structure": None, "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True, "observer": None},
+            "output_activations": None}},
+        "ignore": ["lm_head", "re:.*router.*"], "kv_cache_scheme": None, "global_compression_ratio": None}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return written
+
+
+def _flat(params) -> dict:
+    import jax
+
+    return {".".join(str(k.key) for k in p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def test_compressed_tensors_fp8_checkpoint_loads_as_written(tiny_ckpts, tmp_path):
+    """A compressed-tensors FP8-dynamic checkpoint (per-channel float32 scales) of the MoE family loads fp8 with no
+    flag: each Linear's fp8 weight and scale as written, the experts quantized at load, the router, embeddings and
+    norms as stored; that is exactly the float checkpoint quantized at load (`quantization="fp8"`), whose quantizer
+    rounds as compressed-tensors' does. `quantization="none"` dequantizes it."""
+    from gemma4_mtp_jax.api import load_target
+    from gemma4_mtp_jax.weights.quantize import FP8
+
+    src = tiny_ckpts["a26b"]["target"]
+    written = _compressed_tensors_fp8(src, tmp_path / "ct")
+    fp8 = _flat(load_target(tmp_path / "ct", "float32").params)
+    at_load = _flat(load_target(src, "float32", quantization="fp8").params)
+    plain = _flat(load_target(src, "float32").params)
+    assert sorted(fp8) == sorted(at_load)
+    for k, want in at_load.items():
+        assert fp8[k].dtype == want.dtype and np.array_equal(fp8[k].view(np.uint8), want.view(np.uint8)), k
+    paths = {re.sub(r"^model\.layers\.(\d+)\.", r"layers_\1.", name): w for name, w in written.items()}
+    for path, (q, scale) in paths.items():
+        assert np.array_equal(fp8[path].view(np.uint8), q), path
+        np.testing.assert_array_equal(fp8[path + "_scale"], scale[:, 0])
+    experts = {k for k in plain if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert experts and {k for k, v in fp8.items() if v.dtype == FP8} == set(paths) | experts
+    np.testing.assert_array_equal(fp8["layers_0.router.proj.weight"], plain["layers_0.router.proj.weight"])
+
+    dequantized = _flat(load_target(tmp_path / "ct", "float32", quantization="none").params)
+    assert sorted(dequantized) == sorted(plain)
+    for k, v in dequantized.items():  # the checkpoint's fp8 weights times their scales; its float tensors as they are
+        assert v.dtype == np.float32, k
+        want = fp8[k].astype(np.float32) * fp8[k + "_scale"][..., None] if k in paths else plain[k]
+        np.testing.assert_array_equal(v, want, err_msg=k)
+
+
+def test_fp8_checkpoint_errors_name_the_tensor(tiny_ckpts, tmp_path):
+    """Per-tensor bfloat16 scales ([1]) load; a missing or mis-shaped scale, a scale beside a float weight, and
+    quantization configs this package does not read are one-line errors naming the tensor or the field."""
+    import jax
+
+    from gemma4_mtp_jax import CheckpointError
+    from gemma4_mtp_jax.api import load_target, target_shapes
+
+    ct = tmp_path / "ct"
+    written = _compressed_tensors_fp8(tiny_ckpts["b31b"]["target"], ct, strategy="tensor", scale_dtype="bfloat16")
+    got = _flat(load_target(ct, "float32").params)
+    q, scale = written["model.layers.2.mlp.up_proj.weight"]
+    np.testing.assert_array_equal(got["layers_2.mlp.up_proj.weight_scale"], np.full(q.shape[:1], scale[0]))
+    shapes = _flat(jax.tree_util.tree_map(lambda a: np.zeros((), a.dtype), target_shapes(ct, "float32").params))
+    assert {k: v.dtype for k, v in shapes.items()} == {k: v.dtype for k, v in got.items()}
+
+    name = "model.layers.2.mlp.up_proj.weight"
+    d = _copy_with_torch(ct, tmp_path / "missing", lambda t: t.pop(name + "_scale"))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}_scale'"):
+        load_target(d, "float32")
+    d = _copy_with_torch(ct, tmp_path / "shape", lambda t: t.update({name + "_scale": t[name + "_scale"].repeat(3)}))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}_scale' has shape \(3,\)"):
+        load_target(d, "float32")
+    d = _copy_with_torch(ct, tmp_path / "nan", lambda t: t.update({name + "_scale": t[name + "_scale"] * np.nan}))
+    with pytest.raises(CheckpointError, match=f"'{name}_scale'.*non-finite"):
+        load_target(d, "float32")
+    d = _copy_with_torch(ct, tmp_path / "stray", lambda t: t.update({name: t[name].float()}))
+    with pytest.raises(CheckpointError, match=f"'{name}_scale' is a scale, but '{name}' is not float8"):
+        load_target(d, "float32")
+    cfg = json.loads((ct / "config.json").read_text())
+    for edit, field in [(lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"), "strategy"),
+                        (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "4-bit"),
+                        (lambda q: q.update(quant_method="gptq"), "quant_method 'gptq'"),
+                        (lambda q: q.update(format="pack-quantized"), "format 'pack-quantized'")]:
+        bad = json.loads(json.dumps(cfg))
+        edit(bad["quantization_config"])
+        (ct / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"quantization_config.*{field}"):
+            load_target(ct, "float32")
+    with pytest.raises(ValueError, match="quantization must be"):
+        load_target(ct, "float32", quantization="int8")
+
+
+def _copy_with_torch(src, dst, edit):
+    """`_copy_with` for a checkpoint holding fp8 tensors (safetensors' numpy API has no float8)."""
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_torch(str(f))
+    edit(tensors)
+    save_torch(tensors, str(f))
+    return dst
+
+
+def test_fp8_needs_a_gpu_of_compute_capability_8_9():
+    """fp8 on a GPU without fp8 support is an error naming the device; CPUs and Ada / Hopper GPUs pass."""
+    from types import SimpleNamespace
+
+    from gemma4_mtp_jax.kernels.device_budget import check_fp8_support
+
+    gpu = lambda cc, i=0: SimpleNamespace(platform="gpu", compute_capability=cc, id=i,  # noqa: E731
+                                          device_kind="NVIDIA A100-SXM4-80GB" if cc == "8.0" else "NVIDIA H100")
+    check_fp8_support([SimpleNamespace(platform="cpu", id=0), gpu("8.9"), gpu("9.0"), gpu("12.0")])
+    with pytest.raises(ValueError, match=r"device 3 \(NVIDIA A100-SXM4-80GB\) has 8\.0"):
+        check_fp8_support([gpu("9.0"), gpu("8.0", 3)])

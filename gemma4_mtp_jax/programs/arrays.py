@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from gemma4_mtp_jax.kernels.device_budget import check_fp8_support, target_device
 from gemma4_mtp_jax.model.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.model.runtime import Target, shapes_only
 from gemma4_mtp_jax.model.sharding import Placement, mesh_context
@@ -62,6 +63,9 @@ class ProgramArrays:
         self.num_slots, self.input_capacity, self.placement = num_slots, input_capacity, placement
         self.with_hidden = draft_params is not None  # a drafter reads each sequence's h
         self.replicated = None if placement is None else placement.replicated
+        if any(jnp.dtype(leaf.dtype) == jnp.float8_e4m3fn for leaf in jax.tree_util.tree_leaves(
+                (target.params, draft_params))):  # fp8 weights (weights/quantize.py) meet the programs' devices
+            check_fp8_support([target_device()] if placement is None else list(placement.mesh.devices.flat))
         # On the programs' devices once (a loader may leave the weights in host memory: each tensor then goes
         # straight to its shards); already-placed arrays are not copied.
         pl, tree = placement, target.params

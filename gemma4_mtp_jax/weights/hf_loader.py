@@ -3,7 +3,13 @@
 The parameter tree of each Flax model mirrors the checkpoint's names (`layers.3.self_attn.q_proj.weight` is
 `params["layers_3"]["self_attn"]["q_proj"]["weight"]`), so the expected tensors and shapes come from the
 model itself (`jax.eval_shape` of its init) and loading is a name mapping plus checks. Each tensor is read,
-checked, cast and moved to the device before the next is read: host memory holds one tensor at a time.
+checked, cast (or quantized) and moved to the device before the next is read: host memory holds one tensor at a
+time.
+
+fp8 checkpoints (compressed-tensors' layout): a float8_e4m3fn `<module>.weight` comes with its `<module>.weight_scale`
+(per output channel [out, 1], or per tensor); activation scales and zero points beside it (`input_scale`,
+`weight_zero_point`, ...) are not read, since only the weights are quantized. Whatever the checkpoint holds, each
+leaf becomes what the model expects (weights/quantize.py, `as_param`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from gemma4_mtp_jax.model.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.weights.quantize import FP8, as_param, checkpoint_scale, is_scale, scale_path
 from gemma4_mtp_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
 # Multimodal checkpoints (Gemma4ForConditionalGeneration) carry towers the text model never reads.
@@ -48,19 +55,53 @@ def unflatten(flat: dict[str, Any]) -> dict:
     return tree
 
 
-def _cast(name: str, array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype,
+# compressed-tensors' tensors beside a quantized `<module>.weight` that weight-only fp8 does not read.
+_NOT_READ = ("input_scale", "input_zero_point", "weight_zero_point", "input_global_scale")
+
+
+def _quantization_tensor_of(name: str) -> str | None:
+    """The weight a checkpoint's quantization tensor belongs to (`m.weight_scale`, `m.input_scale`, ... -> `m.weight`;
+    `experts.down_proj_scale` -> `experts.down_proj`), None for any other name."""
+    module, _, last = name.rpartition(".")
+    if last in _NOT_READ:
+        return f"{module}.weight"
+    return name[: -len("_scale")] if name.endswith("_scale") else None
+
+
+def _is_float(array: np.ndarray) -> bool:
+    return np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16" or np.dtype(array.dtype) == FP8
+
+
+def _cast(array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype,
           on_host: bool = False) -> jax.Array | np.ndarray:
-    """The tensor in the parameter's dtype: on the default device, or with `on_host` a host array (the engine then
-    puts each tensor straight onto its own devices and shards)."""
+    """The (checked) tensor in the parameter's dtype: on the default device, or with `on_host` a host array (the
+    engine then puts each tensor straight onto its own devices and shards)."""
+    if jnp.issubdtype(want.dtype, jnp.integer):
+        dtype = jnp.int32
+    return np.asarray(array, np.dtype(dtype)) if on_host else jnp.asarray(array, dtype)
+
+
+def _scale_of(ckpt: SafetensorsCheckpoint, name: str, array: np.ndarray, present: set[str]) -> np.ndarray | None:
+    """The float32 [..., out] scale of the checkpoint's fp8 tensor `name`; None for a float tensor."""
+    sname = scale_path(name)
+    if np.dtype(array.dtype) != FP8:
+        if sname in present:
+            raise CheckpointError(f"tensor '{sname}' is a scale, but '{name}' is not float8_e4m3fn ({array.dtype})")
+        return None
+    if sname not in present:
+        raise CheckpointError(f"{ckpt.directory}: missing tensor '{sname}', the scale of the float8_e4m3fn tensor "
+                              f"'{name}'")
+    return checkpoint_scale(ckpt.read(sname), array.shape, sname, name)
+
+
+def _check(name: str, array: np.ndarray, want: jax.ShapeDtypeStruct) -> None:
     if tuple(array.shape) != tuple(want.shape):
         raise CheckpointError(f"tensor '{name}' has shape {tuple(array.shape)}, the config implies {tuple(want.shape)}")
     if jnp.issubdtype(want.dtype, jnp.integer):
         if not np.issubdtype(array.dtype, np.integer):
             raise CheckpointError(f"tensor '{name}' should hold integers, found {array.dtype}")
-        dtype = jnp.int32
-    elif not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+    elif not _is_float(array):
         raise CheckpointError(f"tensor '{name}' should be floating point, found {array.dtype}")
-    return np.asarray(array, np.dtype(dtype)) if on_host else jnp.asarray(array, dtype)
 
 
 def read_tensors(
@@ -73,14 +114,23 @@ def read_tensors(
     on_host: bool = False,
 ) -> dict[str, jax.Array]:
     """Read every expected tensor (keyed by param path) from `ckpt`; anything else in the file is an error
-    unless `ignorable`. Missing tensors and wrong shapes are errors naming the tensor."""
-    by_ckpt_name = {to_checkpoint_name(p): p for p in expected}
+    unless `ignorable`. Missing tensors and wrong shapes are errors naming the tensor. Expected scales (an fp8
+    model's, `weights.quantize`) come from the checkpoint's fp8 weights or from quantizing its float ones; an fp8
+    weight the model keeps unquantized is dequantized to `dtype`."""
+    by_ckpt_name = {to_checkpoint_name(p): p for p in expected if not is_scale(p)}
     names = ckpt.names()
-    unexpected = [n for n in names if n not in by_ckpt_name and not ignorable(n)]
+    present = set(names)
+
+    def known(n: str) -> bool:  # expected, or the quantization tensors of an expected (or ignorable) fp8 weight
+        if n in by_ckpt_name or ignorable(n):
+            return True
+        w = _quantization_tensor_of(n)
+        return w is not None and w in present and (w in by_ckpt_name or ignorable(w))
+
+    unexpected = [n for n in names if not known(n)]
     if unexpected:
         raise CheckpointError(f"{ckpt.directory}: unexpected tensor '{unexpected[0]}'" + (
             f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    present = set(names)
     missing = [n for n in by_ckpt_name if n not in present]
     if missing:
         raise CheckpointError(f"{ckpt.directory}: missing tensor '{missing[0]}'" + (
@@ -89,7 +139,15 @@ def read_tensors(
     total = sum(ckpt.nbytes(n) for n in by_ckpt_name)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False, disable=total < (64 << 20)) as bar:
         for name, path in by_ckpt_name.items():
-            out[path] = _cast(name, ckpt.read(name), expected[path], dtype, on_host)
+            array, spath = ckpt.read(name), scale_path(path)
+            _check(name, array, expected[path])
+            scale = _scale_of(ckpt, name, array, present)
+            if scale is None and spath not in expected:
+                out[path] = _cast(array, expected[path], dtype, on_host)
+            else:
+                out[path], s = as_param(array, scale, quantized=spath in expected, dtype=dtype, on_host=on_host)
+                if s is not None:
+                    out[spath] = s
             bar.update(ckpt.nbytes(name))
     return out
 

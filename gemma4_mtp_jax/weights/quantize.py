@@ -74,16 +74,25 @@ def check_quantization(quantization: str | None) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _quantize(xp, w, axis: int):
+def _quantize_np(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     w = w.astype(np.float32)  # exact for bfloat16 / float16 weights
-    amax = xp.max(xp.abs(w), axis=axis)
-    scale = amax / np.float32(FP8_MAX)
-    scale = xp.where(scale > 0, scale, np.float32(1)).astype(np.float32)  # an all-zero row: 0 / 1, no 0 / 0
-    q = xp.clip(w / xp.expand_dims(scale, axis), -FP8_MAX, FP8_MAX)  # the division may round past 448
+    scale = np.max(np.abs(w), axis=axis) / np.float32(FP8_MAX)
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)  # an all-zero row: 0 / 1, no 0 / 0
+    q = np.clip(w / np.expand_dims(scale, axis), -FP8_MAX, FP8_MAX)  # the division may round past 448
     return q.astype(FP8), scale
 
 
-_quantize_jit = jax.jit(functools.partial(_quantize, jnp), static_argnums=1)
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_jax(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """`_quantize_np` in XLA. XLA turns a division by a broadcast (or a constant) into a product with the rounded
+    reciprocal, one ulp from the division numpy (and compressed-tensors' quantizer) compute: each divisor is
+    materialized behind an optimization barrier, so the divisions stay divisions."""
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=axis)
+    scale = amax / jax.lax.optimization_barrier(jnp.full_like(amax, FP8_MAX))
+    scale = jnp.where(scale > 0, scale, 1.0)
+    divisor = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.expand_dims(scale, axis), w.shape))
+    return jnp.clip(w / divisor, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
 def quantize_fp8(w: Any, axis: int = -1) -> tuple[Any, Any]:
@@ -91,8 +100,8 @@ def quantize_fp8(w: Any, axis: int = -1) -> tuple[Any, Any]:
     one per output channel), amax / 448. A numpy array is quantized on the host (numpy), anything else with JAX
     on its device; both round the same (float32 division, round-to-nearest-even to fp8)."""
     if isinstance(w, np.ndarray):
-        return _quantize(np, w, axis)
-    return _quantize_jit(jnp.asarray(w), axis)
+        return _quantize_np(w, axis)
+    return _quantize_jax(jnp.asarray(w), axis)
 
 
 def dequantize(q: Any, scale: Any, dtype: Any) -> Any:
