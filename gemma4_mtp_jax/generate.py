@@ -109,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (per prompt: seed + index)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="parameter dtype (default: checkpoint's)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default=None,
+                    help="target weights: fp8 (weight-only, quantized at load from a float checkpoint) or none (an fp8 "
+                         "checkpoint dequantized); default: the checkpoint's own")
+    ap.add_argument("--quantization-assistant", choices=["none", "fp8"], default=None,
+                    help="the assistant's weights, as --quantization (default: the checkpoint's own)")
     ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + generated tokens per sequence")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -132,8 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "demo" in (args.ckpt, args.assistant):
             info(f"demo pair: {demo.PACKAGED}")
         spread = args.tensor_parallel_size > 1  # each tensor goes from host memory straight onto its shards
-        target = load_target(ckpt, args.dtype, on_host=spread)
-        assistant = load_assistant(assistant_ckpt, args.dtype, on_host=spread) if assistant_ckpt else None
+        target = load_target(ckpt, args.dtype, on_host=spread, quantization=args.quantization)
+        assistant = load_assistant(assistant_ckpt, args.dtype, on_host=spread,
+                                   quantization=args.quantization_assistant) if assistant_ckpt else None
         info(f"loaded {args.ckpt} in {time.perf_counter() - t0:.1f}s")
         tok = load_tokenizer(target.path)
         prompts = [list(p) for p in args.prompt_ids]

@@ -304,6 +304,40 @@ def test_a_replica_that_fails_to_start_stops_the_others(monkeypatch, tmp_path_fa
     assert len(built) == 1 and built[0].closed
 
 
+def test_quantization_flags_reach_the_loaders(monkeypatch, tmp_path_factory):
+    """--quantization / --quantization-assistant (serve and generate) reach load_target / load_assistant; unset,
+    the loaders take the checkpoint's own (None)."""
+    import gemma4_mtp_jax.api as api
+    import gemma4_mtp_jax.generate as generate
+    from gemma4_mtp_jax.server.cli import create_server
+
+    seen = []
+
+    def loader(kind):
+        def load(path, *args, quantization=None, **kwargs):
+            seen.append((kind, quantization))
+            if kind == "assistant":
+                raise ValueError("stop here")
+            return api.target_shapes(path, "float32")
+        return load
+
+    for module in (api, generate):
+        monkeypatch.setattr(module, "load_target", loader("target"))
+        monkeypatch.setattr(module, "load_assistant", loader("assistant"))
+    tdir, adir, cache = session_paths(tmp_path_factory)
+    common = ["--ckpt", str(tdir), "--assistant", str(adir)]
+    for flags, want in [([], [("target", None), ("assistant", None)]),
+                        (["--quantization", "fp8", "--quantization-assistant", "none"],
+                         [("target", "fp8"), ("assistant", "none")])]:
+        seen.clear()
+        with pytest.raises(ValueError, match="stop here"):
+            create_server(common + flags + ["--compilation-cache-dir", str(cache), "--executable-cache-dir", "none"])
+        assert seen == want
+        seen.clear()
+        assert generate.main(common + flags + ["--prompt-ids", "1,2", "--compilation-cache-dir", str(cache)]) == 2
+        assert seen == want
+
+
 def test_parse_defaults_and_extensions():
     p = parse_completion({"prompt": ["hi"], "n": 1, "logprobs": None, "top_k": -1, "seed": -1, "stop": "x",
                           "user": "u", "stream": True, "stream_options": {"include_usage": True}})

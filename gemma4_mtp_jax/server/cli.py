@@ -102,9 +102,10 @@ class _CompileAhead(threading.Thread):
     logged and costs nothing else: the engine then compiles those programs itself. Not a daemon: an XLA
     compilation in flight is waited for, not cut (see Engine.close); `stop` keeps it from starting others."""
 
-    def __init__(self, ckpt: str, assistant_path: str | None, dtype: str | None, load_format: str, config):
+    def __init__(self, ckpt: str, assistant_path: str | None, dtype: str | None, load_format: str,
+                 quantization: tuple[str | None, str | None], config):
         super().__init__(name="gemma4-compile-ahead")
-        self.args = ckpt, assistant_path, dtype, load_format
+        self.args = ckpt, assistant_path, dtype, load_format, quantization
         self.config = config
         self.stop = threading.Event()
         self.programs: dict = {}
@@ -113,11 +114,12 @@ class _CompileAhead(threading.Thread):
         from gemma4_mtp_jax.api import assistant_shapes, target_shapes
         from gemma4_mtp_jax.engine import compile_ahead
 
-        ckpt, assistant_path, dtype, load_format = self.args
+        ckpt, assistant_path, dtype, load_format, (quantization, quantization_assistant) = self.args
         t0 = time.perf_counter()
         try:
-            target = target_shapes(ckpt, dtype, load_format)
-            assistant = None if assistant_path is None else assistant_shapes(assistant_path, dtype, load_format)
+            target = target_shapes(ckpt, dtype, load_format, quantization)
+            assistant = None if assistant_path is None else assistant_shapes(assistant_path, dtype, load_format,
+                                                                              quantization_assistant)
             self.programs = compile_ahead(target, self.config, assistant,
                                           lambda prog, s: log.info("compiled ahead %s in %.2fs", prog, s),
                                           stop=self.stop)
@@ -171,16 +173,18 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     ahead = None
     if local and config.executable_cache_dir is not None and not spread:
         log.info("compiling the first programs from the checkpoints' shapes while the weights load")
-        ahead = _CompileAhead(ckpt, assistant_path, dtype, args.load_format, config)
+        ahead = _CompileAhead(ckpt, assistant_path, dtype, args.load_format,
+                              (args.quantization, args.quantization_assistant), config)
         ahead.start()
 
     try:  # a failure or a signal from here on lets the compile-ahead thread start no further program
         with _Timer(f"loading target {ckpt}"):
-            target = load_target(ckpt, dtype, args.load_format, on_host=spread)
+            target = load_target(ckpt, dtype, args.load_format, on_host=spread, quantization=args.quantization)
         assistant = None
         if assistant_path is not None:
             with _Timer(f"loading assistant {assistant_path}"):
-                assistant = load_assistant(assistant_path, dtype, args.load_format, on_host=spread)
+                assistant = load_assistant(assistant_path, dtype, args.load_format, on_host=spread,
+                                           quantization=args.quantization_assistant)
             check_pair(target.config, assistant.config)
             log.info("assistant matches the target (K/V geometry, vocabulary, hidden size)")
         name = name or Path(str(target.path)).name or str(args.ckpt)

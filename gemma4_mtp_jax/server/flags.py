@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens per speculative round (default: the assistant's num_assistant_tokens, or 4)")
     m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="parameter dtype; auto: the checkpoint's")
+    m.add_argument("--quantization", choices=["none", "fp8"], default=None,
+                   help="target weights: fp8 (float8_e4m3fn with per-output-channel scales, weight-only: the matmuls "
+                        "read fp8 and compute in --dtype; embeddings, norms and the router stay in --dtype), quantized "
+                        "at load from a float checkpoint; none: an fp8 checkpoint dequantized to --dtype. Default: "
+                        "the checkpoint's own (fp8 for a compressed-tensors FP8 checkpoint or one converted with "
+                        "--quantize fp8). fp8 needs a GPU of compute capability 8.9 or newer")
+    m.add_argument("--quantization-assistant", choices=["none", "fp8"], default=None,
+                   help="the assistant's weights, as --quantization (default: the checkpoint's own, unquantized for "
+                        "the released assistants)")
     m.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: read only config.json (target and assistant) and draw random weights, to time real "
                         "shapes without the checkpoint; its text is gibberish")
