@@ -1,7 +1,7 @@
 """Convert Hugging Face Gemma 4 checkpoints (safetensors) to gemma4_mtp_jax Orbax checkpoints.
 
-Command line: ``python -m checkpoints_convert --hf <dir or hub id> --out <dir> [--dtype ...] [--force]``
-(see ``__main__.py``).  From Python::
+Command line: ``python -m checkpoints_convert --hf <dir or hub id> --out <dir> [--dtype ...] [--quantize fp8]
+[--force]`` (see ``__main__.py``).  From Python::
 
     from checkpoints_convert import convert
     summary = convert("path/to/gemma-4-E2B-it", "out/e2b", dtype="bfloat16")
@@ -9,6 +9,10 @@ Command line: ``python -m checkpoints_convert --hf <dir or hub id> --out <dir> [
 The output directory holds ``params/`` (Orbax), ``gemma4_mtp_jax.json`` (our metadata), the HF
 ``config.json`` / ``generation_config.json`` and the tokenizer files; ``gemma4_mtp_jax.load_target`` /
 ``load_assistant`` read it directly.
+
+With ``quantize="fp8"`` (or an fp8 source, e.g. a compressed-tensors FP8 checkpoint) the parameters are stored
+quantized (gemma4_mtp_jax/weights/quantize.py: float8_e4m3fn weights, float32 ``<name>_scale`` beside each) and
+config.json's ``quantization_config`` says so, so the loaders load it quantized by default.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
 TARGET_MODEL_TYPES = ("gemma4", "gemma4_text")
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant",)
 DTYPES = ("bfloat16", "float32")
+QUANTIZATIONS = ("none", "fp8")
 
 # Copied verbatim into the output directory when present in the source.
 COPIED_FILES = (
@@ -129,17 +134,21 @@ def convert(
     out: str,
     *,
     dtype: str | None = None,
+    quantize: str | None = None,
     force: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Convert ``hf`` (local directory or hub id) into an Orbax checkpoint in ``out``.
 
-    Returns a summary dict (kind, model_type, num_tensors, num_bytes, seconds, out).  Raises
-    :class:`ConvertError` (or ``CheckpointError``) for user errors.
+    ``quantize``: "fp8" stores the weights quantized, "none" an fp8 source dequantized to ``dtype``; None keeps
+    the source's own (the loaders' ``quantization``). Returns a summary dict (kind, model_type, quantization,
+    num_tensors, num_bytes, seconds, out).  Raises :class:`ConvertError` (or ``CheckpointError``) for user errors.
     """
     t_start = time.perf_counter()
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ConvertError(f"--quantize {quantize}: expected one of {', '.join(QUANTIZATIONS)}")
     src = resolve_source(hf, log)
     out_abs = os.path.abspath(os.path.expanduser(out))
     if out_abs == src:
@@ -163,15 +172,17 @@ def convert(
         n_src, bytes_src = len(st), st.total_bytes()
     log(
         f"[convert] {kind} ({model_type}) from {src}: {n_src} tensors, {_human(bytes_src)} in "
-        f"safetensors; dtype {dtype or 'default'}"
+        f"safetensors; dtype {dtype or 'default'}; quantization {quantize or 'as the source'}"
     )
 
     import gemma4_mtp_jax
+    from gemma4_mtp_jax.weights.quantize import is_quantized_tree, own_quantization_config
 
     loader = gemma4_mtp_jax.load_target if kind == "target" else gemma4_mtp_jax.load_assistant
     t0 = time.perf_counter()
     kwargs = {} if dtype is None else {"dtype": dtype}
-    model = loader(src, on_host=True, **kwargs)  # host arrays: conversion never needs an accelerator
+    # host arrays: conversion never needs an accelerator (fp8 ones are quantized by numpy, tensor by tensor)
+    model = loader(src, on_host=True, quantization=quantize, **kwargs)
     params = _as_nested_dict(model.params)
     if not isinstance(params, dict):
         raise TypeError(f"loader returned params of type {type(model.params).__name__}, expected a nested dict")
@@ -179,7 +190,8 @@ def convert(
 
     t0 = time.perf_counter()
     log(f"[convert] writing Orbax checkpoint to {out_abs}")
-    metadata: dict[str, Any] = {"kind": kind, "model_type": model_type, "source": hf}
+    quantization = "fp8" if is_quantized_tree(params) else None
+    metadata: dict[str, Any] = {"kind": kind, "model_type": model_type, "source": hf, "quantization": quantization}
     dtype_name = dtype or _dtype_name(getattr(model, "dtype", None))
     if dtype_name is not None:
         metadata["dtype"] = dtype_name  # read back by the loader as the checkpoint's own dtype
@@ -189,14 +201,25 @@ def convert(
     copied = []
     for name in COPIED_FILES:
         p = os.path.join(src, name)
-        if os.path.isfile(p):
+        if not os.path.isfile(p):
+            continue
+        if name == "config.json" and (quantization is not None or "quantization_config" in cfg):
+            # What the parameters are now: our fp8 format, or (dequantized) no quantization at all.
+            out_cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+            if quantization is not None:
+                out_cfg["quantization_config"] = own_quantization_config()
+            with open(os.path.join(out_abs, name), "w", encoding="utf-8") as f:
+                json.dump(out_cfg, f, indent=2)
+                f.write("\n")
+        else:
             shutil.copyfile(p, os.path.join(out_abs, name))
-            copied.append(name)
+        copied.append(name)
     log(f"[convert] copied {', '.join(copied)}")
 
     summary = {
         "kind": kind,
         "model_type": model_type,
+        "quantization": quantization,
         "dtype": written.get("dtype"),
         "num_tensors": written["num_tensors"],
         "num_bytes": written["num_bytes"],

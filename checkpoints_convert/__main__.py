@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from checkpoints_convert import DTYPES, ConvertError, convert
+from checkpoints_convert import DTYPES, QUANTIZATIONS, ConvertError, convert
 
 EPILOG = """\
 The model kind comes from config.json's model_type: gemma4 / gemma4_text -> target,
@@ -19,6 +19,7 @@ pass it to gemma4_mtp_jax.load_target / load_assistant or to `python -m gemma4_m
 examples:
   python -m checkpoints_convert --hf ~/models/gemma-4-E2B-it --out ckpt/e2b
   python -m checkpoints_convert --hf google/gemma-4-E2B-it-assistant --out ckpt/e2b-assistant --dtype bfloat16
+  python -m checkpoints_convert --hf google/gemma-4-31B-it --out ckpt/31b-fp8 --dtype bfloat16 --quantize fp8
 """
 
 
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         "'dtype' / 'torch_dtype', else bfloat16)",
     )
     p.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: store the weights as float8_e4m3fn with per-output-channel float32 scales (weight-only; "
+        "embeddings, norms and the router stay in --dtype), loaded quantized by default; none: store an fp8 "
+        "source (e.g. a compressed-tensors FP8 checkpoint) dequantized to --dtype. Default: the source's own",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="overwrite an existing checkpoint (or other files) in --out",
@@ -63,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        convert(args.hf, args.out, dtype=args.dtype, force=args.force)
+        convert(args.hf, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

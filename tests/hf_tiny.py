@@ -13,6 +13,9 @@ Extra layouts (built by `build_all`):
     vision/audio tensors and stale k_proj/v_proj/k_norm tensors for the KV-shared layers (a loader must skip them).
   * a26b "target_sharded": `model.safetensors.index.json` + 2 shards.
 
+`write_compressed_tensors_fp8` copies a checkpoint into compressed-tensors' FP8-dynamic layout (fp8 Linear weights
+with their scales), the layout of the fp8 Gemma 4 checkpoints users download.
+
 Usage as a script: `python tests/hf_tiny.py OUT_DIR` builds everything under OUT_DIR and prints the paths.
 """
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -274,6 +279,45 @@ def build_plain_target(family: str, out_dir: Path) -> Path:
     target, _ = make_models(family, align=False, std=0.1)
     _quiet_save(target, Path(out_dir))
     return Path(out_dir)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                     r"|per_layer_(model_projection|input_gate|projection))\.weight$")
+
+
+def write_compressed_tensors_fp8(src, dst, strategy: str = "channel", scale_dtype: str = "float32") -> dict:
+    """A copy of the float checkpoint `src` in the layout of compressed-tensors' "FP8 dynamic" checkpoints
+    (RedHatAI's Gemma 4 FP8-dynamic), written here with safetensors: every `Linear` target's `<module>.weight`
+    float8_e4m3fn [out, in] beside its `<module>.weight_scale` (strategy "channel": [out, 1]; "tensor": [1]) in
+    `scale_dtype`, the router in the `ignore` list, the MoE experts (3-D parameters, no `Linear`) left as they are;
+    config.json's `quantization_config` as compressed-tensors writes it. Returns {weight name: (fp8, scale)}."""
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors, written = load_torch(str(f)), {}
+    for name in [n for n in tensors if _LINEAR.search(n)]:
+        w = tensors[name].float()
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        scale = (amax / FP8_MAX).to(getattr(torch, scale_dtype))
+        q = (w / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale"] = q, scale
+        written[name] = (q.view(torch.uint8).numpy(), scale.float().numpy())
+    save_torch(tensors, str(f))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                        "group_size": None, "block_structure": None, "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True, "observer": None},
+            "output_activations": None}},
+        "ignore": ["lm_head", "re:.*router.*"], "kv_cache_scheme": None, "global_compression_ratio": None}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return written
 
 
 def _released_style_text_config(tcfg) -> dict:

@@ -117,6 +117,38 @@ def test_convert_other_layouts(tiny_ckpts, tmp_path, layout):
     _convert_and_compare(Path(tiny_ckpts[family][layout]), tmp_path / "out", "target", None)
 
 
+def test_convert_fp8(tiny_ckpts, tmp_path):
+    """--quantize fp8 stores the fp8 model (float8_e4m3fn weights, float32 scales) that loading the HF directory
+    with quantization="fp8" gives, bit for bit (numpy quantizes here, XLA there), and marks config.json, so it
+    loads quantized by default and dequantized with quantization="none". A compressed-tensors FP8 checkpoint
+    converts as it loads (fp8, its own config replaced by ours)."""
+    from checkpoints_convert import convert
+    from gemma4_mtp_jax.weights.quantize import OWN_METHOD
+
+    load = _loader("target")
+    src = Path(tiny_ckpts["a26b"]["target"])
+    ct = tmp_path / "ct"
+    hf_tiny.write_compressed_tensors_fp8(src, ct)
+    for source, quantize, out in ((src, "fp8", tmp_path / "fp8"), (ct, None, tmp_path / "ct_out")):
+        summary = convert(str(source), str(out), quantize=quantize, log=lambda _: None)
+        assert summary["quantization"] == "fp8"
+        want = load(str(source), quantization="fp8")
+        _assert_identical(load(str(out)).params, want.params)
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["quantization_config"]["quant_method"] == OWN_METHOD
+        assert {k: v for k, v in cfg.items() if k != "quantization_config"} == {
+            k: v for k, v in json.loads((source / "config.json").read_text()).items() if k != "quantization_config"}
+        meta = json.loads((out / "gemma4_mtp_jax.json").read_text())
+        assert meta["quantization"] == "fp8" and meta["dtype"] == "float32" and "float8_e4m3fn" in meta["bytes_by_dtype"]
+    dequantized, fp8, plain = (_flat(p) for p in (load(str(tmp_path / "fp8"), quantization="none").params,
+                                                   want.params, load(str(src)).params))
+    assert sorted(dequantized) == sorted(plain)
+    q = "['layers_0']['self_attn']['q_proj']['weight']"
+    np.testing.assert_array_equal(dequantized[q], fp8[q].astype(np.float32) * fp8[q[:-2] + "_scale']"][:, None])
+    norm = "['layers_0']['input_layernorm']['weight']"
+    np.testing.assert_array_equal(dequantized[norm], plain[norm])
+
+
 def test_refuses_nonempty_out_then_force(tiny_ckpts, tmp_path):
     src = Path(tiny_ckpts["b31b"]["assistant"])
     out = tmp_path / "out"
@@ -222,5 +254,5 @@ def test_already_converted(tiny_ckpts, tmp_path):
 def test_help():
     proc = _run("--help")
     _ok(proc)
-    for flag in ("--hf", "--out", "--dtype", "--force", "bfloat16", "float32"):
+    for flag in ("--hf", "--out", "--dtype", "--quantize", "--force", "bfloat16", "float32", "fp8"):
         assert flag in proc.stdout

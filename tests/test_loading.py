@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import hf_tiny
+
 from gemma4_mtp_jax.model.config import (
     FULL,
     SLIDING,
@@ -220,46 +222,6 @@ def test_on_host_loading_keeps_host_arrays_and_equal_values(tiny_ckpts):
 
 
 # -------------------------------------------------------------------------------------------------- fp8 checkpoints
-FP8_MAX = 448.0
-_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
-                     r"|per_layer_(model_projection|input_gate|projection))\.weight$")
-
-
-def _compressed_tensors_fp8(src, dst, strategy: str = "channel", scale_dtype: str = "float32"):
-    """A copy of the float checkpoint `src` in the layout of compressed-tensors' "FP8 dynamic" checkpoints
-    (RedHatAI's Gemma 4 FP8-dynamic), written here with safetensors: every `Linear` target's `<module>.weight`
-    float8_e4m3fn [out, in] beside its `<module>.weight_scale` (strategy "channel": [out, 1]; "tensor": [1]) in
-    `scale_dtype`, the router in the `ignore` list, the MoE experts (3-D parameters, no `Linear`) left as they are;
-    config.json's `quantization_config` as compressed-tensors writes it. Returns {weight name: (fp8, scale)}."""
-    import torch
-    from safetensors.torch import load_file as load_torch, save_file as save_torch
-
-    shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    tensors, written = load_torch(str(f)), {}
-    for name in [n for n in tensors if _LINEAR.search(n)]:
-        w = tensors[name].float()
-        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
-        scale = (amax / FP8_MAX).to(getattr(torch, scale_dtype))
-        q = (w / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        tensors[name], tensors[name + "_scale"] = q, scale
-        written[name] = (q.view(torch.uint8).numpy(), scale.float().numpy())
-    save_torch(tensors, str(f))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
-                        "group_size": None, "block_structure": None, "observer": "minmax"},
-            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                                  "dynamic": True, "observer": None},
-            "output_activations": None}},
-        "ignore": ["lm_head", "re:.*router.*"], "kv_cache_scheme": None, "global_compression_ratio": None}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return written
-
-
 def _flat(params) -> dict:
     import jax
 
@@ -275,7 +237,7 @@ def test_compressed_tensors_fp8_checkpoint_loads_as_written(tiny_ckpts, tmp_path
     from gemma4_mtp_jax.weights.quantize import FP8
 
     src = tiny_ckpts["a26b"]["target"]
-    written = _compressed_tensors_fp8(src, tmp_path / "ct")
+    written = hf_tiny.write_compressed_tensors_fp8(src, tmp_path / "ct")
     fp8 = _flat(load_target(tmp_path / "ct", "float32").params)
     at_load = _flat(load_target(src, "float32", quantization="fp8").params)
     plain = _flat(load_target(src, "float32").params)
@@ -307,7 +269,7 @@ def test_fp8_checkpoint_errors_name_the_tensor(tiny_ckpts, tmp_path):
     from gemma4_mtp_jax.api import load_target, target_shapes
 
     ct = tmp_path / "ct"
-    written = _compressed_tensors_fp8(tiny_ckpts["b31b"]["target"], ct, strategy="tensor", scale_dtype="bfloat16")
+    written = hf_tiny.write_compressed_tensors_fp8(tiny_ckpts["b31b"]["target"], ct, strategy="tensor", scale_dtype="bfloat16")
     got = _flat(load_target(ct, "float32").params)
     q, scale = written["model.layers.2.mlp.up_proj.weight"]
     np.testing.assert_array_equal(got["layers_2.mlp.up_proj.weight_scale"], np.full(q.shape[:1], scale[0]))
