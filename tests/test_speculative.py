@@ -6,8 +6,8 @@ and the drafter's K/V mapping.
 CPU, float32 unless said, the tiny transformers-built pairs of hf_tiny.py (the "target" checkpoints, aligned with
 their assistants so that drafts are partly accepted). Engines compile every program at start-up (~10 s plain, ~20 s
 speculative on 2 cores), so they are built once per module and shared:
-  plain   e2b, a26b, b31b                 (the non-speculative greedy references)
-  spec    e2b k=1, e2b k=2 (2 slots), e2b k=4, a26b k=4, b31b k=4
+  plain   e2b, a26b, b31b, b31b fp8       (the non-speculative greedy references)
+  spec    e2b k=1, e2b k=2 (2 slots), e2b k=4, a26b k=4, b31b k=4, b31b k=4 fp8 (fp8 target weights)
   oracle  e2b k=4 drafting with `TargetGreedyDrafter` (the target's own greedy tokens, plugged into the engine)
 k=1 and k=2 run on e2b only: it has every special path (centroid head, suppress_tokens, KV-shared layers). The
 bfloat16 test builds its own two e2b engines, compiling only the programs it runs.
@@ -74,17 +74,24 @@ class TargetGreedyDrafter:
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpts, jax_models):
-    """engines(family, k=0, oracle=False): one Engine per key for the whole module (k=0: no assistant; oracle:
-    drafting with TargetGreedyDrafter)."""
+    """engines(family, k=0, oracle=False, quantization=None): one Engine per key for the whole module (k=0: no
+    assistant; oracle: drafting with TargetGreedyDrafter; quantization "fp8": the target's weights fp8, its
+    activations float32 as the others')."""
+    from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.engine import Engine
 
-    cache = {}
+    cache, fp8_targets = {}, {}
 
-    def get(family: str, k: int = 0, oracle: bool = False):
-        key = (family, k, oracle)
+    def get(family: str, k: int = 0, oracle: bool = False, quantization: str | None = None):
+        key = (family, k, oracle, quantization)
         if key not in cache:
             p = tiny_ckpts[family]
-            target = jax_models.target(p["target"])
+            if quantization is None:
+                target = jax_models.target(p["target"])
+            else:
+                if family not in fp8_targets:
+                    fp8_targets[family] = load_target(p["target"], "float32", quantization=quantization)
+                target = fp8_targets[family]
             if k == 0:
                 cache[key] = Engine(target, _config())
             else:
@@ -100,16 +107,18 @@ def engines(tiny_ckpts, jax_models):
 _GREEDY = {}
 
 
-def greedy_reference(engines, family: str, prompts, max_new: int) -> list[list[int]]:
-    """Non-speculative greedy outputs (plain engine), memoized per (family, prompt, max_new)."""
+def greedy_reference(engines, family: str, prompts, max_new: int, quantization: str | None = None
+                     ) -> list[list[int]]:
+    """Non-speculative greedy outputs (plain engine), memoized per (family, quantization, prompt, max_new)."""
     from gemma4_mtp_jax.generate import generate
 
-    missing = [p for p in prompts if (family, tuple(p), max_new) not in _GREEDY]
+    key = lambda p: (family, quantization, tuple(p), max_new)  # noqa: E731
+    missing = [p for p in prompts if key(p) not in _GREEDY]
     if missing:
-        eng = engines(family)
+        eng = engines(family, quantization=quantization)
         for p, r in zip(missing, generate(eng.target, missing, max_new, engine=eng)):
-            _GREEDY[(family, tuple(p), max_new)] = r.tokens
-    return [_GREEDY[(family, tuple(p), max_new)] for p in prompts]
+            _GREEDY[key(p)] = r.tokens
+    return [_GREEDY[key(p)] for p in prompts]
 
 
 def _check_round_stats(req, k: int) -> None:
@@ -135,18 +144,21 @@ def _round_spans(req) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------------------------------------------------
 # 1. Greedy speculative == greedy non-speculative
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,k", SPEC_CASES)
-def test_greedy_speculative_equals_plain(family, k, engines):
+@pytest.mark.parametrize("family,k,quantization", [(f, k, None) for f, k in SPEC_CASES] + [("b31b", 4, "fp8")],
+                         ids=[f"{f}-{k}" for f, k in SPEC_CASES] + ["b31b-4-fp8"])
+def test_greedy_speculative_equals_plain(family, k, quantization, engines):
     """8 prompts (3..30 tokens) plus a speculative=False request and a sampled request, all through one continuous
     batch (more requests than slots: they join and leave): every greedy output equals the plain engine's token for
     token; the rounds mix 0, partial and full acceptance; stats are consistent; nothing compiles while serving;
-    every page and slot comes back."""
+    every page and slot comes back. "fp8": the target's weights fp8 in both engines, its activations float32 (the
+    dense family: its programs compile fastest; the MoE experts' fp8 path is the same `routed_experts` the fp8
+    accuracy test runs)."""
     from gemma4_mtp_jax.model.sampling import SamplingParams
 
-    eng = engines(family, k)
+    eng = engines(family, k, quantization=quantization)
     prompts = _prompts(10, LENGTHS)
     off = _prompts(11, [11])[0]
-    want = greedy_reference(engines, family, prompts + [off], MAX_NEW)
+    want = greedy_reference(engines, family, prompts + [off], MAX_NEW, quantization)
     compiles, listening = [], [True]
 
     def on_event(event, duration, **kw):
