@@ -15,7 +15,10 @@ def _tree():
             "layers": [{"norm": jnp.asarray(rng.normal(size=(4,)), jnp.bfloat16),
                         "scalar": jnp.asarray(rng.normal(), jnp.float32),
                         "proj": jnp.asarray(rng.normal(size=(4, 4)), jnp.bfloat16),
-                        "experts": jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.bfloat16)} for _ in range(3)],
+                        "experts": jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.bfloat16),
+                        # an fp8 projection and its float32 scale (weights/quantize.py)
+                        "fp8": jnp.asarray(rng.normal(size=(4, 4)) * 100, jnp.float8_e4m3fn),
+                        "fp8_scale": jnp.asarray(rng.random(4), jnp.float32)} for _ in range(3)],
             "wide": jax.ShapeDtypeStruct((MAX_LEAF_ELEMENTS + 1,), jnp.float32),
             "split": jnp.arange(6, dtype=jnp.float32)}
 
@@ -31,12 +34,12 @@ def test_pack_round_trips_inside_a_program():
     tree = _tree()
     small = {k: v for k, v in tree.items() if k != "wide"}
     # kept: split (refused by `packable`, e.g. a leaf split by tensor parallelism) and wide (too large);
-    # packed, one array per (dtype, row width): f32 width 4 (emb), bf16 width 4 (norms, projs, experts), f32 width 1
-    # (scalars)
+    # packed, one array per (dtype, row width): f32 width 4 (emb, fp8 scales), bf16 width 4 (norms, projs, experts),
+    # fp8 width 4, f32 width 1 (scalars)
     pack = ParamPack.plan(tree, lambda path, _: "split" not in path)
-    assert pack.num_arrays == 2 + 3
+    assert pack.num_arrays == 2 + 4
     assert sorted((str(dt), rows, w) for dt, rows, w in pack.groups) == [
-        ("bfloat16", 3 * (1 + 4 + 6), 4), ("float32", 3, 1), ("float32", 8, 4)]
+        ("bfloat16", 3 * (1 + 4 + 6), 4), ("float32", 3, 1), ("float32", 8 + 3, 4), ("float8_e4m3fn", 3 * 4, 4)]
     small_pack = ParamPack.plan(small, lambda path, _: "split" not in path)
     _round_trip(small_pack, small)
     abstract = small_pack.abstract(jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), small))

@@ -132,6 +132,33 @@ def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
         Engine(target, EngineConfig(tensor_parallel_size=0, compile_at_start=False))
 
 
+def test_fp8_scales_split_like_their_weights_output_rows(tiny_ckpts):
+    """An fp8 weight's scale (one per output row) is split where its weight's rows are (q / k / v, gate / up, the
+    experts) and whole beside the row-parallel o_proj / down_proj, whose outputs the all-reduce sums: the specs of
+    the MoE family's fp8 parameters at TP = 2, read off the shapes alone (an engine at TP = 2 costs ~20 s here)."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from gemma4_mtp_jax.api import target_shapes
+    from gemma4_mtp_jax.model.sharding import Placement
+    from gemma4_mtp_jax.weights.hf_loader import flatten_shapes
+    from gemma4_mtp_jax.weights.quantize import is_scale
+
+    target = target_shapes(tiny_ckpts["a26b"]["target"], "float32", quantization="fp8")
+    placement = Placement(AbstractMesh((2,), ("tp",)))
+    shapes = flatten_shapes(target.params)
+    spec = {n: placement.target_param_spec(target.config, n, tuple(a.shape)) for n, a in shapes.items()}
+    split, whole = set(), set()
+    for name in filter(is_scale, spec):
+        weight = spec[name[: -len("_scale")]]
+        rows_split = len(weight) > 0 and weight[0] == "tp"
+        assert spec[name] == (P("tp", *(None,) * (len(shapes[name].shape) - 1)) if rows_split else P()), name
+        (split if rows_split else whole).add(name.split(".", 1)[1])
+    assert {"self_attn.q_proj.weight_scale", "mlp.up_proj.weight_scale", "experts.down_proj_scale"} <= split
+    assert {"self_attn.o_proj.weight_scale", "mlp.down_proj.weight_scale"} <= whole
+    assert spec["layers_0.self_attn.o_proj.weight"] == P(None, "tp")
+
+
 DP_CHILD = r"""
 import json, sys
 import jax
