@@ -282,21 +282,33 @@ def build_plain_target(family: str, out_dir: Path) -> Path:
 
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|experts\.\d+\.(gate|up|down)_proj"
                      r"|per_layer_(model_projection|input_gate|projection))\.weight$")
 
 
-def write_compressed_tensors_fp8(src, dst, strategy: str = "channel", scale_dtype: str = "float32") -> dict:
+def write_compressed_tensors_fp8(src, dst, strategy: str = "channel", scale_dtype: str = "float32",
+                                 unfused_experts: bool = False) -> dict:
     """A copy of the float checkpoint `src` in the layout of compressed-tensors' "FP8 dynamic" checkpoints
     (RedHatAI's Gemma 4 FP8-dynamic), written here with safetensors: every `Linear` target's `<module>.weight`
     float8_e4m3fn [out, in] beside its `<module>.weight_scale` (strategy "channel": [out, 1]; "tensor": [1]) in
-    `scale_dtype`, the router in the `ignore` list, the MoE experts (3-D parameters, no `Linear`) left as they are;
+    `scale_dtype`, the router in the `ignore` list, the MoE experts (3-D parameters, no `Linear`) left as they are,
+    or with `unfused_experts` stored as one `Linear` per expert and quantized (`experts.<e>.{gate,up,down}_proj`);
     config.json's `quantization_config` as compressed-tensors writes it. Returns {weight name: (fp8, scale)}."""
     from safetensors.torch import load_file as load_torch, save_file as save_torch
 
     shutil.copytree(src, dst)
     f = dst / "model.safetensors"
     tensors, written = load_torch(str(f)), {}
+    if unfused_experts:
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            w, module = tensors.pop(name), name.rsplit(".", 1)[0]
+            for e in range(w.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    gate, up = w[e].chunk(2, dim=0)
+                    tensors[f"{module}.{e}.gate_proj.weight"] = gate.contiguous()
+                    tensors[f"{module}.{e}.up_proj.weight"] = up.contiguous()
+                else:
+                    tensors[f"{module}.{e}.down_proj.weight"] = w[e].contiguous()
     for name in [n for n in tensors if _LINEAR.search(n)]:
         w = tensors[name].float()
         amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)

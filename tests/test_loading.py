@@ -228,35 +228,43 @@ def _flat(params) -> dict:
     return {".".join(str(k.key) for k in p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def test_compressed_tensors_fp8_checkpoint_loads_as_written(tiny_ckpts, tmp_path):
+@pytest.mark.parametrize("unfused_experts", [False, True], ids=["fused-experts", "per-expert"])
+def test_compressed_tensors_fp8_checkpoint_loads_as_written(tiny_ckpts, tmp_path, unfused_experts):
     """A compressed-tensors FP8-dynamic checkpoint (per-channel float32 scales) of the MoE family loads fp8 with no
-    flag: each Linear's fp8 weight and scale as written, the experts quantized at load, the router, embeddings and
-    norms as stored; that is exactly the float checkpoint quantized at load (`quantization="fp8"`), whose quantizer
-    rounds as compressed-tensors' does. `quantization="none"` dequantizes it."""
+    flag: each Linear's fp8 weight and scale as written, the router, embeddings and norms as stored, the fused
+    experts quantized at load (or, stored one fp8 Linear per expert, stacked as written); that is exactly the float
+    checkpoint quantized at load (`quantization="fp8"`), whose quantizer rounds as compressed-tensors' does.
+    `quantization="none"` dequantizes it."""
     from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.weights.quantize import FP8
 
     src = tiny_ckpts["a26b"]["target"]
-    written = hf_tiny.write_compressed_tensors_fp8(src, tmp_path / "ct")
+    written = hf_tiny.write_compressed_tensors_fp8(src, tmp_path / "ct", unfused_experts=unfused_experts)
     fp8 = _flat(load_target(tmp_path / "ct", "float32").params)
     at_load = _flat(load_target(src, "float32", quantization="fp8").params)
     plain = _flat(load_target(src, "float32").params)
     assert sorted(fp8) == sorted(at_load)
     for k, want in at_load.items():
         assert fp8[k].dtype == want.dtype and np.array_equal(fp8[k].view(np.uint8), want.view(np.uint8)), k
-    paths = {re.sub(r"^model\.layers\.(\d+)\.", r"layers_\1.", name): w for name, w in written.items()}
+    paths = {re.sub(r"^model\.layers\.(\d+)\.", r"layers_\1.", name): w for name, w in written.items()
+             if ".experts." not in name}
     for path, (q, scale) in paths.items():
         assert np.array_equal(fp8[path].view(np.uint8), q), path
         np.testing.assert_array_equal(fp8[path + "_scale"], scale[:, 0])
     experts = {k for k in plain if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert experts and {k for k, v in fp8.items() if v.dtype == FP8} == set(paths) | experts
+    if unfused_experts:  # expert 1's up_proj rows, as written, are the second half of its gate_up_proj rows
+        q, scale = written["model.layers.0.experts.1.up_proj.weight"]
+        assert np.array_equal(fp8["layers_0.experts.gate_up_proj"][1, q.shape[0]:].view(np.uint8), q)
+        np.testing.assert_array_equal(fp8["layers_0.experts.gate_up_proj_scale"][1, q.shape[0]:], scale[:, 0])
     np.testing.assert_array_equal(fp8["layers_0.router.proj.weight"], plain["layers_0.router.proj.weight"])
 
     dequantized = _flat(load_target(tmp_path / "ct", "float32", quantization="none").params)
     assert sorted(dequantized) == sorted(plain)
     for k, v in dequantized.items():  # the checkpoint's fp8 weights times their scales; its float tensors as they are
         assert v.dtype == np.float32, k
-        want = fp8[k].astype(np.float32) * fp8[k + "_scale"][..., None] if k in paths else plain[k]
+        stored_fp8 = k in paths or (unfused_experts and k in experts)
+        want = fp8[k].astype(np.float32) * fp8[k + "_scale"][..., None] if stored_fp8 else plain[k]
         np.testing.assert_array_equal(v, want, err_msg=k)
 
 

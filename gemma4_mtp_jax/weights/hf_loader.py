@@ -81,7 +81,7 @@ def _cast(array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype,
     return np.asarray(array, np.dtype(dtype)) if on_host else jnp.asarray(array, dtype)
 
 
-def _scale_of(ckpt: SafetensorsCheckpoint, name: str, array: np.ndarray, present: set[str]) -> np.ndarray | None:
+def _scale_of(ckpt: SafetensorsCheckpoint | FusedExperts, name: str, array: np.ndarray, present: set[str]) -> np.ndarray | None:
     """The float32 [..., out] scale of the checkpoint's fp8 tensor `name`; None for a float tensor."""
     sname = scale_path(name)
     if np.dtype(array.dtype) != FP8:
@@ -105,7 +105,7 @@ def _check(name: str, array: np.ndarray, want: jax.ShapeDtypeStruct) -> None:
 
 
 def read_tensors(
-    ckpt: SafetensorsCheckpoint,
+    ckpt: SafetensorsCheckpoint | FusedExperts,
     expected: dict[str, jax.ShapeDtypeStruct],
     to_checkpoint_name: Callable[[str], str],
     ignorable: Callable[[str], bool],
@@ -152,6 +152,79 @@ def read_tensors(
     return out
 
 
+_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.(\w+)$")
+
+
+class FusedExperts:
+    """A checkpoint whose MoE experts are stored one module per expert (`<layer>.experts.<e>.{gate,up,down}_proj.
+    weight`, fp8 with their `weight_scale` or not; how compressed-tensors writes experts it quantized as `Linear`s),
+    read through the fused names the model has: `experts.gate_up_proj` [E, 2 Im, H] (each expert's gate rows, then
+    its up rows) and `experts.down_proj` [E, H, Im], fp8 ones with `<name>_scale` [E, rows] float32. Every other
+    tensor reads as stored; a checkpoint without per-expert tensors reads exactly as itself."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint):
+        self.ckpt, self.directory = ckpt, ckpt.directory
+        self._fused: dict[str, tuple[str, int]] = {}  # fused name -> (experts module, E)
+        self._hidden: set[str] = set()  # per-expert tensors read through the fused names, or not read at all
+        experts: dict[str, set[int]] = {}
+        for n in ckpt.names():
+            m = _PER_EXPERT.match(n)
+            if m and m.group(4) in ("weight", "weight_scale") + _NOT_READ:
+                experts.setdefault(m.group(1), set()).add(int(m.group(2)))
+                self._hidden.add(n)
+        for module, ids in experts.items():
+            if ids != set(range(len(ids))):
+                raise CheckpointError(f"{self.directory}: '{module}' holds experts {sorted(ids)}, not 0..E-1")
+            missing = [w for e in sorted(ids) for p in ("gate_proj", "up_proj", "down_proj")
+                       if (w := f"{module}.{e}.{p}.weight") not in ckpt]
+            if missing:
+                raise CheckpointError(f"{self.directory}: missing tensor '{missing[0]}'")
+            for fused in ("gate_up_proj", "down_proj"):
+                self._fused[f"{module}.{fused}"] = (module, len(ids))
+        fp8 = {f for f, (module, _) in self._fused.items()
+               if ckpt.numpy_dtype(f"{module}.0.{_parts(f)[0]}.weight") == FP8}
+        self._names = sorted((set(ckpt.names()) - self._hidden) | set(self._fused) | {scale_path(f) for f in fp8})
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def nbytes(self, name: str) -> int:
+        if name in self._fused:
+            module, E = self._fused[name]
+            return sum(self.ckpt.nbytes(f"{module}.{e}.{p}.weight") for e in range(E) for p in _parts(name))
+        return 0 if name.removesuffix("_scale") in self._fused else self.ckpt.nbytes(name)
+
+    def read(self, name: str) -> np.ndarray:
+        fused = name.removesuffix("_scale")
+        if fused not in self._fused:
+            return self.ckpt.read(name)
+        module, E = self._fused[fused]
+        parts = [[self._part(f"{module}.{e}.{p}", name != fused) for p in _parts(fused)] for e in range(E)]
+        dtypes = {a.dtype for expert in parts for a in expert}
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{self.directory}: the experts of '{module}' mix dtypes {sorted(map(str, dtypes))}")
+        return np.stack([np.concatenate(expert, axis=0) for expert in parts])
+
+    def _part(self, module: str, scale: bool) -> np.ndarray:
+        """One expert's projection `module` ([out, in]), or its scale as float32 [out]."""
+        w = self.ckpt.read(f"{module}.weight")
+        if not scale:
+            return w
+        sname = f"{module}.weight_scale"
+        if sname not in self.ckpt:
+            raise CheckpointError(f"{self.directory}: missing tensor '{sname}', the scale of the float8_e4m3fn "
+                                  f"tensor '{module}.weight'")
+        return checkpoint_scale(self.ckpt.read(sname), w.shape, sname, f"{module}.weight")
+
+
+def _parts(fused: str) -> tuple[str, ...]:
+    """The per-expert projections a fused expert tensor stacks, in its row order."""
+    return ("gate_proj", "up_proj") if fused.endswith("gate_up_proj") else ("down_proj",)
+
+
 def _target_prefix(ckpt: SafetensorsCheckpoint) -> str:
     names = ckpt.names()
     if any(n.startswith("model.language_model.") for n in names):
@@ -161,7 +234,8 @@ def _target_prefix(ckpt: SafetensorsCheckpoint) -> str:
 
 def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dtype: jnp.dtype,
                        on_host: bool = False) -> dict:
-    with SafetensorsCheckpoint(directory) as ckpt:
+    with SafetensorsCheckpoint(directory) as file:
+        ckpt = FusedExperts(file)
         prefix = _target_prefix(ckpt)
         reuse = {i for i, lc in enumerate(cfg.layers) if lc.kv_mode == "reuse"}
 
