@@ -236,16 +236,19 @@ def test_compressed_tensors_fp8_checkpoint_loads_as_written(tiny_ckpts, tmp_path
     checkpoint quantized at load (`quantization="fp8"`), whose quantizer rounds as compressed-tensors' does.
     `quantization="none"` dequantizes it."""
     from gemma4_mtp_jax.api import load_target
-    from gemma4_mtp_jax.weights.quantize import FP8
+    from gemma4_mtp_jax.weights.quantize import FP8, quantize_params
 
     src = tiny_ckpts["a26b"]["target"]
     written = hf_tiny.write_compressed_tensors_fp8(src, tmp_path / "ct", unfused_experts=unfused_experts)
     fp8 = _flat(load_target(tmp_path / "ct", "float32").params)
     at_load = _flat(load_target(src, "float32", quantization="fp8").params)
-    plain = _flat(load_target(src, "float32").params)
-    assert sorted(fp8) == sorted(at_load)
+    plain_target = load_target(src, "float32")
+    plain = _flat(plain_target.params)
+    assert sorted(fp8) == sorted(at_load) == sorted(_flat(quantize_params(plain_target.params)))
+    in_memory = _flat(quantize_params(plain_target.params))  # the same rule and rounding as the loader's
     for k, want in at_load.items():
         assert fp8[k].dtype == want.dtype and np.array_equal(fp8[k].view(np.uint8), want.view(np.uint8)), k
+        assert in_memory[k].dtype == want.dtype and np.array_equal(in_memory[k].view(np.uint8), want.view(np.uint8))
     paths = {re.sub(r"^model\.layers\.(\d+)\.", r"layers_\1.", name): w for name, w in written.items()
              if ".experts." not in name}
     for path, (q, scale) in paths.items():
