@@ -175,3 +175,15 @@ def test_grouped_matmul_lowers(M, glu):
     x = _spec((M, H if glu else I))
     text = lowered_for_cuda(lambda x, w, s: gm.grouped_matmul(x, w, s, glu=glu), x, w, _spec((E,), I32))
     assert triton_calls(text) == 1
+
+
+@pytest.mark.parametrize("glu", [True, False])
+def test_grouped_matmul_fp8_lowers(glu):
+    """26B-A4B's fp8 experts at decode (16 rows): the kernel loads float8_e4m3fn tiles without a fill value,
+    converts them to bf16 and scales each output column by its float32 scale (`triton_ops.load_as`)."""
+    E, H, I = 128, 2816, 704
+    w = _spec((E, 2 * I, H) if glu else (E, H, I), jnp.float8_e4m3fn)
+    x = _spec((16, H if glu else I))
+    text = lowered_for_cuda(lambda x, w, s, scale: gm.grouped_matmul(x, w, s, glu=glu, scale=scale), x, w,
+                            _spec((E,), I32), _spec(w.shape[:2], F32))
+    assert triton_calls(text) == 1

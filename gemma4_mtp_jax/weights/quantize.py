@@ -45,7 +45,7 @@ _QUANTIZED = re.compile(
 
 
 class QuantizationError(ValueError):
-    """A checkpoint's quantization this package does not read, or fp8 asked where it cannot run."""
+    """A checkpoint's quantization (config.json's `quantization_config`) this package does not read."""
 
 
 def is_quantized(path: str) -> bool:
