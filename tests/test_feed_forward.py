@@ -97,6 +97,7 @@ def test_plan(monkeypatch):
     assert ff.plan_block(16, 256, 2048, jnp.bfloat16) == 32
     assert ff.plan_block(17, 256, 2048, jnp.bfloat16) is None  # past MAX_ROWS
     assert ff.plan_block(2, 256, 2048, jnp.float32) is None  # float32 keeps XLA's exact path
+    assert ff.plan_block(2, 256, 2048, jnp.bfloat16, quantized=True) is None  # fp8 weights keep XLA's matmuls
     assert ff.plan_block(2, 1536, 6144, jnp.bfloat16) is None  # E2B's target: 54 MiB of weights
     assert ff.plan_block(2, 96, 256, jnp.bfloat16) is None  # H not a power of two
     assert ff.plan_block(2, 64, 48, jnp.bfloat16) == 3  # 16-column chunks
