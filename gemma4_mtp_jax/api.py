@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4_mtp_jax.kernels.device_budget import check_fp8_support
 from gemma4_mtp_jax.model.config import (
     AssistantConfig,
     ConfigError,
@@ -27,7 +28,6 @@ from gemma4_mtp_jax.model.config import (
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.attention import DraftKV
 from gemma4_mtp_jax.model.target import Gemma4Target
-from gemma4_mtp_jax.kernels.device_budget import check_fp8_support
 from gemma4_mtp_jax.model.runtime import Assistant, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io, quantize
 from gemma4_mtp_jax.weights.dummy import random_params

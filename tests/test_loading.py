@@ -280,7 +280,8 @@ def test_fp8_checkpoint_errors_name_the_tensor(tiny_ckpts, tmp_path):
     from gemma4_mtp_jax.api import load_target, target_shapes
 
     ct = tmp_path / "ct"
-    written = hf_tiny.write_compressed_tensors_fp8(tiny_ckpts["b31b"]["target"], ct, strategy="tensor", scale_dtype="bfloat16")
+    written = hf_tiny.write_compressed_tensors_fp8(tiny_ckpts["b31b"]["target"], ct, strategy="tensor",
+                                                   scale_dtype="bfloat16")
     got = _flat(load_target(ct, "float32").params)
     q, scale = written["model.layers.2.mlp.up_proj.weight"]
     np.testing.assert_array_equal(got["layers_2.mlp.up_proj.weight_scale"], np.full(q.shape[:1], scale[0]))

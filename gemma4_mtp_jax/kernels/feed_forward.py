@@ -66,11 +66,11 @@ def _gelu_tanh(x: Array) -> Array:
 
 
 def mlp(x: Array, gate: Array, up: Array, down: Array, splits: int = 1,
-        scales: tuple[Array, Array, Array] | None = None) -> Array | SplitSum:
+        scales: tuple[Array | None, Array | None, Array | None] = (None, None, None)) -> Array | SplitSum:
     """down(gelu_tanh(gate(x)) * up(x)) with PyTorch-layout weights (gate, up [I, H], down [H, I]); down_proj split
     in `splits` parts of its contraction (a SplitSum) when splits > 1. `scales`: the three weights' per-output-channel
-    scales when they are fp8 (`split_matmul`)."""
-    sg, su, sd = (None, None, None) if scales is None else scales
+    scales where they are fp8 (`split_matmul`)."""
+    sg, su, sd = scales
     h = _gelu_tanh(split_matmul(x, gate, 1, sg)) * split_matmul(x, up, 1, su)
     return split_matmul(h, down, splits, sd)
 

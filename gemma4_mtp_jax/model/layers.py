@@ -114,8 +114,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: Array, splits: int = 1) -> Array | SplitSum:
         scales = (self.gate_proj.scale(), self.up_proj.scale(), self.down_proj.scale())
-        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits,
-                   None if scales[0] is None else scales)
+        return mlp(x, self.gate_proj(), self.up_proj(), self.down_proj(), splits, scales)
 
     def quantized(self) -> bool:
         """Whether the weights are fp8 (the block's kernel then declines them: `plan_block`)."""

@@ -81,7 +81,8 @@ def _cast(array: np.ndarray, want: jax.ShapeDtypeStruct, dtype: jnp.dtype,
     return np.asarray(array, np.dtype(dtype)) if on_host else jnp.asarray(array, dtype)
 
 
-def _scale_of(ckpt: SafetensorsCheckpoint | FusedExperts, name: str, array: np.ndarray, present: set[str]) -> np.ndarray | None:
+def _scale_of(ckpt: SafetensorsCheckpoint | FusedExperts, name: str, array: np.ndarray,
+              present: set[str]) -> np.ndarray | None:
     """The float32 [..., out] scale of the checkpoint's fp8 tensor `name`; None for a float tensor."""
     sname = scale_path(name)
     if np.dtype(array.dtype) != FP8:
@@ -210,14 +211,13 @@ class FusedExperts:
 
     def _part(self, module: str, scale: bool) -> np.ndarray:
         """One expert's projection `module` ([out, in]), or its scale as float32 [out]."""
-        w = self.ckpt.read(f"{module}.weight")
+        weight, sname = f"{module}.weight", f"{module}.weight_scale"
         if not scale:
-            return w
-        sname = f"{module}.weight_scale"
+            return self.ckpt.read(weight)
         if sname not in self.ckpt:
             raise CheckpointError(f"{self.directory}: missing tensor '{sname}', the scale of the float8_e4m3fn "
-                                  f"tensor '{module}.weight'")
-        return checkpoint_scale(self.ckpt.read(sname), w.shape, sname, f"{module}.weight")
+                                  f"tensor '{weight}'")
+        return checkpoint_scale(self.ckpt.read(sname), self.ckpt.shape(weight), sname, weight)
 
 
 def _parts(fused: str) -> tuple[str, ...]:
