@@ -81,7 +81,7 @@ def timed(fn, args, n=20):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[2, 16, 80, 256, 2048])
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 16, 24, 32, 48, 64, 80, 256, 2048])
     args = ap.parse_args()
     key = jax.random.PRNGKey(0)
     ws = []
