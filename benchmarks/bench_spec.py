@@ -1,4 +1,5 @@
-"""Speculative step vs plain decode at real Gemma 4 shapes (random bf16 weights), in one run.
+"""Speculative step vs plain decode at real Gemma 4 shapes (random weights: bf16, or fp8 with --quantization), in one
+run.
 
 For each model and batch size, over a context of --context tokens per sequence (K/V random): the decode step
 (1 token), the verify step (the target's forward on k+1 tokens + logits), and the whole speculative step (k
@@ -16,6 +17,8 @@ itself the L at which speculation breaks even.
     python benchmarks/bench_spec.py --models demo --batch 1 8 32 --context 512   # projected at its measured L
     python benchmarks/bench_spec.py --models e2b --batch 2 16 --sampled   # the sampling programs (T = 1, top-p;
                                                                            # --top-k 64 for Gemma 3's default)
+    python benchmarks/bench_spec.py --models 31b --batch 2 16 --quantization none fp8 --kv-cache-dtype fp8
+                                          # each format in turn: spec / decode of fp8 beside bf16's
     python benchmarks/bench_spec.py --smoke
 """
 
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
+import itertools
 import os
 import statistics
 import sys
@@ -37,9 +42,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_decode import SMOKE, bytes_per_step, experts_touched, random_pages  # noqa: E402
-from benchmarks.common import (ASSISTANTS, TARGETS, acceptance_length, compile_concurrently,  # noqa: E402
-                               copy_bandwidth, environment, fresh_inputs, gemv_bandwidth, layout_for, lower_program,
-                               pipelined_time, random_params, write_json)
+from benchmarks.common import (ASSISTANTS, TARGETS, acceptance_length, add_format_args,  # noqa: E402
+                               compile_concurrently, copy_bandwidth, environment, fresh_inputs, gemv_bandwidth,
+                               layout_for, lower_program, pipelined_time, random_params, write_json)
 from benchmarks.kernel_profile import print_profile, profile_calls  # noqa: E402
 from gemma4_mtp_jax.api import (  # noqa: E402
     Assistant,
@@ -49,7 +54,9 @@ from gemma4_mtp_jax.api import (  # noqa: E402
     load_assistant,
     load_target,
 )
+from gemma4_mtp_jax.engine.config import EngineConfig  # noqa: E402
 from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_config  # noqa: E402
+from gemma4_mtp_jax.model.kv_state import kv_cache_scales  # noqa: E402
 from gemma4_mtp_jax.model.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
 from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.model.sampling import SamplingParams  # noqa: E402
@@ -105,44 +112,51 @@ def profiled(fn, state, rest, label: str, step_s: float):
     return prof, box[0]
 
 
-def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
+def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, kv_name: str) -> Iterator[dict]:
     """Rows of the decode step at each batch size, and of the verify and speculative steps at each batch size and
-    k, all of one model in this process: the weights made once, every program compiled before the first is timed
-    (compile_concurrently). Yields each row as soon as it is measured."""
+    k, all of one model and format (target weights `quantization`, K/V cache `kv_name`) in this process: the weights
+    made once, every program compiled before the first is timed (compile_concurrently). Yields each row as soon as
+    it is measured."""
     ks = args.k
+    fmt = dict(quantization=quantization, quantization_assistant=args.quantization_assistant)
     t0 = time.perf_counter()
     if name == "demo":  # the trained pair shipped in the package, in its own dtype
         from gemma4_mtp_jax.weights.demo import demo_pair
 
         t_dir, a_dir = demo_pair()
-        target, assistant = load_target(t_dir), load_assistant(a_dir)
+        target = load_target(t_dir, quantization=quantization)
+        assistant = load_assistant(a_dir, quantization=args.quantization_assistant)
         tcfg, acfg, dtype = target.config, assistant.config, target.dtype
     else:
         tcfg = parse_target_config(SMOKE if name == "smoke" else TARGETS[name])
         acfg = parse_assistant_config(SMOKE_ASSISTANT if name == "smoke" else ASSISTANTS[name])
         dtype = jnp.float32 if name == "smoke" else jnp.bfloat16
-        target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0), dtype, None, {})
-        assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1), dtype, None, {})
-    print(f"[{name}] weights in {time.perf_counter() - t0:.1f}s", flush=True)
+        target = Target(tcfg, random_params(abstract_target_params(tcfg, dtype), 0, quantization), dtype, None, {})
+        assistant = Assistant(acfg, random_params(abstract_assistant_params(acfg, dtype), 1,
+                                                  args.quantization_assistant), dtype, None, {})
+    print(f"[{name}] {fmt} weights in {time.perf_counter() - t0:.1f}s", flush=True)
+    cache_dtype = EngineConfig(cache_dtype=kv_name).kv_cache_dtype(dtype)
+    fmt["kv_cache_dtype"] = str(cache_dtype)
     context = 64 if name == "smoke" else args.context
     max_b = max(args.batch)
     # One layout for every k: its sliding rings sized for the largest (a ring only holds more than a smaller k
     # needs; what a step reads does not change).
     layout = layout_for(tcfg, max_b, page_size=args.page_size, max_model_len=context + 16,
-                        num_speculative_tokens=max(ks), assistant_window=acfg.text.sliding_window)
+                        num_speculative_tokens=max(ks), assistant_window=acfg.text.sliding_window,
+                        scales=kv_cache_scales(tcfg, target.params, cache_dtype))
     placement = None
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(tcfg, args.tensor_parallel_size)
         placement = Placement.over(jax.devices()[:args.tensor_parallel_size])
-    plain = CompiledSteps(target, layout, dtype, "auto", placement=placement, max_batch=max_b,
+    plain = CompiledSteps(target, layout, cache_dtype, "auto", placement=placement, max_batch=max_b,
                           pack_params=args.pack_params)
     params = plain.params  # on the programs' devices (split under tensor parallelism)
     # The speculative programs take the same placed parameters (not a second copy), and the whole weights made on
     # the first device go: under tensor parallelism they and two sets of shards would not fit one GPU (31B, TP=2).
     target = plain.target = dataclasses.replace(target, params=params)
-    steps = {k: CompiledSteps(target, layout, dtype, "auto", drafter=AssistantDrafter(assistant), k=k,
+    steps = {k: CompiledSteps(target, layout, cache_dtype, "auto", drafter=AssistantDrafter(assistant), k=k,
                               num_slots=max_b, placement=placement, pack_params=args.pack_params) for k in ks}
-    pages = random_pages(tcfg, layout, dtype)
+    pages = random_pages(tcfg, layout, cache_dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
     rng = np.random.default_rng(0)
 
@@ -187,12 +201,13 @@ def bench_model(name: str, args, bw: float, gemv_bw: float) -> Iterator[dict]:
         touched = None
         if tcfg.enable_moe_block:  # MoE: the roofline counts the experts this step's routing actually read
             touched = decode["experts_touched"] = experts_touched(target, tokens, int(P[0]))
-        need = bytes_per_step(tcfg, target.params, B, context, experts_touched=touched)
+        need = bytes_per_step(tcfg, target.params, B, context, experts_touched=touched,
+                              kv_bytes=jnp.dtype(cache_dtype).itemsize)
         decode["decode_roofline_ms"] = need["total"] / bw * 1e3
         decode["decode_roofline_fraction"] = decode["decode_roofline_ms"] / decode["decode_ms"]
         decode["decode_roofline_gemv_ms"] = need["total"] / gemv_bw * 1e3
         for k in ks:
-            row = {"model": name, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context,
+            row = {"model": name, **fmt, "tp": args.tensor_parallel_size, "batch": B, "k": k, "context": context,
                    "sampled": args.sampled, "top_k": args.top_k if args.sampled else None, **decode}
             vt = np.tile(tokens[:, None], (1, k + 1))
             vp = P[:, None] + np.arange(k + 1)[None, :].astype(np.int32)
@@ -254,6 +269,9 @@ def main() -> None:
                     help="with --sampled, every row's top_k (0 = off, the default; Gemma 3's generation_config "
                          "sets 64)")
     ap.add_argument("--smoke", action="store_true")
+    add_format_args(ap)
+    ap.add_argument("--quantization-assistant", default="none", choices=["none", "fp8"],
+                    help="the assistant's weights (default: none, its checkpoint dtype's)")
     args = ap.parse_args()
     env = environment()
     print(env, flush=True)
@@ -263,17 +281,19 @@ def main() -> None:
           flush=True)
     rows = []
     for name in (["smoke"] if args.smoke else args.models):
-        for row in bench_model(name, args, bw, gemv_bw):
-            rows.append(row)  # written row by row: a process cut short still leaves what it measured
-            write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "gemv_TBps": gemv_bw / 1e12,
-                                           "rows": rows})
+        for quantization, kv_name in itertools.product(args.quantization, args.kv_cache_dtype):
+            for row in bench_model(name, args, bw, gemv_bw, quantization, kv_name):
+                rows.append(row)  # written row by row: a process cut short still leaves what it measured
+                write_json("bench_spec.json", {"env": env, "copy_TBps": bw / 1e12, "gemv_TBps": gemv_bw / 1e12,
+                                               "rows": rows})
+            gc.collect()
     print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; speedup = L x decode / spec (synchronised), L each model's own "
           f"at k (sources below); '-': no L known")
-    print(f"{'model':6} {'k':>2} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
+    print(f"{'model':6} {'weights':7} {'kv':13} {'k':>2} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
           f"{'spec/dec':>8} {'L':>5} {'speedup':>8} {'dec pipe':>8} {'spec pipe':>9} {'ratio':>6}")
     for r in rows:
         L, speedup = r["acceptance_length"], r["projected_speedup"]
-        print(f"{r['model']:6} {r['k']:2d} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
+        print(f"{r['model']:6} {r['quantization']:7} {r['kv_cache_dtype']:13} {r['k']:2d} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
               f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:8.3f} {r['spec_ms']:8.3f} "
               f"{r['draft_ms_est']:8.3f} {r['spec_over_decode']:8.2f} {'-' if L is None else f'{L:.2f}':>5} "
               f"{'-' if speedup is None else f'{speedup:.2f}':>8} "

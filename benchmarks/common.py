@@ -206,6 +206,15 @@ def pipelined_time(call: Callable, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def add_format_args(ap) -> None:
+    """--quantization and --kv-cache-dtype, each a list: the weight formats and K/V cache dtypes to time in turn
+    (the server's flags of the same names; `weights.dummy.random_params` makes the random fp8 weights)."""
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+                    help="target weight formats, each timed in turn (default: none, the checkpoint dtype's)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float32", "fp8"],
+                    help="K/V cache dtypes, each timed in turn (default: auto, the activations' dtype)")
+
+
 def add_pack_params_arg(ap) -> None:
     """--pack-params: the step programs take the target's leaves stacked into a few arrays (EngineConfig.pack_params)."""
     ap.add_argument("--pack-params", action="store_true", help="programs take the target's leaves stacked as rows "

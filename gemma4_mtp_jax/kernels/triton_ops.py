@@ -21,6 +21,10 @@ def load(ref, mask, other=0) -> Array:
     """ref[...] (an indexed ref) with the lanes where `mask` is False never read (they give `other`)."""
     from jax.experimental.pallas import triton as pltriton
 
+    if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
+        # The Triton lowering cannot cast a Python scalar to float8 (it splats an int32 first); a float8 `other`
+        # lowers (lab/probes/triton_fp8_load.py).
+        other = jnp.asarray(other, ref.dtype)
     return pltriton.load(ref, mask=mask, other=other)
 
 
