@@ -179,8 +179,8 @@ def test_grouped_matmul_lowers(M, glu):
 
 @pytest.mark.parametrize("glu", [True, False])
 def test_grouped_matmul_fp8_lowers(glu):
-    """26B-A4B's fp8 experts at decode (16 rows): the kernel loads float8_e4m3fn tiles without a fill value,
-    converts them to bf16 and scales each output column by its float32 scale (`triton_ops.load_as`)."""
+    """26B-A4B's fp8 experts at decode (16 rows): the kernel loads float8_e4m3fn tiles (masked lanes a float8 zero:
+    `triton_ops.load`), converts them to bf16 and scales each output column by its float32 scale."""
     E, H, I = 128, 2816, 704
     w = _spec((E, 2 * I, H) if glu else (E, H, I), jnp.float8_e4m3fn)
     x = _spec((16, H if glu else I))

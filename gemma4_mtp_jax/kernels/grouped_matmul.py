@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.device_budget import default_budget, kernels_chosen, kernels_interpreted
-from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, load_as, store
+from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
 
@@ -212,10 +212,10 @@ def _kernel(group_ref, start_ref, end_ref, x_ref, w_ref, *refs, rows_per_group: 
             live_k = k < in_features
             a = load(x_ref.at[rows[:, None], k[None, :]], live_rows[:, None] & live_k[None, :], 0)
             wmask = live_n[:, None] & live_k[None, :]
-            b = load_as(w_ref.at[w_rows[:, None], k[None, :]], wmask, a.dtype)
+            b = load(w_ref.at[w_rows[:, None], k[None, :]], wmask, 0).astype(a.dtype)  # fp8: converted here
             new = [accs[0] + dot(a, b, trans_b=True)]
             if glu_half is not None:
-                u = load_as(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, a.dtype)
+                u = load(w_ref.at[(w_rows + glu_half)[:, None], k[None, :]], wmask, 0).astype(a.dtype)
                 new.append(accs[1] + dot(a, u, trans_b=True))
             return tuple(new)
 

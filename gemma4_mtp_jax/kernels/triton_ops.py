@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 Array = jax.Array
 
-__all__ = ["load", "load_as", "store", "dot", "dot_t", "compiler_params"]
+__all__ = ["load", "store", "dot", "dot_t", "compiler_params"]
 
 
 def load(ref, mask, other=0) -> Array:
@@ -26,15 +26,6 @@ def load(ref, mask, other=0) -> Array:
         # lowers (lab/probes/triton_fp8_load.py).
         other = jnp.asarray(other, ref.dtype)
     return pltriton.load(ref, mask=mask, other=other)
-
-
-def load_as(ref, mask, dtype) -> Array:
-    """ref[...] converted to `dtype`, 0 where `mask` is False (those lanes never read). A one-byte float ref (fp8
-    weights) is loaded without a fill value and zeroed after the conversion: Triton takes a load's fill value in the
-    ref's dtype, and Pallas' lowering would cast a Python 0 to fp8 through an integer conversion it lacks."""
-    if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
-        return jnp.where(mask, load(ref, mask, None).astype(dtype), jnp.zeros((), dtype))
-    return load(ref, mask, 0).astype(dtype)
 
 
 def store(ref, value: Array, mask) -> None:
