@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.model.config import check_pair
@@ -40,7 +39,9 @@ from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent
 from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner
 from gemma4_mtp_jax.engine.scheduler import Scheduler
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
-from gemma4_mtp_jax.model.kv_state import KVLayout, make_layout, page_bytes
+from gemma4_mtp_jax.kernels.attention_inputs import quantized
+from gemma4_mtp_jax.kernels.device_budget import fp8_supported, target_device
+from gemma4_mtp_jax.model.kv_state import KVLayout, kv_cache_scales, make_layout, page_bytes
 from gemma4_mtp_jax.programs.program_set import ProgramSet
 from gemma4_mtp_jax.model.runtime import Assistant, Target, shapes_only
 from gemma4_mtp_jax.model.sampling import SamplingParams
@@ -79,6 +80,15 @@ def _placement(target: Target, tp: int, devices: Sequence[jax.Device] | None) ->
     return Placement.over(devices)
 
 
+def _check_fp8(devices: Sequence[jax.Device] | None) -> None:
+    """A float8 K/V cache needs devices that convert to and from float8 (`device_budget.fp8_supported`)."""
+    for device in devices if devices is not None else [target_device()]:
+        ok, what = fp8_supported(device)
+        if not ok:
+            raise ValueError(f"an fp8 KV cache needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer); "
+                             f"{what} is not one (cache_dtype / --kv-cache-dtype: use auto)")
+
+
 def _eos_ids(target: Target) -> frozenset[int]:
     eos = target.generation_config.get("eos_token_id", target.config.eos_token_ids)
     if eos is None:
@@ -113,7 +123,9 @@ class Engine:
         if assistant is not None:
             check_pair(tc, assistant.config)
         self.k = _speculative_tokens(cfg, assistant)
-        self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
+        self.cache_dtype = cfg.kv_cache_dtype(target.dtype)
+        if quantized(self.cache_dtype):
+            _check_fp8(devices)
         self.layout = self._plan_layout(devices)
         draft_window = assistant.config.text.sliding_window if assistant else 0
         self.kv = KVCacheManager(self.layout, cfg.max_num_seqs, cfg.enable_prefix_caching,
@@ -155,6 +167,7 @@ class Engine:
                         num_speculative_tokens=self.k,
                         assistant_window=self.assistant.config.text.sliding_window if self.assistant else 0)
         self.page_bytes = page_bytes(tc, cfg.page_size, self.cache_dtype)
+        geometry["scales"] = kv_cache_scales(tc, self.target.params, self.cache_dtype)
         num_pages = cfg.num_pages
         if num_pages is not None and cfg.kv_cache_bytes is not None:
             raise ValueError("EngineConfig: give num_pages or kv_cache_bytes, not both")

@@ -53,6 +53,21 @@ def budget_of(device) -> GpuBudget:
     return GpuBudget(smem_per_block=smem, num_sms=sms, name=str(getattr(device, "device_kind", "gpu")))
 
 
+def fp8_supported(device) -> tuple[bool, str]:
+    """(whether `device` converts to and from float8 e4m3fn in the kernels, what it is): off the GPU yes (XLA
+    converts in software; the kernels run interpreted); on an NVIDIA GPU from compute capability 8.9 (Ada, Hopper),
+    the first with e4m3 conversions (Triton's fp8e4nv)."""
+    if not is_gpu(device):
+        return True, device.platform
+    cc = getattr(device, "compute_capability", None)
+    what = f"{getattr(device, 'device_kind', 'GPU')} (compute capability {cc})"
+    try:
+        major, minor = (int(x) for x in str(cc).split(".")[:2])
+    except (TypeError, ValueError):
+        return False, what
+    return (major, minor) >= (8, 9), what
+
+
 def target_device() -> jax.Device:
     """The device the programs traced now are compiled for: JAX's default device where one is set
     (`jax.default_device`, possibly a compile-only device of an ahead-of-time topology, so that a machine without a
