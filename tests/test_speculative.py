@@ -143,10 +143,11 @@ def _round_spans(req) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("family,k,cache_dtype", SPEC_CASES)
 def test_greedy_speculative_equals_plain(family, k, cache_dtype, engines):
     """8 prompts (3..30 tokens) plus a speculative=False request and a sampled request, all through one continuous
-    batch (more requests than slots: they join and leave): every greedy output equals the plain engine's token for
-    token (with an fp8 cache, the plain engine's with that cache: the verify writes the K/V the decode step writes,
-    and both read them with the same scales); the rounds mix 0, partial and full acceptance; stats are consistent;
-    nothing compiles while serving; every page and slot comes back."""
+    batch (more requests than slots: they join and leave), then the 30-token prompt twice more, the second time
+    with its first 7 pages from the prefix cache: every greedy output equals the plain engine's token for token (with an fp8
+    cache, the plain engine's with that cache: the verify writes the K/V the decode step writes, both read them with
+    the same scales, and shared float8 pages are the pages the repeat would write); the rounds mix 0, partial and
+    full acceptance; stats are consistent; nothing compiles while serving; every page and slot comes back."""
     from gemma4_mtp_jax.model.sampling import SamplingParams
 
     eng = engines(family, k, cache_dtype=cache_dtype)
@@ -165,9 +166,16 @@ def test_greedy_speculative_equals_plain(family, k, cache_dtype, engines):
         reqs.insert(3, eng.add_request(off, MAX_NEW, speculative=False))
         sampled = eng.add_request(prompts[4], MAX_NEW, SamplingParams(temperature=1.0, seed=5))
         eng.run()
+        repeats = []
+        for _ in range(2):  # the first puts its pages in the cache (the others' may have evicted its window's)
+            hits = eng.kv.hits
+            repeats.append(eng.add_request(prompts[7], MAX_NEW))
+            eng.run()
     finally:
         listening[0] = False
     assert compiles == [], f"the speculative engine compiled {len(compiles)} programs while serving"
+    assert [r.output for r in repeats] == [want[7]] * 2
+    assert eng.kv.hits - hits == 7 * eng.config.page_size, eng.kv.hits - hits
     outs = [r.output for r in reqs]
     assert outs == want[:3] + [want[8]] + want[3:8], [
         (len(r.prompt), i) for i, (r, w) in enumerate(zip(reqs, want[:3] + [want[8]] + want[3:8])) if r.output != w]

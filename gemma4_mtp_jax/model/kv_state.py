@@ -27,6 +27,7 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemma4_mtp_jax.model.config import SLIDING, TextConfig, owning_layers
 from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, quantized, rope_tables
@@ -138,7 +139,7 @@ def kv_cache_scales(cfg: TextConfig, params: dict, cache_dtype) -> Scales:
             out[i] = (SHAPES_ONLY_SCALE, SHAPES_ONLY_SCALE)
             continue
         root_d = math.sqrt(cfg.layers[i].head_dim)
-        k_bound = float(jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)))) * root_d
+        k_bound = float(np.abs(np.asarray(w, np.float32)).max()) * root_d  # on the host: no program to compile
         out[i] = (_pow2_scale(k_bound, limit), _pow2_scale(root_d, limit))
     return out
 
