@@ -6,9 +6,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-# The K/V cache dtypes by name ("fp8": e4m3fn, the format of K/V scaled to its range; e5m2 trades precision for a
+# The K/V cache dtypes by name, besides "auto" ("fp8": e4m3fn, 3 mantissa bits; e5m2 would trade one of them for a
 # range the scales make unneeded).
-CACHE_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
+CACHE_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn"}
 
 
 def powers_of_two_upto(n: int, start: int = 1) -> list[int]:
