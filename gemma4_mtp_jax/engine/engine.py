@@ -357,9 +357,11 @@ def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | N
     (`Engine(..., compiled_ahead=...)`), and they go into `config.executable_cache_dir` for the next start. No
     device memory is taken: the pools are planned, not allocated. Returns the programs by executable-cache key; {}
     without an executable cache (whose keys say which programs are the engine's). Once `stop` is set no further
-    program starts (ProgramSet.compile)."""
+    program starts (ProgramSet.compile). {} for an fp8 cache, too."""
     cache = ExecutableCache.open(config.executable_cache_dir)
-    if cache is None:
+    if cache is None or quantized(config.kv_cache_dtype(target.dtype)):
+        # An fp8 cache's scales come from the weights: programs compiled from shapes alone could never serve them
+        # (kv_state.SHAPES_ONLY_SCALE), so the engine compiles its own.
         return {}
     programs = Engine(target, dataclasses.replace(config, compile_at_start=False), assistant=assistant).programs
     programs.compile(*programs.first_buckets(), progress, cache=cache, stop=stop, autotune=not programs.quick_start())

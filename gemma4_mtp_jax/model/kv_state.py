@@ -41,9 +41,10 @@ NULL_PAGE = 0
 Scales = dict[int, tuple[float, float]]  # owning layer -> (k_scale, v_scale) of its pages; absent: (1.0, 1.0)
 UNSCALED = (1.0, 1.0)
 # The scales of a float8 cache's programs compiled from parameter shapes alone, which have no weights to bound K by
-# (`kv_cache_scales`): 0.0 is no power of two, so such a layout, and every program compiled for it, can never be
-# one an engine with real weights looks up (compiled programs are keyed by their layout).
-SHAPES_ONLY_SCALE = 0.0
+# (`kv_cache_scales`): programs of the same shape and cost as the real ones (compile-only tools time and count
+# them), but 3.0 is no power of two, so such a layout, and every program compiled for it, is never the one an engine
+# with weights looks up (compiled programs are keyed by their layout).
+SHAPES_ONLY_SCALE = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
