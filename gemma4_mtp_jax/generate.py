@@ -17,6 +17,7 @@ from gemma4_mtp_jax.weights import demo
 from gemma4_mtp_jax.engine import distributed
 from gemma4_mtp_jax.api import Assistant, Target, load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
+from gemma4_mtp_jax.engine.config import CACHE_DTYPES
 from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
 
@@ -116,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the assistant's weights, as --quantization (default: the checkpoint's own)")
     ap.add_argument("--max-model-len", type=int, default=None, help="max prompt + generated tokens per sequence")
     ap.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", *CACHE_DTYPES], default="auto",
+                    help="KV cache dtype (default auto: the parameters'); fp8: float8 e4m3fn with static per-layer "
+                         "scales, on a GPU of compute capability >= 8.9")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="devices to split the model over (default 1)")
     ap.add_argument("--compilation-cache-dir", default=None,
@@ -154,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         longest = max(len(p) for p in prompts) + args.max_new_tokens
         cfg = EngineConfig(max_num_seqs=len(prompts), max_model_len=args.max_model_len or longest,
                            page_size=args.page_size, num_speculative_tokens=args.num_speculative_tokens,
+                           cache_dtype=args.kv_cache_dtype,
                            tensor_parallel_size=args.tensor_parallel_size)
         enable_compilation_cache(args.compilation_cache_dir)
         t0 = time.perf_counter()

@@ -69,6 +69,32 @@ def test_kernel_at_real_head_dims_with_padding_and_proportional_rope():
     _compare(kw, paged, jnp.float32)
 
 
+@pytest.mark.parametrize("mode", ["kv", "k_eq_v"])
+def test_kernel_writes_fp8_pages_as_the_reference(mode):
+    """A float8 cache: the kernel stores K / k_scale and V / v_scale in e4m3fn as the reference does (the same
+    pages, bit for bit), and nothing else; the reference's pages are `to_cache` of its keys and values. The scales
+    are small enough that the largest K and V exceed e4m3fn's range (448): they are clipped to it, never NaN."""
+    kw, paged = _case(7, mode=mode, dtype=jnp.float32)
+    paged["pages"] = tuple(p.astype(jnp.float8_e4m3fn) for p in paged["pages"])
+    scales = dict(k_scale=2.0**-8, v_scale=2.0**-8)
+    befores = [np.asarray(p, np.float32) for p in paged["pages"]]
+    want_q, want_pages = ai.attention_inputs_reference(**kw, **paged, **scales, eps=1e-6)
+    got_q, got_pages = ai.attention_inputs(**kw, **paged, **scales, eps=1e-6, interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(got_q), np.asarray(want_q), rtol=1e-5, atol=1e-5)
+    _, keys, values = ai.normed_and_roped(**kw, eps=1e-6)
+    page, offset = np.asarray(paged["page"]), np.asarray(paged["offset"])
+    written = np.zeros(befores[0].shape[1:3], bool)
+    written[page, offset] = True
+    for got, want, before, x, scale in zip(got_pages, want_pages, befores, (keys, values), scales.values()):
+        assert got.dtype == want.dtype == jnp.float8_e4m3fn
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_array_equal(got, want)
+        stored = np.asarray(ai.to_cache(jnp.moveaxis(x, -2, 0), scale, jnp.float8_e4m3fn), np.float32)
+        np.testing.assert_array_equal(want[:, page, offset], stored)
+        assert np.abs(want[:, page, offset]).max() == 448 and np.isfinite(got).all()
+        np.testing.assert_array_equal(got[:, ~written], before[:, ~written])
+
+
 @pytest.mark.parametrize("D", [24, 2])
 def test_kernel_at_head_dims_whose_half_is_no_power_of_two(D):
     kw, paged = _case(6, mode="kv", dtype=jnp.float32, D=D, rotated_pairs=D // 2)

@@ -393,6 +393,11 @@ def test_kv_cache_bytes_sizes_the_pools(jax_models, tiny_ckpts):
     assert uncached.kv.pages_total()["sliding_attention"] == 4 * ring
     assert budget - per_page["full_attention"] < engine.kv_cache_bytes() <= budget
     assert roomy.kv_cache_bytes() == sum(roomy.layout.pages(g) * per_page[g] for g in per_page)
+    # An fp8 cache: a page takes a quarter of float32's bytes, so the same budget holds over 4x the full pages.
+    fp8 = Engine(target, _engine_config(kv_cache_bytes=budget, compile_at_start=False, cache_dtype="fp8"))
+    assert fp8.page_bytes == {g: b // 4 for g, b in per_page.items()}
+    assert fp8.kv.pages_total()["sliding_attention"] == 5 * ring and fp8.kv.pages_total()["full_attention"] >= 4 * 39
+    assert budget - fp8.page_bytes["full_attention"] < fp8.kv_cache_bytes() <= budget
     with pytest.raises(ValueError, match="needs at least"):
         Engine(target, _engine_config(kv_cache_bytes=rings + 5 * per_page["full_attention"], compile_at_start=False))
     with pytest.raises(ValueError, match="not both"):

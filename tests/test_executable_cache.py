@@ -4,6 +4,7 @@ configuration, the package's code) misses; a bad entry is compiled again."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from test_server_support import jax_cache_settings
@@ -103,6 +104,34 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
     found = Engine(target, _config(tmp_path / "ahead"), assistant=assistant)
     assert sorted(found.programs.restored) == sorted(found.compile_times) and len(found.compile_times) == 3
     assert _tokens(found) == want
+
+
+def test_fp8_programs_from_shapes_never_serve_weights(pair, tiny_ckpts, tmp_path):
+    """An fp8 cache's scales come from the weights. Built from shapes alone (a compile-only tool), an engine's
+    layout holds SHAPES_ONLY_SCALE for every layer instead and differs from the loaded engine's in nothing else;
+    the programs' static description (the executable cache's key) differs with it, so a program compiled from
+    shapes is never found for weights; compile_ahead compiles none (compile-only tools may still lower them)."""
+    import dataclasses
+
+    from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+    from gemma4_mtp_jax.engine import Engine, compile_ahead
+    from gemma4_mtp_jax.model.kv_state import SHAPES_ONLY_SCALE
+
+    target, assistant = pair
+    p = tiny_ckpts["e2b"]
+    shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
+    config = _config(tmp_path, cache_dtype="fp8", compile_at_start=False)
+    from_shapes = Engine(shapes[0], config, assistant=shapes[1])
+    loaded = Engine(target, config, assistant=assistant)
+    assert set(from_shapes.layout.kv_scales().values()) == {(SHAPES_ONLY_SCALE, SHAPES_ONLY_SCALE)}
+    real = loaded.layout.kv_scales()
+    assert real.keys() == from_shapes.layout.kv_scales().keys()
+    assert all(s == 2.0 ** round(np.log2(s)) for pair_ in real.values() for s in pair_), real
+    assert dataclasses.replace(from_shapes.layout, scales=loaded.layout.scales) == loaded.layout
+    assert from_shapes.steps.static_description() != loaded.steps.static_description()
+    assert compile_ahead(shapes[0], config, shapes[1]) == {} and not list(tmp_path.glob("*.jaxexec"))
+    jitted, args = from_shapes.steps.speculative_program(2, False)
+    assert "f8E4M3FN" in jitted.lower(*args).as_text()  # compile-only tools still lower them
 
 
 def test_untuned_programs_compiled_ahead_are_replaced_and_only_tuned_ones_stored(pair, tiny_ckpts, tmp_path,

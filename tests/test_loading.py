@@ -336,5 +336,8 @@ def test_fp8_needs_a_gpu_of_compute_capability_8_9():
     gpu = lambda cc, i=0: SimpleNamespace(platform="gpu", compute_capability=cc, id=i,  # noqa: E731
                                           device_kind="NVIDIA A100-SXM4-80GB" if cc == "8.0" else "NVIDIA H100")
     check_fp8_support([SimpleNamespace(platform="cpu", id=0), gpu("8.9"), gpu("9.0"), gpu("12.0")])
-    with pytest.raises(ValueError, match=r"device 3 \(NVIDIA A100-SXM4-80GB\) has 8\.0"):
+    with pytest.raises(ValueError, match=r"device 3 \(NVIDIA A100-SXM4-80GB\) has compute capability 8\.0") as e:
         check_fp8_support([gpu("9.0"), gpu("8.0", 3)])
+    assert "\n" not in str(e.value) and "8.9" in str(e.value)
+    with pytest.raises(ValueError, match="an fp8 KV cache need"):  # the engine's check of its cache
+        check_fp8_support([gpu("7.5")], "an fp8 KV cache")

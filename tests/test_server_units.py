@@ -258,6 +258,24 @@ def test_kv_cache_memory_sizes():
     assert build_parser().parse_args(["--load-format", "dummy"]).load_format == "dummy"
     assert build_parser().parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert build_parser().parse_args([]).enable_prefix_caching is True
+
+
+def test_kv_cache_dtype_flag(tmp_path):
+    """--kv-cache-dtype names the engine's cache dtypes ("fp8": float8_e4m3fn) and reaches EngineConfig (the refusal on
+    a GPU below compute capability 8.9: test_loading.py)."""
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.engine.config import CACHE_DTYPES, EngineConfig
+    from gemma4_mtp_jax.server.cli import _engine_config
+    from gemma4_mtp_jax.server.flags import build_parser
+
+    ap = build_parser()
+    assert next(a for a in ap._actions if a.dest == "kv_cache_dtype").choices == ["auto", *CACHE_DTYPES]
+    for flag, want in (("auto", jnp.bfloat16), ("float32", jnp.float32), ("fp8", jnp.float8_e4m3fn)):
+        config = _engine_config(ap.parse_args(["--kv-cache-dtype", flag, "--max-model-len", "64"]), tmp_path, False)
+        assert config.kv_cache_dtype(jnp.bfloat16) == want
+    with pytest.raises(ValueError, match="cache_dtype must be one of"):
+        EngineConfig(cache_dtype="float16").kv_cache_dtype(jnp.bfloat16)
     assert build_parser().parse_args([]).pack_params is False
     assert build_parser().parse_args(["--pack-params"]).pack_params is True
     assert build_parser().parse_args([]).executable_cache_dir is None

@@ -1,14 +1,15 @@
-"""MTP speculative decoding: losslessness (greedy in float32 and bfloat16), drafter parity with transformers, an
-independent reference loop, exact rejection sampling (the law of a round's output, Monte Carlo, and sampled rounds of
-the engine's program against the target's distribution), drafts that match the target, EOS inside an accepted run,
-and the drafter's K/V mapping.
+"""MTP speculative decoding: losslessness (greedy in float32 and bfloat16, over an fp8 KV cache, with fp8 weights),
+drafter parity with transformers, an independent reference loop, exact rejection sampling (the law of a round's output, Monte Carlo,
+and sampled rounds of the engine's program against the target's distribution), drafts that match the target, EOS
+inside an accepted run, the drafter's K/V mapping, and the fp8 cache's drift of the target's and the drafter's logits.
 
 CPU, float32 unless said, the tiny transformers-built pairs of hf_tiny.py (the "target" checkpoints, aligned with
 their assistants so that drafts are partly accepted). Engines compile every program at start-up (~10 s plain, ~20 s
 speculative on 2 cores), so they are built once per module and shared:
-  plain   e2b, a26b, b31b, b31b fp8       (the non-speculative greedy references)
-  spec    e2b k=1, e2b k=2 (2 slots), e2b k=4, a26b k=4, b31b k=4, b31b k=4 fp8 (fp8 target weights)
+  plain   e2b, a26b, b31b, b31b fp8 weights (the non-speculative greedy references)
+  spec    e2b k=1, e2b k=2 (2 slots), e2b k=4, a26b k=4, b31b k=4, b31b k=4 fp8 weights
   oracle  e2b k=4 drafting with `TargetGreedyDrafter` (the target's own greedy tokens, plugged into the engine)
+  fp8     e2b plain and k=4 over an fp8 KV cache (2 slots)
 k=1 and k=2 run on e2b only: it has every special path (centroid head, suppress_tokens, KV-shared layers). The
 bfloat16 test builds its own two e2b engines, compiling only the programs it runs.
 """
@@ -29,7 +30,10 @@ import hf_tiny
 from hf_tiny import assert_close
 
 FAMILIES = ["e2b", "a26b", "b31b"]
-SPEC_CASES = [("e2b", 1), ("e2b", 2), ("e2b", 4), ("a26b", 4), ("b31b", 4)]
+# (family, k, cache dtype, weights): an fp8 KV cache (e2b: its drafter reads the target's pages) and fp8 target
+# weights (b31b: the dense family, whose programs compile fastest) besides float32
+SPEC_CASES = [("e2b", 1, None, None), ("e2b", 2, None, None), ("e2b", 4, None, None), ("a26b", 4, None, None),
+              ("b31b", 4, None, None), ("e2b", 4, "fp8", None), ("b31b", 4, None, "fp8")]
 K = 4
 MAX_NEW = 24
 LENGTHS = [3, 5, 8, 9, 13, 17, 24, 30]  # shorter and longer than the window (8) and the prefill chunk (8)
@@ -74,16 +78,18 @@ class TargetGreedyDrafter:
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpts, jax_models):
-    """engines(family, k=0, oracle=False, quantization=None): one Engine per key for the whole module (k=0: no
-    assistant; oracle: drafting with TargetGreedyDrafter; quantization "fp8": the target's weights fp8, its
-    activations float32 as the others')."""
+    """engines(family, k=0, oracle=False, cache_dtype=None, quantization=None): one Engine per key for the whole
+    module (k=0: no assistant; oracle: drafting with TargetGreedyDrafter; cache_dtype: EngineConfig's, the target's
+    float32 when None; quantization "fp8": the target's weights fp8, its activations float32 as the others'). An fp8
+    cache's engines, plain and speculative, take 2 sequences (one batch bucket to compile)."""
     from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.engine import Engine
 
     cache, fp8_targets = {}, {}
 
-    def get(family: str, k: int = 0, oracle: bool = False, quantization: str | None = None):
-        key = (family, k, oracle, quantization)
+    def get(family: str, k: int = 0, oracle: bool = False, cache_dtype: str | None = None,
+            quantization: str | None = None):
+        key = (family, k, oracle, cache_dtype, quantization)
         if key not in cache:
             p = tiny_ckpts[family]
             if quantization is None:
@@ -92,11 +98,12 @@ def engines(tiny_ckpts, jax_models):
                 if family not in fp8_targets:
                     fp8_targets[family] = load_target(p["target"], "float32", quantization=quantization)
                 target = fp8_targets[family]
+            seqs = {} if cache_dtype is None else dict(max_num_seqs=2, cache_dtype=cache_dtype)
             if k == 0:
-                cache[key] = Engine(target, _config())
+                cache[key] = Engine(target, _config(**seqs))
             else:
                 assistant = jax_models.assistant(p["assistant"])
-                cfg = _config(num_speculative_tokens=k, max_num_seqs=2 if k < K else 4)
+                cfg = _config(num_speculative_tokens=k, **{"max_num_seqs": 2 if k < K else 4, **seqs})
                 cache[key] = Engine(target, cfg, assistant=assistant,
                                     drafter=TargetGreedyDrafter() if oracle else None)
         return cache[key]
@@ -107,15 +114,15 @@ def engines(tiny_ckpts, jax_models):
 _GREEDY = {}
 
 
-def greedy_reference(engines, family: str, prompts, max_new: int, quantization: str | None = None
-                     ) -> list[list[int]]:
-    """Non-speculative greedy outputs (plain engine), memoized per (family, quantization, prompt, max_new)."""
+def greedy_reference(engines, family: str, prompts, max_new: int, cache_dtype: str | None = None,
+                     quantization: str | None = None) -> list[list[int]]:
+    """Non-speculative greedy outputs (plain engine), memoized per (family, cache dtype, weights, prompt, max_new)."""
     from gemma4_mtp_jax.generate import generate
 
-    key = lambda p: (family, quantization, tuple(p), max_new)  # noqa: E731
+    key = lambda p: (family, cache_dtype, quantization, tuple(p), max_new)  # noqa: E731
     missing = [p for p in prompts if key(p) not in _GREEDY]
     if missing:
-        eng = engines(family, quantization=quantization)
+        eng = engines(family, cache_dtype=cache_dtype, quantization=quantization)
         for p, r in zip(missing, generate(eng.target, missing, max_new, engine=eng)):
             _GREEDY[key(p)] = r.tokens
     return [_GREEDY[key(p)] for p in prompts]
@@ -144,21 +151,23 @@ def _round_spans(req) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------------------------------------------------
 # 1. Greedy speculative == greedy non-speculative
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family,k,quantization", [(f, k, None) for f, k in SPEC_CASES] + [("b31b", 4, "fp8")],
-                         ids=[f"{f}-{k}" for f, k in SPEC_CASES] + ["b31b-4-fp8"])
-def test_greedy_speculative_equals_plain(family, k, quantization, engines):
+@pytest.mark.parametrize("family,k,cache_dtype,quantization", SPEC_CASES,
+                         ids=[f"{f}-{k}" + (f"-kv-{c}" if c else "") + (f"-w-{q}" if q else "")
+                              for f, k, c, q in SPEC_CASES])
+def test_greedy_speculative_equals_plain(family, k, cache_dtype, quantization, engines):
     """8 prompts (3..30 tokens) plus a speculative=False request and a sampled request, all through one continuous
-    batch (more requests than slots: they join and leave): every greedy output equals the plain engine's token for
-    token; the rounds mix 0, partial and full acceptance; stats are consistent; nothing compiles while serving;
-    every page and slot comes back. "fp8": the target's weights fp8 in both engines, its activations float32 (the
-    dense family: its programs compile fastest; the MoE experts' fp8 path is the same `routed_experts` the fp8
-    accuracy test runs)."""
+    batch (more requests than slots: they join and leave), then the 30-token prompt twice more, the second time
+    with its first 7 pages from the prefix cache: every greedy output equals the plain engine's token for token (with
+    an fp8 cache, the plain engine's with that cache: the verify writes the K/V the decode step writes, both read
+    them with the same scales, and shared float8 pages are the pages the repeat would write; with fp8 weights, the
+    plain engine's with the same weights, activations float32 in both); the rounds mix 0, partial and full
+    acceptance; stats are consistent; nothing compiles while serving; every page and slot comes back."""
     from gemma4_mtp_jax.model.sampling import SamplingParams
 
-    eng = engines(family, k, quantization=quantization)
+    eng = engines(family, k, cache_dtype=cache_dtype, quantization=quantization)
     prompts = _prompts(10, LENGTHS)
     off = _prompts(11, [11])[0]
-    want = greedy_reference(engines, family, prompts + [off], MAX_NEW, quantization)
+    want = greedy_reference(engines, family, prompts + [off], MAX_NEW, cache_dtype, quantization)
     compiles, listening = [], [True]
 
     def on_event(event, duration, **kw):
@@ -171,9 +180,16 @@ def test_greedy_speculative_equals_plain(family, k, quantization, engines):
         reqs.insert(3, eng.add_request(off, MAX_NEW, speculative=False))
         sampled = eng.add_request(prompts[4], MAX_NEW, SamplingParams(temperature=1.0, seed=5))
         eng.run()
+        repeats = []
+        for _ in range(2):  # the first puts its pages in the cache (the others' may have evicted its window's)
+            hits = eng.kv.hits
+            repeats.append(eng.add_request(prompts[7], MAX_NEW))
+            eng.run()
     finally:
         listening[0] = False
     assert compiles == [], f"the speculative engine compiled {len(compiles)} programs while serving"
+    assert [r.output for r in repeats] == [want[7]] * 2
+    assert eng.kv.hits - hits == 7 * eng.config.page_size, eng.kv.hits - hits
     outs = [r.output for r in reqs]
     assert outs == want[:3] + [want[8]] + want[3:8], [
         (len(r.prompt), i) for i, (r, w) in enumerate(zip(reqs, want[:3] + [want[8]] + want[3:8])) if r.output != w]
@@ -248,34 +264,36 @@ def test_greedy_speculative_equals_plain_bf16(tiny_ckpts, jax_models):
         _assert_near_ties(plain, K, prompts, want, got, first)
 
 
-def _forward_fn(eng):
+def _forward_fn(spec):
     """(params, pages, tokens [B, T], positions [B, T], tables) -> (logits [B, T, V], pages): the target forward of
-    the engine's programs (forward_paged + lm_logits) in the engine's dtype and layout, jitted (one program per T)."""
+    the programs of `spec` (a StepSpec: forward_paged + lm_logits) in its target's dtype and its layout, jitted (one
+    program per T)."""
     from gemma4_mtp_jax.steps.forward import forward_paged, lm_logits
 
     def fn(params, pages, toks, positions, tables):
-        h, pages = forward_paged(eng.steps.spec, params, pages, toks, positions, tables)
-        return lm_logits(eng.target, params, h), pages
+        h, pages = forward_paged(spec, params, pages, toks, positions, tables)
+        return lm_logits(spec.target, params, h), pages
 
     return jax.jit(fn)
 
 
-def _shaped_logits(eng, fn, tokens: list[int], start: int, width: int, chunk: int) -> np.ndarray:
-    """The target's logits (in eng's dtype, as float32) predicting tokens[start+1:], computed the way a program that
-    runs `width` tokens per forward does: on a fresh pool of eng's layout, the K/V of tokens[:start] written `chunk`
-    tokens at a time, then tokens[start:-1] fed `width` tokens at a time to `fn` (`_forward_fn(eng)`; width 1: the
-    decode program's shape; k+1: the verify's, every draft accepted). Row r predicts tokens[start+1+r]."""
+def _shaped_logits(spec, cache_dtype, fn, tokens: list[int], start: int, width: int, chunk: int) -> np.ndarray:
+    """The target's logits (in its dtype, as float32) predicting tokens[start+1:], computed the way a program that
+    runs `width` tokens per forward does: on a fresh pool of spec's layout in `cache_dtype`, the K/V of
+    tokens[:start] written `chunk` tokens at a time, then tokens[start:-1] fed `width` tokens at a time to `fn`
+    (`_forward_fn(spec)`; width 1: the decode program's shape; k+1: the verify's, every draft accepted). Row r
+    predicts tokens[start+1+r]."""
     from gemma4_mtp_jax.model.kv_state import init_pages
 
-    pages = init_pages(eng.target.config, eng.layout, eng.cache_dtype)
-    tables = {g: np.arange(1, w + 1, dtype=np.int32)[None] for g, w in eng.layout.pages_per_seq}
+    pages = init_pages(spec.target.config, spec.layout, cache_dtype)
+    tables = {g: np.arange(1, w + 1, dtype=np.int32)[None] for g, w in spec.layout.pages_per_seq}
     rows = []
     for lo, hi, w in [(0, start, chunk), (start, len(tokens) - 1, width)]:
         for s in range(lo, hi, w):
             n = min(w, hi - s)
             toks, positions = np.zeros((1, w), np.int32), np.full((1, w), -1, np.int32)
             toks[0, :n], positions[0, :n] = tokens[s:s + n], np.arange(s, s + n)
-            logits, pages = fn(eng.target.params, pages, toks, positions, tables)
+            logits, pages = fn(spec.target.params, pages, toks, positions, tables)
             if lo == start:
                 rows.append(np.asarray(logits[0, :n], np.float32))
     return np.concatenate(rows)
@@ -290,11 +308,13 @@ def _assert_near_ties(eng, k: int, prompts, plain_out, spec_out, first: dict[int
     both lie within 2 * spread of the top of the decode-shaped logits (plain's top-2 gap, where the replay picks
     plain's token, as it does on the CPU)."""
     assert 0 not in first.values(), f"prompts {[i for i, j in first.items() if j == 0]}: the prefill's token differs"
-    fn, decode, verify = _forward_fn(eng), {}, {}
+    spec = eng.steps.spec
+    fn, decode, verify = _forward_fn(spec), {}, {}
     for i, prompt in enumerate(prompts):
         tokens = list(prompt) + list(plain_out[i])
-        decode[i] = _shaped_logits(eng, fn, tokens, len(prompt), 1, k + 1)  # row r predicts plain_out[i][r + 1]
-        verify[i] = _shaped_logits(eng, fn, tokens, len(prompt), k + 1, k + 1)
+        # row r predicts plain_out[i][r + 1]
+        decode[i] = _shaped_logits(spec, eng.cache_dtype, fn, tokens, len(prompt), 1, k + 1)
+        verify[i] = _shaped_logits(spec, eng.cache_dtype, fn, tokens, len(prompt), k + 1, k + 1)
     elsewhere = [np.delete(np.abs(decode[i] - verify[i]).max(-1), [first[i] - 1] if i in first else [])
                  for i in decode]
     spread = float(np.concatenate(elsewhere).max())
@@ -1141,6 +1161,80 @@ def test_wrong_kv_mapping_is_caught(engines, tiny_ckpts, monkeypatch):
             worst = _parity_mismatch(eng, tiny_ckpts, family, prompt, check=False, fn=_draft_fn(eng, K))
             monkeypatch.setattr(speculative, "PagedDraftKV", orig)
             assert worst > 1e-2, f"{family}: drafter reading layer {layer} for {ty} is indistinguishable"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 9. An fp8 KV cache: the target's logits, and the drafter reading the target's pages with their scales
+# ----------------------------------------------------------------------------------------------------------------------
+FP8_CHUNK, FP8_LEN = 8, 48  # tokens per forward, and in all: the sliding rings (20 slots) wrap twice
+
+
+def _paged_logits(target, cache_dtype, tokens: list[int]) -> np.ndarray:
+    """The target's logits predicting tokens[FP8_CHUNK + 1:] over a one-sequence paged cache of `cache_dtype` (a
+    float8 one with `kv_cache_scales`), FP8_CHUNK tokens a forward (a prefill chunk's or a verify's shape; one
+    program per cache dtype: the decode step's shape runs in the fp8 engines' tests)."""
+    from gemma4_mtp_jax.model.kv_state import kv_cache_scales, make_layout
+    from gemma4_mtp_jax.steps.forward import StepSpec
+
+    cfg = target.config
+    layout = make_layout(cfg, page_size=4, max_model_len=len(tokens), num_pages={S: 64, F: 64}, prefill_chunk=8,
+                         scales=kv_cache_scales(cfg, target.params, cache_dtype))
+    spec = StepSpec(target, layout)
+    return _shaped_logits(spec, cache_dtype, _forward_fn(spec), tokens, FP8_CHUNK, FP8_CHUNK, FP8_CHUNK)
+
+
+# The fp8 cache's logits against the float32 cache's on `_prompts(90, [FP8_LEN])`, measured (KL nats, top-1): e2b
+# 0.049, 0.82; a26b 0.107, 0.56; b31b 0.052, 0.62. The tiny random models attend sharply (q_norm and k_norm weights
+# ~1 +- 0.3 stand in for 1/sqrt(D)) and their next-token laws are flat, near-ties everywhere, so e4m3's 3 mantissa
+# bits move them far more than a trained model's: a bfloat16 cache already moves them by KL 2e-4 (e2b, b31b) to
+# 6e-3 (a26b), top-1 0.90-1.0. Mutants: pages read unscaled, KL 0.75-0.83, top-1 0.15-0.28; K written unscaled
+# (read scaled), KL 1.0-1.5, top-1 0.05-0.23.
+FP8_KL, FP8_TOP1 = 0.2, 0.5
+FP8_DRAFT_KL = 0.02  # the drafter's (test_fp8_drafter_reads_the_target_scales)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_cache_keeps_the_target_logits(family, tiny_ckpts, jax_models):
+    """The target's logits over an fp8 KV cache (each layer's K and V scaled by powers of two from its weights) stay
+    within KL <= FP8_KL nats and top-1 agreement >= FP8_TOP1 of the float32 cache's at the 39 positions after an
+    8-token prompt (measured: above FP8_KL); the scales are far from 1.0 (2^-7..2^-5), so a reader or writer dropping
+    them falls far outside."""
+    from gemma4_mtp_jax.model.kv_state import kv_cache_scales
+    from testenv import kl_and_top1
+
+    target = jax_models.target(tiny_ckpts[family]["target"])
+    scales = kv_cache_scales(target.config, target.params, jnp.float8_e4m3fn)
+    assert scales and all(2.0**-7 <= s <= 2.0**-5 for pair in scales.values() for s in pair), scales
+    tokens = _prompts(90, [FP8_LEN])[0]
+    kl, top1 = kl_and_top1(_paged_logits(target, jnp.float32, tokens),
+                           _paged_logits(target, jnp.float8_e4m3fn, tokens))
+    assert kl <= FP8_KL and top1 >= FP8_TOP1, f"{family}: KL {kl:.4g}, top-1 {top1:.3f}"
+
+
+def test_fp8_drafter_reads_the_target_scales(engines):
+    """e2b's assistant over an fp8 cache: its Q-only layers read the target's float8 pages with the scales of the
+    target layers that wrote them (2^-6..2^-5 here, far from 1.0). After the same prefill, from the same token, its
+    k = 4 draft logits (each step while the drafts so far agree: 13 of 16) stay within KL <= FP8_DRAFT_KL and top-1
+    >= FP8_TOP1 of the float32 cache's drafter (measured: KL 0.0014, top-1 0.92); a PagedDraftKV that reads the
+    pages as if unscaled (a mutant, as a drafter whose scales default to 1.0) gives KL 0.46."""
+    from testenv import kl_and_top1
+
+    exact, fp8 = engines("e2b", K), engines("e2b", K, cache_dtype="fp8")
+    assert fp8.layout.kv_scales() and not exact.layout.kv_scales()
+    got, want = [], []
+    for prompt in _prompts(91, [6, 11, 17, 23]):
+        logits, drafts, tok = {}, {}, None
+        for name, eng in (("exact", exact), ("fp8", fp8)):
+            req, bonus = _prefill_only(eng, prompt)
+            tok = bonus if tok is None else tok  # both draft from the float32 engine's token
+            d, _, hn = _run_draft(eng, K, [req], [tok], [eng.kv.seq(req).slot], [len(prompt)])
+            drafts[name], logits[name] = np.asarray(d)[0], _hn_logits(eng, hn)[0]
+            _release(eng, req)
+        same = 1 + next((s for s in range(K - 1) if drafts["exact"][s] != drafts["fp8"][s]), K - 1)
+        want.append(logits["exact"][:same])
+        got.append(logits["fp8"][:same])
+    kl, top1 = kl_and_top1(np.concatenate(want), np.concatenate(got))
+    assert kl <= FP8_DRAFT_KL and top1 >= FP8_TOP1, f"drafts over the fp8 cache: KL {kl:.4g}, top-1 {top1:.3f}"
 
 
 def test_speculative_step_updates_state_in_place(engines):

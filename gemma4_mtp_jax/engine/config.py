@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+# The K/V cache dtypes by name, besides "auto" ("fp8": e4m3fn, 3 mantissa bits; e5m2 would trade one of them for a
+# range the scales make unneeded).
+CACHE_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn"}
+
 
 def powers_of_two_upto(n: int, start: int = 1) -> list[int]:
     out, b = [], start
@@ -34,7 +40,10 @@ class EngineConfig:
     # at once.
     max_num_batched_tokens: int | None = None
     min_prefill_bucket: int = 16
-    cache_dtype: str | None = None  # default: the target's parameter dtype
+    # The K/V pages' dtype: None or "auto": the target's parameter dtype; "bfloat16", "float32", or "fp8"
+    # (float8_e4m3fn: half a bfloat16 cache's bytes, so twice the pages, each layer's K and V divided by a static
+    # power-of-two scale: kv_state.kv_cache_scales). fp8 needs a GPU of compute capability >= 8.9.
+    cache_dtype: str | None = None
     attention_impl: str = "auto"  # "auto" | "pallas" (every kernel, interpreted off the GPU) | "xla"
     compile_at_start: bool = True
     # With compile_at_start: compile the smallest batch bucket's step programs and the smallest prefill bucket's
@@ -59,6 +68,15 @@ class EngineConfig:
     # device (load the weights into host memory first, as `serve --pack-params` does, or they are held twice).
     # Off until the row layout is timed on the GPU (docs/decisions/0004-pack-params.md).
     pack_params: bool = False
+
+    def kv_cache_dtype(self, target_dtype) -> jnp.dtype:
+        """`cache_dtype` as a dtype, for a target of `target_dtype`."""
+        name = self.cache_dtype
+        if name is None or name == "auto":
+            return jnp.dtype(target_dtype)
+        if name not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {['auto', *CACHE_DTYPES]}, got {name!r}")
+        return jnp.dtype(CACHE_DTYPES[name])
 
     def batch_buckets(self) -> list[int]:
         # A single sequence runs as 2 rows (one padding): XLA's 1-row matmuls take a slower path on the H200 (31B

@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gemma4_mtp_jax.model.config import check_pair
@@ -40,7 +39,9 @@ from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent
 from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner
 from gemma4_mtp_jax.engine.scheduler import Scheduler
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
-from gemma4_mtp_jax.model.kv_state import KVLayout, make_layout, page_bytes
+from gemma4_mtp_jax.kernels.attention_inputs import quantized
+from gemma4_mtp_jax.kernels.device_budget import check_fp8_support, target_device
+from gemma4_mtp_jax.model.kv_state import KVLayout, kv_cache_scales, make_layout, page_bytes
 from gemma4_mtp_jax.programs.program_set import ProgramSet
 from gemma4_mtp_jax.model.runtime import Assistant, Target, shapes_only
 from gemma4_mtp_jax.model.sampling import SamplingParams
@@ -113,7 +114,10 @@ class Engine:
         if assistant is not None:
             check_pair(tc, assistant.config)
         self.k = _speculative_tokens(cfg, assistant)
-        self.cache_dtype = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype else jnp.dtype(target.dtype)
+        self.cache_dtype = cfg.kv_cache_dtype(target.dtype)
+        if quantized(self.cache_dtype):
+            check_fp8_support(devices if devices is not None else [target_device()],
+                              "an fp8 KV cache (--kv-cache-dtype fp8; auto: the activations' dtype)")
         self.layout = self._plan_layout(devices)
         draft_window = assistant.config.text.sliding_window if assistant else 0
         self.kv = KVCacheManager(self.layout, cfg.max_num_seqs, cfg.enable_prefix_caching,
@@ -155,6 +159,7 @@ class Engine:
                         num_speculative_tokens=self.k,
                         assistant_window=self.assistant.config.text.sliding_window if self.assistant else 0)
         self.page_bytes = page_bytes(tc, cfg.page_size, self.cache_dtype)
+        geometry["scales"] = kv_cache_scales(tc, self.target.params, self.cache_dtype)
         num_pages = cfg.num_pages
         if num_pages is not None and cfg.kv_cache_bytes is not None:
             raise ValueError("EngineConfig: give num_pages or kv_cache_bytes, not both")
@@ -344,9 +349,11 @@ def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | N
     (`Engine(..., compiled_ahead=...)`), and they go into `config.executable_cache_dir` for the next start. No
     device memory is taken: the pools are planned, not allocated. Returns the programs by executable-cache key; {}
     without an executable cache (whose keys say which programs are the engine's). Once `stop` is set no further
-    program starts (ProgramSet.compile)."""
+    program starts (ProgramSet.compile). {} for an fp8 cache, too."""
     cache = ExecutableCache.open(config.executable_cache_dir)
-    if cache is None:
+    if cache is None or quantized(config.kv_cache_dtype(target.dtype)):
+        # An fp8 cache's scales come from the weights: programs compiled from shapes alone could never serve them
+        # (kv_state.SHAPES_ONLY_SCALE), so the engine compiles its own.
         return {}
     programs = Engine(target, dataclasses.replace(config, compile_at_start=False), assistant=assistant).programs
     programs.compile(*programs.first_buckets(), progress, cache=cache, stop=stop, autotune=not programs.quick_start())

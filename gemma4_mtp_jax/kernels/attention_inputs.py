@@ -4,7 +4,8 @@ What Gemma 4 does between the projections and attention, per token:
 - q: `q_norm` (RMSNorm over the head dim, times its weight), then RoPE;
 - k: `k_norm`, then RoPE; v: RMSNorm without a weight (`v_norm`); layers with `attention_k_eq_v` take V from the
   raw K projection (before k_norm);
-- the new K and V go into the layer's pages at (page, offset) of their position.
+- the new K and V go into the layer's pages at (page, offset) of their position: as they are, or in a float8 cache
+  divided by the layer's static K / V scale (powers of two: exact) and clipped to the format's range (`to_cache`).
 
 XLA runs that as six kernels per layer that owns K/V (three norm fusions, q's rotate-half, two scatters) and two
 for a layer that only has queries, each a few microseconds of fixed cost (E2B's decode step had ~21 kernels per
@@ -87,11 +88,35 @@ def normed_and_roped_queries(q: Array, q_norm: Array, cos: Array, sin: Array, *,
     return rope_with_tables(rms_norm(q, eps, q_norm), cos, sin)
 
 
-def write_pages(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset: Array) -> tuple[Array, Array]:
-    """Scatter k, v [..., nKV, D] into the pools [nKV, num_pages, page_size, D] at (page, offset) [...]."""
+def quantized(dtype) -> bool:
+    """Whether a K/V cache of `dtype` holds scaled values: a float8 format, whose range (e4m3fn: +-448) is too narrow
+    for K and V as they are and whose overflow is NaN."""
+    dtype = jnp.dtype(dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def to_cache(x: Array, scale: float, dtype) -> Array:
+    """x as a cache of `dtype` stores it: x / `scale` (a power of two, so the division adds no rounding), clipped to
+    the format's finite range where it is float8 (an e4m3fn overflow is NaN), cast. Scale 1.0 and a cache that is
+    not float8: the plain cast."""
+    if scale == 1.0 and not quantized(dtype):
+        return x.astype(dtype)
+    y = x.astype(jnp.float32)
+    if scale != 1.0:
+        y = y * (1.0 / scale)
+    if quantized(dtype):
+        limit = float(jnp.finfo(dtype).max)
+        y = jnp.clip(y, -limit, limit)
+    return y.astype(dtype)
+
+
+def write_pages(pages: tuple[Array, Array], k: Array, v: Array, page: Array, offset: Array, *, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> tuple[Array, Array]:
+    """Scatter k, v [..., nKV, D] into the pools [nKV, num_pages, page_size, D] at (page, offset) [...], each as its
+    pool stores it (`to_cache` with the layer's K / V scale)."""
     kp, vp = pages
-    kp = kp.at[:, page, offset].set(jnp.moveaxis(k, -2, 0).astype(kp.dtype))
-    vp = vp.at[:, page, offset].set(jnp.moveaxis(v, -2, 0).astype(vp.dtype))
+    kp = kp.at[:, page, offset].set(to_cache(jnp.moveaxis(k, -2, 0), k_scale, kp.dtype))
+    vp = vp.at[:, page, offset].set(to_cache(jnp.moveaxis(v, -2, 0), v_scale, vp.dtype))
     return kp, vp
 
 
@@ -132,12 +157,16 @@ def normed_and_roped(q: Array, k: Array | None, v: Array | None, q_norm: Array, 
 def attention_inputs_reference(q: Array, k: Array | None, v: Array | None, q_norm: Array, k_norm: Array | None,
                                positions: Array, inv_freq: Array, *, eps: float,
                                pages: tuple[Array, Array] | None = None, page: Array | None = None,
-                               offset: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
-    """(queries, pages): `normed_and_roped`, the keys and values written into `pages` at (page, offset). k None:
-    queries only (a layer reading another's K/V, or the assistant's), pages None."""
+                               offset: Array | None = None, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> tuple[Array, tuple[Array, Array] | None]:
+    """(queries, pages): `normed_and_roped`, the keys and values written into `pages` at (page, offset), divided by
+    `k_scale` / `v_scale` in a float8 cache (`to_cache`). k None: queries only (a layer reading another's K/V, or the
+    assistant's), pages None."""
     _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset)
     queries, keys, values = normed_and_roped(q, k, v, q_norm, k_norm, positions, inv_freq, eps=eps)
-    return queries, (None if k is None else write_pages(pages, keys, values, page, offset))
+    if k is None:
+        return queries, None
+    return queries, write_pages(pages, keys, values, page, offset, k_scale=k_scale, v_scale=v_scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,11 +174,12 @@ def attention_inputs_reference(q: Array, k: Array | None, v: Array | None, q_nor
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None):
+def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None, k_scale: float, v_scale: float):
     """One program: token n, head h. x_ref [N, C] holds the token's projections side by side: q heads, then (for
     a layer that stores K/V) k heads, then v heads (none where V is the raw K: v_col is None). A row's two halves
     are loaded as power-of-two blocks, the lanes past D/2 masked. Refs: positions, x, q_norm, inv_freq, [page,
-    offset, k_norm, K pages, V pages,] queries[, K pages, V pages] (the pages aliased in and out)."""
+    offset, k_norm, K pages, V pages,] queries[, K pages, V pages] (the pages aliased in and out). The K and V rows
+    are stored as the reference stores them (`to_cache`: in a float8 cache divided by their scale, clipped, cast)."""
     if nKV:
         pos_ref, x_ref, q_norm_ref, freq_ref, page_ref, offset_ref, k_norm_ref, _, _, q_ref, k_out, v_out = refs
     else:
@@ -191,20 +221,20 @@ def _kernel(*refs, nH: int, nKV: int, D: int, eps: float, v_col: int | None):
             j = h - nH
             slot_page, slot = page_ref[n], offset_ref[n]
             a, b = roped(*normed(nH * D + j * D, k_norm_ref))
-            store(k_out.at[j, slot_page, slot, first], a, live)
-            store(k_out.at[j, slot_page, slot, second], b, live)
+            store(k_out.at[j, slot_page, slot, first], to_cache(a, k_scale, k_out.dtype), live)
+            store(k_out.at[j, slot_page, slot, second], to_cache(b, k_scale, k_out.dtype), live)
             a, b = normed((nH * D + j * D) if v_col is None else v_col + j * D, None)
-            store(v_out.at[j, slot_page, slot, first], a, live)
-            store(v_out.at[j, slot_page, slot, second], b, live)
+            store(v_out.at[j, slot_page, slot, first], to_cache(a, v_scale, v_out.dtype), live)
+            store(v_out.at[j, slot_page, slot, second], to_cache(b, v_scale, v_out.dtype), live)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"), donate_argnames=("pages",))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "k_scale", "v_scale"), donate_argnames=("pages",))
 def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, *, eps: float,
-                             interpret: bool):
+                             interpret: bool, k_scale: float = 1.0, v_scale: float = 1.0):
     *lead, nH, D = q.shape
     N = 1
     for d in lead:
@@ -229,7 +259,7 @@ def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages
         args += [flat(page), flat(offset), k_norm, *pages]
         out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages]
         aliases = {len(args) - 2: 1, len(args) - 1: 2}
-    kernel = functools.partial(_kernel, nH=nH, nKV=nKV, D=D, eps=eps, v_col=v_col)
+    kernel = functools.partial(_kernel, nH=nH, nKV=nKV, D=D, eps=eps, v_col=v_col, k_scale=k_scale, v_scale=v_scale)
     outs = pl.pallas_call(
         kernel,
         grid=(N, nH + nKV),
@@ -245,24 +275,24 @@ def _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages
 
 def attention_inputs(q: Array, k: Array | None, v: Array | None, q_norm: Array, k_norm: Array | None,
                      positions: Array, inv_freq: Array, *, eps: float, pages: tuple[Array, Array] | None = None,
-                     page: Array | None = None, offset: Array | None = None,
-                     interpret: bool = False) -> tuple[Array, tuple[Array, Array] | None]:
+                     page: Array | None = None, offset: Array | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0, interpret: bool = False) -> tuple[Array, tuple[Array, Array] | None]:
     """The Pallas kernel; same contract as `attention_inputs_reference`. `pages` are updated in place (donated)."""
     _check(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset)
     return _attention_inputs_pallas(q, k, v, q_norm, k_norm, positions, inv_freq, pages, page, offset, eps=eps,
-                                    interpret=interpret)
+                                    interpret=interpret, k_scale=float(k_scale), v_scale=float(v_scale))
 
 
 def prepare_attention_inputs(q: Array, k: Array | None, v: Array | None, q_norm: Array, k_norm: Array | None,
                              positions: Array, inv_freq: Array, *, eps: float,
                              pages: tuple[Array, Array] | None = None, page: Array | None = None,
-                             offset: Array | None = None,
+                             offset: Array | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                              impl: str = "auto") -> tuple[Array, tuple[Array, Array] | None]:
     """Through the kernel ("pallas"), the reference ("xla"), or "auto": the kernel where `kernels_chosen()` (a GPU),
     the reference elsewhere."""
     if impl == "auto":
         impl = "pallas" if kernels_chosen() else "xla"
-    kwargs = dict(eps=eps, pages=pages, page=page, offset=offset)
+    kwargs = dict(eps=eps, pages=pages, page=page, offset=offset, k_scale=k_scale, v_scale=v_scale)
     if impl == "pallas":
         return attention_inputs(q, k, v, q_norm, k_norm, positions, inv_freq, interpret=kernels_interpreted(),
                                 **kwargs)

@@ -61,15 +61,19 @@ def budget_of(device) -> GpuBudget:
 FP8_CAPABILITY = (8, 9)  # Ada and newer: Triton converts float8_e4m3fn (Pallas' lowering refuses it below)
 
 
-def check_fp8_support(devices) -> None:
+def check_fp8_support(devices, what: str = "fp8 weights") -> None:
     """A ValueError naming the first GPU of `devices` whose compute capability is below FP8_CAPABILITY: fp8 weights
-    (weights/quantize.py) are converted inside the kernels that read them. CPUs pass (the tests run fp8 there)."""
+    and an fp8 K/V cache (`what`) are converted inside the kernels that read them. CPUs pass (the tests run fp8
+    there: XLA converts in software, the kernels run interpreted); a GPU that reports no capability fails."""
     for d in devices:
-        cc = _capability(d) if is_gpu(d) else None
-        if cc is not None and cc < FP8_CAPABILITY:
-            raise ValueError(f"fp8 weights need a GPU of compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
-                             f"(Ada, Hopper or newer); device {d.id} ({getattr(d, 'device_kind', 'gpu')}) has "
-                             f"{cc[0]}.{cc[1]}. Load the checkpoint unquantized (--quantization none)")
+        if not is_gpu(d):
+            continue
+        cc = _capability(d)
+        if cc is None or cc < FP8_CAPABILITY:
+            have = "no compute capability" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
+            raise ValueError(f"{what} need a GPU of compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} "
+                             f"(Ada, Hopper or newer); device {getattr(d, 'id', '?')} "
+                             f"({getattr(d, 'device_kind', 'gpu')}) has {have}")
 
 
 def target_device() -> jax.Device:

@@ -28,6 +28,10 @@ for the assistant differ from the mask positions) and `eps`; q is then the raw p
 `attention_inputs` does it (the reference with its math; the kernel as it loads each query row, sparing the layer
 that kernel). RoPE's tables come from XLA, not from the kernel: computing cos / sin in the kernel spilled.
 
+A float8 cache (`attention_inputs.quantized`) holds K / (the layer's k_scale) and V / v_scale: both implementations
+convert the pages to the queries' dtype as they read them, multiply the float32 scores by k_scale and the output by
+v_scale (skipped for a scale of 1.0); the scales are powers of two, so neither multiply rounds.
+
 `attend_paged(..., impl="auto")` picks the kernel on GPU and the reference elsewhere. The tiling comes from
 `kernel_config`: the largest blocks whose shared memory (`smem_bytes`, calibrated on the H200) and registers fit
 the device's budget (`device_budget.py`); where none fits, the XLA path runs instead, with one log line.
@@ -50,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped_queries
+from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped_queries, quantized
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, kernels_chosen, kernels_interpreted
 from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
@@ -109,11 +113,20 @@ def slot_positions(q_positions: Array, num_slots: int, ring: bool) -> Array:
     return hi - jnp.mod(hi - slot, num_slots)
 
 
+def compute_dtype(q_dtype, pages_dtype):
+    """The dtype attention computes in: the pages' own, but the queries' over a float8 cache (whose pages are
+    converted to it as they are read)."""
+    return jnp.dtype(q_dtype) if quantized(pages_dtype) else jnp.dtype(pages_dtype)
+
+
 def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
                               *, window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
-                              rope: tuple[Array, Array] | None = None, eps: float | None = None) -> Array:
+                              rope: tuple[Array, Array] | None = None, eps: float | None = None,
+                              k_scale: float = 1.0, v_scale: float = 1.0) -> Array:
     """Plain-XLA paged attention (see the module docstring). Gathers each sequence's pages into a dense copy. With
-    `q_norm` and `rope`, q is the raw projection, turned into queries first (`normed_and_roped_queries`)."""
+    `q_norm` and `rope`, q is the raw projection, turned into queries first (`normed_and_roped_queries`). The pages
+    hold K / k_scale and V / v_scale (a float8 cache; 1.0 otherwise): the K/V read are multiplied back, exactly
+    (powers of two), which scales the scores and the output as the kernel does."""
     _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
     if q_norm is not None:
         q = normed_and_roped_queries(q, q_norm, *rope, eps=eps)
@@ -135,6 +148,10 @@ def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_tab
     seen = jnp.any(allowed, axis=1)[:, :, None, None]
     k = jnp.where(seen, dense(k_pages), 0).astype(q.dtype)
     v = jnp.where(seen, dense(v_pages), 0).astype(q.dtype)
+    if k_scale != 1.0:
+        k = k * jnp.asarray(k_scale, k.dtype)
+    if v_scale != 1.0:
+        v = v * jnp.asarray(v_scale, v.dtype)
     out = dot_product_attention(q, k, v, allowed)
     has_key = jnp.any(allowed, axis=2)[:, :, None, None]
     return jnp.where(has_key, out, 0).astype(q.dtype)
@@ -198,9 +215,9 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
                   budget: GpuBudget | None = None, block_rows=None, block_k=None, k_splits=None, num_warps=None,
                   num_stages=None) -> KernelConfig | None:
     """The tiling for these shapes within the device's shared-memory and register budget, or None when no tiling
-    fits (the caller then uses the XLA path). `itemsize` is the pages' dtype size. Any tiling argument given
-    explicitly is kept; the others shrink until the tiling fits (rows per program first, then keys per
-    iteration, then pipeline stages). The rules, and the tilings measured for them:
+    fits (the caller then uses the XLA path). `itemsize`: the size of the dtype the kernel computes in
+    (`compute_dtype`). Any tiling argument given explicitly is kept; the others shrink until the tiling fits (rows
+    per program first, then keys per iteration, then pipeline stages). The rules, and the tilings measured for them:
     docs/decisions/0005-paged-attention-tiling.md."""
     budget = budget or default_budget()
     if not kernel_supported(q_shape, k_pages_shape):
@@ -264,7 +281,7 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
 def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, block_k: int,
                             window: int | None, ring_slots: int | None, ring_pages: int | None,
                             table_width: int, k_splits: int, block_rows: int, q_len: int, num_heads: int,
-                            group: int, eps: float | None):
+                            group: int, eps: float | None, dtype, k_scale: float, v_scale: float):
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
     The query rows are read straight from q's own layout (no padded copy of q) and, without key splits, the output
@@ -283,6 +300,9 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     `attention_inputs` does it: RMSNorm in float32, times the weight, rounded to q's dtype; then x * cos +
     rotate_half(x) * sin in that dtype. rotate_half's swapped halves come from a second load of the row at the
     other half's columns (Triton cannot concatenate the halves).
+
+    Everything is computed in `dtype` (`compute_dtype`): K/V blocks of a float8 cache are converted to it as they
+    are loaded, the scores multiplied by `k_scale` and the output by `v_scale` (powers of two; 1.0: no multiply).
     """
     if eps is None:
         k_ref, v_ref, *out_refs = refs
@@ -298,7 +318,7 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     q = load(q_ref.at[q_row[:, None], cols], real[:, None], 0)
     if eps is not None:
         q = _normed_and_roped(q, q_ref, q_norm_ref, cos_ref, sin_ref, q_row, b * q_len + t, real, cols, eps)
-    q = q.astype(k_ref.dtype)
+    q = q.astype(dtype)
     rows, D = q.shape
 
     # Visible key range of the block's rows: [lo, hi]. All-padding blocks get an empty range.
@@ -335,9 +355,11 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
         kv_row = (page * page_size + kpos % page_size)[:, None]
         # Gather [bk, D] through two integer indexers (rows, columns): the interpreter cannot mix an integer
         # array with a slice, the Triton lowering turns either form into the same pointer arithmetic.
-        k = load(k_ref.at[kv_row, cols], live[:, None], 0)
-        v = load(v_ref.at[kv_row, cols], live[:, None], 0)
+        k = load(k_ref.at[kv_row, cols], live[:, None], 0).astype(dtype)
+        v = load(v_ref.at[kv_row, cols], live[:, None], 0).astype(dtype)
         s = dot(q, k, trans_b=True)  # [R, bk] f32
+        if k_scale != 1.0:
+            s = s * k_scale
         vis = (kpos[None, :] <= pos[:, None]) & live[None, :]
         if lo_win is not None:
             vis &= kpos[None, :] > lo_win[:, None]
@@ -357,6 +379,8 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
 
     o_ref, *stat_refs = out_refs
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    if v_scale != 1.0:
+        inv = inv * v_scale
     o = (acc * inv[:, None]).astype(o_ref.dtype)
     if stat_refs:  # split: this split's normalized output plus its softmax statistics, merged in XLA
         o_ref[...] = o
@@ -450,9 +474,10 @@ def _merge_splits(o: Array, m: Array, l: Array) -> Array:
     return jnp.where((total > 0)[..., None], out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps"))
+@functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps", "k_scale",
+                                             "v_scale"))
 def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm, rope, *, window, ring_pages,
-                            interpret, config: KernelConfig, eps):
+                            interpret, config: KernelConfig, eps, k_scale: float = 1.0, v_scale: float = 1.0):
     B, Tq, nH, D = q.shape
     nKV, num_pages, page_size, _ = k_pages.shape
     G = nH // nKV
@@ -463,8 +488,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
     width = page_table.shape[1]
     S = config.k_splits
 
+    dtype = compute_dtype(q.dtype, k_pages.dtype)
     # free: the kernel reads rows in q's own layout (raw queries in their own dtype, for the norm's rounding)
-    qf = (q if q_norm is not None else q.astype(k_pages.dtype)).reshape(B * Tq * nH, D)
+    qf = (q if q_norm is not None else q.astype(dtype)).reshape(B * Tq * nH, D)
     pos = q_positions.astype(jnp.int32).reshape(B * Tq)
     kf = k_pages.reshape(nKV, num_pages * page_size, D)  # free: pages are contiguous rows
     vf = v_pages.reshape(nKV, num_pages * page_size, D)
@@ -475,7 +501,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         _paged_attention_kernel, page_size=page_size, block_k=config.block_k, window=window,
         ring_slots=None if ring_pages is None else ring_pages * page_size, ring_pages=ring_pages,
         table_width=width, k_splits=S, block_rows=br, q_len=Tq, num_heads=nH, group=G,
-        eps=None if q_norm is None else float(eps))
+        eps=None if q_norm is None else float(eps), dtype=dtype, k_scale=k_scale, v_scale=v_scale)
     whole = lambda b, h, r, s: (0, 0)  # noqa: E731  (indexed inside the kernel)
     in_specs = [
         pl.BlockSpec((B * Tq,), lambda b, h, r, s: (0,)),  # mask positions, token-major
@@ -492,10 +518,10 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # V pool of head h
     ]
     if S == 1:
-        out_shape = jax.ShapeDtypeStruct((B * Tq * nH, D), k_pages.dtype)
+        out_shape = jax.ShapeDtypeStruct((B * Tq * nH, D), dtype)
         out_specs = pl.BlockSpec((B * Tq * nH, D), whole)
     else:
-        out_shape = (jax.ShapeDtypeStruct((S, B, nKV, R, D), k_pages.dtype),
+        out_shape = (jax.ShapeDtypeStruct((S, B, nKV, R, D), dtype),
                      jax.ShapeDtypeStruct((S, B, nKV, R), jnp.float32),
                      jax.ShapeDtypeStruct((S, B, nKV, R), jnp.float32))
         out_specs = (pl.BlockSpec((sq, sq, sq, br, D), lambda b, h, r, s: (s, b, h, r, 0)),
@@ -520,9 +546,10 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
 
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
                     window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
-                    rope: tuple[Array, Array] | None = None, eps: float | None = None, interpret: bool = False,
-                    block_rows: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None) -> Array:
+                    rope: tuple[Array, Array] | None = None, eps: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0, interpret: bool = False, block_rows: int | None = None,
+                    block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> Array:
     """Pallas paged attention (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
     `paged_attention_reference`; the keyword-only tiling arguments override `kernel_config`'s plan. Raises
     ValueError when no tiling of these shapes fits the device (`attend_paged` falls back to XLA instead).
@@ -541,12 +568,15 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
                          f"memory); use the XLA path")
     return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm,
                                    None if rope is None else tuple(rope), window=window, ring_pages=ring_pages,
-                                   interpret=interpret, config=config, eps=None if q_norm is None else float(eps))
+                                   interpret=interpret, config=config, eps=None if q_norm is None else float(eps),
+                                   k_scale=float(k_scale), v_scale=float(v_scale))
 
 
 def _plan(q, k_pages, page_table, window, ring_pages, **overrides) -> KernelConfig | None:
-    return kernel_config(q.shape, k_pages.shape, page_table.shape, itemsize=jnp.dtype(k_pages.dtype).itemsize,
-                         window=window, ring_pages=ring_pages, **overrides)
+    # A float8 cache's blocks are converted to the compute dtype before the dots: the tiles are planned at its size.
+    itemsize = compute_dtype(q.dtype, k_pages.dtype).itemsize
+    return kernel_config(q.shape, k_pages.shape, page_table.shape, itemsize=itemsize, window=window,
+                         ring_pages=ring_pages, **overrides)
 
 
 @functools.lru_cache(maxsize=None)
@@ -558,13 +588,15 @@ def _log_fallback(q_shape, pages_shape, dtype_name: str) -> None:
 def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
                  q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None, *,
                  window: int | None = None, ring_pages: int | None = None, eps: float | None = None,
-                 impl: str = "auto") -> Array:
+                 k_scale: float = 1.0, v_scale: float = 1.0, impl: str = "auto") -> Array:
     """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel where
     `kernels_chosen()` (a GPU) when a tiling of these shapes fits the device (one log line per shape otherwise), the
     reference elsewhere.
     With `q_norm`, `cos`, `sin` (positional, so that `sharding.head_parallel` passes them on, replicated), q is a
-    Q-only layer's raw projection (see `paged_attention`)."""
+    Q-only layer's raw projection (see `paged_attention`). `k_scale`, `v_scale`: the scales a float8 cache's pages
+    were written with."""
     prep = {} if q_norm is None else dict(q_norm=q_norm, rope=(cos, sin), eps=eps)
+    prep.update(k_scale=k_scale, v_scale=v_scale)
     if impl == "auto":
         impl = "xla"
         if kernels_chosen():

@@ -12,6 +12,10 @@ out: padding rows point at it and write their garbage there.
 
 The jitted steps take the pages donated and return them; the writes (`kernels.attention_inputs`, a kernel on the GPU,
 scatters elsewhere) go into the donated buffers in place.
+
+A float8 cache (e4m3fn) holds each owning layer's K divided by its k_scale and V by its v_scale: static powers of
+two computed from the target's weights (`kv_cache_scales`), kept in the layout, read back by every view of those
+pages (the target's layers and the assistant's, which reads its store layers' pages with their scales).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gemma4_mtp_jax.model.config import SLIDING, TextConfig, owning_layers
-from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, rope_tables
+from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, quantized, rope_tables
 from gemma4_mtp_jax.kernels.device_budget import kernels_chosen
 from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
@@ -33,6 +38,13 @@ from gemma4_mtp_jax.model.sharding import head_parallel, tensor_parallel_size
 
 Array = jax.Array
 NULL_PAGE = 0
+Scales = dict[int, tuple[float, float]]  # owning layer -> (k_scale, v_scale) of its pages; absent: (1.0, 1.0)
+UNSCALED = (1.0, 1.0)
+# The scales of a float8 cache's programs compiled from parameter shapes alone, which have no weights to bound K by
+# (`kv_cache_scales`): programs of the same shape and cost as the real ones (compile-only tools time and count
+# them), but 3.0 is no power of two, so such a layout, and every program compiled for it, is never the one an engine
+# with weights looks up (compiled programs are keyed by their layout).
+SHAPES_ONLY_SCALE = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +56,12 @@ class KVLayout:
     pages_per_seq: tuple[tuple[str, int], ...]  # group -> page-table width (ring length R for sliding)
     max_model_len: int
     num_speculative_tokens: int = 0
+    # owning layer -> (k_scale, v_scale) for a float8 cache (`kv_cache_scales`); empty otherwise (all 1.0)
+    scales: tuple[tuple[int, float, float], ...] = ()
+
+    def kv_scales(self) -> Scales:
+        """Owning layer -> (k_scale, v_scale) of its pages (empty: every layer's are 1.0)."""
+        return {i: (k, v) for i, k, v in self.scales}
 
     def pages(self, group: str) -> int:
         return dict(self.num_pages)[group]
@@ -63,7 +81,9 @@ class KVLayout:
 
 
 def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_pages: dict[str, int],
-                num_speculative_tokens: int = 0, prefill_chunk: int = 1, assistant_window: int = 0) -> KVLayout:
+                num_speculative_tokens: int = 0, prefill_chunk: int = 1, assistant_window: int = 0,
+                scales: Scales | None = None) -> KVLayout:
+    """The layout of these pools; `scales`: a float8 cache's (`kv_cache_scales`)."""
     groups = sorted({cfg.layers[i].layer_type for i in cfg.store_layers.values()})
     # The verify step writes K/V up to k positions past the last token a sequence keeps.
     max_positions = max_model_len + num_speculative_tokens
@@ -87,8 +107,42 @@ def make_layout(cfg: TextConfig, *, page_size: int, max_model_len: int, num_page
                 f"max_model_len={max_model_len} "
                 f"({widths[g]} pages of {page_size} tokens, plus the reserved page 0)"
             )
+    scales = tuple((i, float(k), float(v)) for i, (k, v) in sorted((scales or {}).items()))
     return KVLayout(page_size, tuple((g, num_pages[g]) for g in groups), tuple(widths.items()), max_model_len,
-                    num_speculative_tokens)
+                    num_speculative_tokens, scales)
+
+
+def _pow2_scale(bound: float, limit: float) -> float:
+    """The smallest power of two s with bound / s <= limit."""
+    return 2.0 ** math.ceil(math.log2(max(bound, 1e-30) / limit))
+
+
+def kv_cache_scales(cfg: TextConfig, params: dict, cache_dtype) -> Scales:
+    """Each owning layer's static (k_scale, v_scale) for a cache of `cache_dtype`: {} (every scale 1.0) unless it is
+    float8. A power of two, the smallest under which every value the layer can write fits the format (e4m3fn:
+    +-448), from a bound that holds for every input, no calibration:
+    - V is RMS-normed without a weight (attention_k_eq_v layers: the raw K projection, normed the same way): per
+      head sum(v_i^2) <= D, so |v_i| <= sqrt(D);
+    - K is RMS-normed times k_norm's weight w, then RoPE'd, which rotates pairs of coordinates and keeps each pair's
+      norm: |k_i| <= max|w| * sqrt(D).
+    Division by a power of two is exact, and within the normal range e4m3's relative precision does not depend on
+    the scale, so a finer (per-page) scale could only gain on values that would be subnormal
+    (docs/decisions/0016-fp8-kv-cache.md). Writers clip to the range anyway: the bound is met up to the rounding of
+    the activations' dtype. Parameters of shapes alone (a program compiled ahead of the weights) get
+    SHAPES_ONLY_SCALE."""
+    if not quantized(cache_dtype):
+        return {}
+    limit = float(jnp.finfo(cache_dtype).max)
+    out: Scales = {}
+    for i in owning_layers(cfg):
+        w = params[f"layers_{i}"]["self_attn"]["k_norm"]["weight"]
+        if isinstance(w, jax.ShapeDtypeStruct):
+            out[i] = (SHAPES_ONLY_SCALE, SHAPES_ONLY_SCALE)
+            continue
+        root_d = math.sqrt(cfg.layers[i].head_dim)
+        k_bound = float(np.abs(np.asarray(w, np.float32)).max()) * root_d  # on the host: no program to compile
+        out[i] = (_pow2_scale(k_bound, limit), _pow2_scale(root_d, limit))
+    return out
 
 
 def page_bytes(cfg: TextConfig, page_size: int, dtype) -> dict[str, int]:
@@ -132,7 +186,8 @@ def _inputs_impl(attention_impl: str) -> str:
 
 
 def _attention_inputs(p: Projections, attention_impl: str, **slots) -> tuple[Array, tuple[Array, Array] | None]:
-    """(queries, the layer's pages with the new K/V written) from `p`; `slots`: pages, page, offset (with K/V)."""
+    """(queries, the layer's pages with the new K/V written) from `p`; `slots`: pages, page, offset, k_scale,
+    v_scale (with K/V)."""
     return prepare_attention_inputs(p.q, p.k, p.v, p.q_norm, p.k_norm, p.positions, p.inv_freq, eps=p.eps,
                                     impl=_inputs_impl(attention_impl), **slots)
 
@@ -150,11 +205,13 @@ def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:
 
 
 def _attend(q: Array | Projections, kp: Array, vp: Array, table: Array, mask_pos: Array, *, window: int | None,
-            ring_pages: int | None, attention_impl: str) -> Array:
-    """`attend_paged` on each device's heads (`head_parallel`). For Projections (a Q-only layer's raw q), q_norm's
-    weight and RoPE's tables at the projections' own positions go along, replicated, for the kernel to norm and
-    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA."""
-    fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl)
+            ring_pages: int | None, attention_impl: str, scales: tuple[float, float]) -> Array:
+    """`attend_paged` on each device's heads (`head_parallel`), the pages read with their (k_scale, v_scale). For
+    Projections (a Q-only layer's raw q), q_norm's weight and RoPE's tables at the projections' own positions go
+    along, replicated, for the kernel to norm and rope the queries; where no kernel tiling fits, `attend_paged`'s
+    XLA path does it in plain XLA."""
+    fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl,
+                           k_scale=scales[0], v_scale=scales[1])
     if not isinstance(q, Projections):
         return head_parallel(fn, q, kp, vp, table, mask_pos)
     cos, sin = rope_tables(q.positions, q.inv_freq, q.q.dtype)
@@ -179,9 +236,13 @@ class PagedKV:
     page_size: int = flax.struct.field(pytree_node=False)
     ring_pages: int | None = flax.struct.field(pytree_node=False)
     attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
+    scales: Scales = flax.struct.field(pytree_node=False, default_factory=dict)  # KVLayout.kv_scales
 
     def _ring(self, group: str) -> int | None:
         return self.ring_pages if group == SLIDING else None
+
+    def _scales(self, layer: int) -> tuple[float, float]:
+        return self.scales.get(layer, UNSCALED)
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "PagedKV"]:
         """The layer's queries, and its new K/V written into its pages (both by one kernel on the GPU). A Q-only
@@ -190,14 +251,18 @@ class PagedKV:
             return _queries_only(p, self.attention_impl), self
         group = self.layer_group[layer]
         page, offset = page_slots(self.tables[group], self.positions, self.page_size, self._ring(group))
-        q, pages = _attention_inputs(p, self.attention_impl, pages=self.pages[layer], page=page, offset=offset)
+        k_scale, v_scale = self._scales(layer)
+        q, pages = _attention_inputs(p, self.attention_impl, pages=self.pages[layer], page=page, offset=offset,
+                                     k_scale=k_scale, v_scale=v_scale)
         return q, self.replace(pages={**self.pages, layer: pages})
 
     def only(self, layers: dict[int, int]) -> "PagedKV":
         """The view of the K/V of layers `layers[r]` under the names r (the rest left out): a layer traced once
-        for all layers of its kind runs as its representative r on each one's pages."""
+        for all layers of its kind runs as its representative r on each one's pages (read with their scales: a
+        float8 cache's layers whose scales differ are traced apart)."""
         return self.replace(pages={r: self.pages[i] for r, i in layers.items()},
-                            layer_group={r: self.layer_group[i] for r, i in layers.items()})
+                            layer_group={r: self.layer_group[i] for r, i in layers.items()},
+                            scales={r: self.scales[i] for r, i in layers.items() if i in self.scales})
 
     def absorb(self, view: "PagedKV", layers: dict[int, int]) -> "PagedKV":
         """This view with the pages `view` (from `only(layers)`) wrote put back under their own layers."""
@@ -207,7 +272,7 @@ class PagedKV:
         group = self.layer_group[layer]
         kp, vp = self.pages[layer]
         return _attend(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
-                       attention_impl=self.attention_impl)
+                       attention_impl=self.attention_impl, scales=self._scales(layer))
 
 
 @flax.struct.dataclass
@@ -216,7 +281,8 @@ class PagedDraftKV:
 
     Assistant layer i attends to the pages of the target's store layer of its type through that group's page
     table. The query sits at P = `lengths` (RoPE), and sees only committed keys: full layers 0..P-1, sliding
-    layers P-1-W..P-1 (W = the assistant's window), i.e. mask position P-1 with a window of W+1 keys.
+    layers P-1-W..P-1 (W = the assistant's window), i.e. mask position P-1 with a window of W+1 keys. A float8
+    cache's pages are read with the scales of the target layer that wrote them (`scales`, keyed by target layer).
     """
 
     pages: dict[int, tuple[Array, Array]]  # target pages, keyed by target layer
@@ -226,6 +292,7 @@ class PagedDraftKV:
     layer_group: dict[int, str] = flax.struct.field(pytree_node=False)  # assistant layer -> group
     ring_pages: int | None = flax.struct.field(pytree_node=False)
     attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
+    scales: Scales = flax.struct.field(pytree_node=False, default_factory=dict)  # target layer -> its pages' scales
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array | Projections, "PagedDraftKV"]:
         """The layer's queries, or (where the paged kernel may norm and rope them itself) its projections."""
@@ -235,8 +302,9 @@ class PagedDraftKV:
 
     def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         """Queries roped at P (the projections' positions) attending with mask position P-1 and window W+1."""
-        group = self.layer_group[layer]
-        kp, vp = self.pages[self.source[layer]]
+        group, source = self.layer_group[layer], self.source[layer]
+        kp, vp = self.pages[source]
         newest = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)
         return _attend(q, kp, vp, self.tables[group], newest, window=None if window is None else window + 1,
-                       ring_pages=self.ring_pages if group == SLIDING else None, attention_impl=self.attention_impl)
+                       ring_pages=self.ring_pages if group == SLIDING else None, attention_impl=self.attention_impl,
+                       scales=self.scales.get(source, UNSCALED))

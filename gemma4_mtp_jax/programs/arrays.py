@@ -60,6 +60,8 @@ class ProgramArrays:
     def __init__(self, target: Target, layout: KVLayout, cache_dtype: Any, draft_params: Any, num_slots: int,
                  input_capacity: int, placement: Placement | None = None, pack_params: bool = False):
         self.target, self.layout, self.cache_dtype = target, layout, cache_dtype
+        # The drafter's h per slot: the target's activations as they are (a float8 K/V cache scales K/V, not h).
+        self.hidden_dtype = jnp.dtype(target.dtype)
         self.num_slots, self.input_capacity, self.placement = num_slots, input_capacity, placement
         self.with_hidden = draft_params is not None  # a drafter reads each sequence's h
         self.replicated = None if placement is None else placement.replicated
@@ -130,7 +132,7 @@ class ProgramArrays:
     def abstract_state(self) -> DeviceState:
         H = self.target.config.hidden_size
         pages = abstract_pages(self.target.config, self.layout, self.cache_dtype)
-        hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.cache_dtype) if self.with_hidden else None
+        hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.hidden_dtype) if self.with_hidden else None
         slots = [jax.ShapeDtypeStruct((self.num_slots + 1,), jnp.int32)] * 3
         inputs = jax.ShapeDtypeStruct((self.input_capacity,), jnp.int32)
         return shapes_of(DeviceState(pages, hidden, *slots, inputs), self.state_shardings())
@@ -145,7 +147,7 @@ class ProgramArrays:
             if pages is None:
                 pages = init_pages(self.target.config, self.layout, self.cache_dtype)
             if hidden is None and self.with_hidden:
-                hidden = jnp.zeros((self.num_slots + 1, H), self.cache_dtype)
+                hidden = jnp.zeros((self.num_slots + 1, H), self.hidden_dtype)
             inputs = jnp.zeros((self.input_capacity,), jnp.int32)
             return DeviceState(pages, hidden, *init_slots(self.num_slots), inputs)
 

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_GPU_MEMORY_UTILIZATION}; JAX's own default is 0.75). Without --kv-cache-memory "
                         "the KV cache takes what is left after the weights and a reserve, up to --max-num-seqs "
                         "sequences of --max-model-len")
+    # engine.config.CACHE_DTYPES, written out: this module imports nothing of the engine (`--help` stays quick)
+    e.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "fp8"], default="auto",
+                   help="dtype of the KV cache's pages; auto: the parameters' dtype. fp8 (float8 e4m3fn) holds half "
+                        "a bfloat16 cache's bytes, so twice the tokens, each layer's K and V scaled by a static power "
+                        "of two derived from its weights (no calibration); it needs a GPU of compute capability "
+                        ">= 8.9 (Ada, Hopper or newer)")
     e.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per program call "
                                                                    "(largest prefill bucket)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",

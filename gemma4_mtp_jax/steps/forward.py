@@ -50,7 +50,7 @@ def make_kv_view(spec: StepSpec, pages, tables, positions: Array) -> PagedKV:
     return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(spec.target),
                    page_size=layout.page_size,
                    ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl=spec.attention_impl)
+                   attention_impl=spec.attention_impl, scales=layout.kv_scales())
 
 
 def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables):

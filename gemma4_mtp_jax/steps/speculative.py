@@ -140,7 +140,7 @@ def draft(spec: StepSpec, params_t, params_d, pages, hidden: Array,
     kv = PagedDraftKV(pages=pages, tables=inputs.tables, lengths=lengths, source=source,
                       layer_group=dict(enumerate(acfg.text.layer_types)),
                       ring_pages=layout.ring_pages(SLIDING) if SLIDING in dict(layout.pages_per_seq) else None,
-                      attention_impl=attention_impl)
+                      attention_impl=attention_impl, scales=layout.kv_scales())
     sampled_rows = sampling.temperature > 0
 
     def build():
