@@ -71,6 +71,32 @@ def test_fp8_weights_scale_the_output_columns(dtype):
         sk.split_matmul(x, q, 1, s[:-1])
 
 
+def test_fp8_weights_meet_many_bf16_rows_as_w8a8():
+    """bfloat16 activations of W8A8_MIN_ROWS rows or more: each row quantized to fp8 by its amax, the fp8 products
+    summed in float32, each output times its row's and its column's scale, rounded once. So each output lies within
+    the activations' fp8 rounding (half an ulp: 2^-4 relative, or 2^-10 of the row's scale in fp8's subnormals) of
+    the weight-only product, and off it by more than bf16's rounding. One row fewer takes the weight-only path;
+    float32 activations always do."""
+    from gemma4_mtp_jax.weights.quantize import quantize_fp8
+
+    rows = sk.W8A8_MIN_ROWS
+    x, w = _arrays(9, jnp.float32, (rows, 256), (96, 256))
+    x = (x * jnp.linspace(0.01, 10.0, rows)[:, None]).astype(jnp.bfloat16)  # rows of different magnitudes
+    q, s = quantize_fp8(w * jnp.linspace(0.1, 3.0, 96)[:, None])
+    w_q = np.asarray(q, np.float64) * np.asarray(s, np.float64)[:, None]  # the weights the fp8 ones stand for
+    x64 = np.asarray(x, np.float64)
+    weight_only = x64 @ w_q.T
+    row_scale = np.abs(x64).max(axis=1, keepdims=True) / 448
+    bound = (2 ** -4 * np.abs(x64) + 2 ** -10 * row_scale) @ np.abs(w_q).T + 2 ** -8 * np.abs(weight_only)
+    got = np.asarray(sk.split_matmul(x, q, 1, s), np.float64)
+    assert np.all(np.abs(got - weight_only) <= bound), np.max(np.abs(got - weight_only) / bound)
+    assert np.abs(got - weight_only).max() > 2 ** -7 * np.abs(weight_only).max(), "W8A8 not taken"
+    one_fewer = np.asarray(sk.split_matmul(x[1:], q, 1, s), np.float64)
+    np.testing.assert_allclose(one_fewer, weight_only[1:], rtol=2 ** -8 + 1e-5, atol=1e-6)
+    in_f32 = np.asarray(sk.split_matmul(x.astype(jnp.float32), q, 1, s), np.float64)
+    np.testing.assert_allclose(in_f32, weight_only, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_is_the_models_math():
     """Given a plain array (no split), the reference is exactly what the decoder layer computed before."""
     y, res, w, w2 = _arrays(1, jnp.bfloat16, (4, 64), (4, 64), (64,), (64,))

@@ -29,6 +29,7 @@ every backend.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -48,6 +49,10 @@ MAX_ROWS = 16  # more rows than a decode batch: XLA's own GEMM plan is left alon
 # Larger weights keep XLA's autotuned plan: measured only at E2B (at most 36 MiB, down_proj of its 12288-wide
 # layers), and a matmul that streams for tens of microseconds gains little from one kernel less (31B: 88-231 MB).
 MAX_WEIGHT_BYTES = 40 << 20
+# fp8 weights meet bfloat16 activations of this many rows or more as W8A8 (`_w8a8`): past 64 rows XLA's weight-only
+# GEMM slows (80 rows: no faster than bf16 on the H100) and cuBLASLt's fp8 GEMM wins (1.5x bf16 at 80-2048 rows),
+# `python benchmarks/bench_fp8_matmul.py` in docs/decisions/0017-fp8-weights.md.
+W8A8_MIN_ROWS = 65
 MIN_SPLIT_K = 64  # contraction per part: shorter parts make the partials' bytes rival the weights'
 MAX_SPLITS = 16
 _COLUMN_TILE = 64  # the column tile a skinny GEMM takes, for counting its programs
@@ -82,10 +87,13 @@ def split_matmul(x: Array, w: Array, splits: int, scale: Array | None = None) ->
     bfloat16 one), the products are summed in float32 and each output column is multiplied by its scale, rounded
     once to x's dtype: a per-output-channel scale commutes with the contraction, so it belongs on the output, not
     on each weight (which would round every dequantized weight to bfloat16). Split, the float32 partials are
-    multiplied by the scale, which commutes with their sum too."""
-    w = w.astype(x.dtype)
+    multiplied by the scale, which commutes with their sum too. bfloat16 activations of W8A8_MIN_ROWS rows or more
+    (prefill, a large verify) take `_w8a8` instead."""
     if scale is not None and scale.shape != w.shape[:1]:
         raise ValueError(f"split_matmul: scale {scale.shape} does not fit w {w.shape} (one per output row)")
+    if scale is not None and splits == 1 and _w8a8_rows(x):
+        return _w8a8(x, w, scale)
+    w = w.astype(x.dtype)
     if splits == 1:
         if scale is None:
             return jnp.einsum("...i,oi->...o", x, w)
@@ -100,6 +108,26 @@ def split_matmul(x: Array, w: Array, splits: int, scale: Array | None = None) ->
     if scale is not None:
         partials = partials * scale.astype(jnp.float32)
     return SplitSum(partials, x.dtype)
+
+
+def _w8a8_rows(x: Array) -> bool:
+    """Whether an fp8 weight meets `x` through `_w8a8`: bfloat16 activations of at least W8A8_MIN_ROWS rows. float32
+    activations (the parity tests') always take the weight-only path, which rounds nothing but the result."""
+    return x.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) >= W8A8_MIN_ROWS
+
+
+def _w8a8(x: Array, q: Array, scale: Array) -> Array:
+    """x [..., K] @ (q * scale[:, None]).T with x quantized too: each row to q's fp8 format by its own amax, both
+    fp8 operands in one GEMM (cuBLASLt's fp8 GEMM on the GPU) summed in float32, each output multiplied by its row's
+    and its column's scale and rounded once to x's dtype (compressed-tensors' "FP8 dynamic": per-channel weights,
+    per-token activations)."""
+    top = float(jnp.finfo(q.dtype).max)
+    xf = x.astype(jnp.float32)
+    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / top
+    sx = jnp.where(sx > 0, sx, 1.0)  # an all-zero row: 0 / 1
+    xq = jnp.clip(xf / sx, -top, top).astype(q.dtype)
+    y = jnp.einsum("...i,oi->...o", xq, q, preferred_element_type=jnp.float32)
+    return (y * sx * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def total(y: Array | SplitSum) -> Array:

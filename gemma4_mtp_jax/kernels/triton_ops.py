@@ -23,7 +23,7 @@ def load(ref, mask, other=0) -> Array:
 
     if jnp.dtype(ref.dtype).itemsize == 1 and jnp.issubdtype(ref.dtype, jnp.floating):
         # The Triton lowering cannot cast a Python scalar to float8 (it splats an int32 first); a float8 `other`
-        # lowers (lab/probes/triton_fp8_load.py).
+        # lowers (tests/test_triton_lowering.py: test_grouped_matmul_fp8_lowers).
         other = jnp.asarray(other, ref.dtype)
     return pltriton.load(ref, mask=mask, other=other)
 

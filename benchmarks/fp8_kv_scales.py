@@ -1,6 +1,7 @@
-"""Probe: how much attention error an fp8 (e4m3fn) KV cache's scales cost. NOT a test; CPU, a minute.
+"""How much attention error an fp8 (e4m3fn) KV cache's scales cost, against a finer scale. Numbers, not timings:
+CPU, about a minute.
 
-    python lab/probes/probe_fp8_kv_scales.py [--keys 1024] [--queries 32] [--seeds 5]
+    python benchmarks/fp8_kv_scales.py [--keys 1024] [--queries 32] [--seeds 5]
 
 The cache keeps one static power-of-two scale per owning layer for K and one for V, from a bound that holds for
 every input (kv_state.kv_cache_scales: |v_i| <= sqrt(D), |k_i| <= max|k_norm| sqrt(D)). The alternative measured
@@ -17,7 +18,7 @@ and the attention output's error (||o - o_exact|| / ||o_exact||, mean and max ov
 weights' KL(exact || fp8), for the static scale, the per-page amax scale, and no scale at all (1.0), each the mean
 over `--seeds` draws of the inputs, and the ratio of the per-page scale's mean error to the static one's (mean and
 range over the draws: the draws' own spread is the noise a difference must beat). Writes
-$OUT/probe_fp8_kv_scales.json when $OUT is set. The figures and the decision: docs/decisions/0016-fp8-kv-cache.md.
+fp8_kv_scales.json (under $OUT when set) when $OUT is set. The figures and the decision: docs/decisions/0016-fp8-kv-cache.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -136,7 +137,7 @@ def main() -> None:
                             else "")
                     print(f"{D:>4} {kind:>8} {score_std:>6.1f} {how:>9} {100 * k_sub:>7.3f} {100 * v_sub:>7.3f} "
                           f"{err_mean:>9.5f} {err_max:>9.5f} {kl_mean:>9.2e}{tail}")
-    write_json("probe_fp8_kv_scales.json", rows)
+    write_json("fp8_kv_scales.json", rows)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
-"""Probe: how XLA runs fp8-weight matmuls at 31B's MLP shapes on this GPU, before the engine uses them.
+"""How XLA runs fp8-weight matmuls at 31B's MLP shapes on this GPU: the evidence for split_k.W8A8_MIN_ROWS and for
+keeping the scale on the output (docs/decisions/0017-fp8-weights.md).
 
 Variants over a chain of 8 matmuls (gate/up [21504, 5376] and down [5376, 21504] alternating, 31B's MLP), each at
 M rows: bf16 weights; fp8 weight-only with the per-channel scale on the output (ours) or on the weight before the
 dot (qwix's choice for bf16 activations); qwix.dot_general itself; W8A8 (activations quantized per tensor or per
 token, XLA's cuBLASLt fp8 rewrite). Prints us per chain, weight GB/s, and what the optimized HLO holds (a cuBLASLt
-fp8 call, a bf16 copy of a weight). Usage: python lab/probes/fp8_matmul.py [--rows 2 16 80 256 2048]
+fp8 call, a bf16 copy of a weight); with $OUT set, the results and the optimized HLO at 2 and 256 rows go there.
+qwix (not a dependency) is timed where it is importable.
+
+    python benchmarks/bench_fp8_matmul.py [--rows 2 16 24 32 48 64 80 256 2048]
 """
 
 import argparse
