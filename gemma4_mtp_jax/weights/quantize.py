@@ -95,12 +95,26 @@ def _quantize_jax(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(w / divisor, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
+def _host_backend() -> jax.Device | None:
+    """JAX's CPU device, None where the process runs without the CPU backend (JAX_PLATFORMS=cuda)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
 def quantize_fp8(w: Any, axis: int = -1) -> tuple[Any, Any]:
     """(q float8_e4m3fn, scale float32) with w ~ q * scale: one scale per slice along `axis` (the contraction, so
-    one per output channel), amax / 448. A numpy array is quantized on the host (numpy), anything else with JAX
-    on its device; both round the same (float32 division, round-to-nearest-even to fp8)."""
+    one per output channel), amax / 448, with float32 divisions rounded correctly and round-to-nearest-even to fp8,
+    as compressed-tensors' quantizer rounds. A numpy array is quantized on the host, numpy in and out: by XLA on the
+    CPU (all cores; numpy's own arithmetic where JAX has no CPU backend). Anything else is quantized by XLA on its
+    device, where a GPU's float32 division may round an ulp away: the loaders quantize checkpoints on the host."""
     if isinstance(w, np.ndarray):
-        return _quantize_np(w, axis)
+        cpu = _host_backend()
+        if cpu is None:
+            return _quantize_np(w, axis)
+        q, scale = _quantize_jax(jax.device_put(w, cpu), axis)
+        return np.asarray(q), np.asarray(scale)
     return _quantize_jax(jnp.asarray(w), axis)
 
 
@@ -158,11 +172,14 @@ def as_param(weight: Any, scale: Any | None, *, quantized: bool, dtype: Any, on_
     here, an fp8 one dequantized to `dtype` where the model keeps it; on the default device, or with `on_host` as
     host arrays."""
     fp8 = np.dtype(weight.dtype) == FP8
+    if quantized and not fp8:
+        weight, scale = quantize_fp8(np.asarray(weight))  # on the host: the same fp8 values on every device
+        fp8 = True
     if not on_host:
         weight = jnp.asarray(weight)
         scale = None if scale is None else jnp.asarray(scale)
     if quantized:
-        return (weight, scale) if fp8 else quantize_fp8(weight)
+        return weight, scale
     return (dequantize(weight, scale, dtype) if fp8 else weight.astype(np.dtype(dtype))), None
 
 
