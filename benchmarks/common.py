@@ -314,5 +314,6 @@ def environment() -> dict:
 def write_json(name: str, data: Any) -> None:
     out = os.environ.get("OUT")
     if out:
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, name), "w") as f:
             json.dump(data, f, indent=2, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
