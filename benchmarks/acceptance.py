@@ -2,7 +2,7 @@
 k = 1..8 drafts per round, greedy and sampled, on held-out corpus prompts and on chat prompts.
 
     python benchmarks/acceptance.py --corpus CORPUS_DIR [--ckpt demo --assistant demo] [--out acceptance.json]
-        [--sources heldout,chat,heldout_chat]
+        [--sources heldout,chat,heldout_chat] [--quantization fp8 --kv-cache-dtype fp8 --compare bf16.json]
 
 Prompts, `--prompts-per-source` of each source:
 - heldout: held-out passages (the first --prompt-len tokens of evenly spaced paragraphs of CORPUS_DIR/heldout,
@@ -30,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ (the corpus's chat templates)
 
 from gemma4_mtp_jax.weights import demo
 from gemma4_mtp_jax.api import load_assistant, load_target
@@ -119,7 +122,7 @@ def chat_prompts(target_dir: Path, tokenizer, count: int) -> list[list[int]]:
 
 def _template_kind_patterns(kinds: list[str]) -> list[re.Pattern]:
     """Regexes of corpus.py's chat request templates of these kinds ({x}, {y}: any text)."""
-    from gemma4_mtp_jax.train.corpus import _CHAT_PROMPTS
+    from tools.corpus import _CHAT_PROMPTS
 
     unknown = set(kinds) - set(_CHAT_PROMPTS)
     if unknown:
@@ -180,10 +183,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts-out", default="acceptance_prompts.json")
     ap.add_argument("--out", default="acceptance.json")
+    ap.add_argument("--quantization", default=None, choices=["none", "fp8"],
+                    help="the target's weights (default: the checkpoint's own)")
+    ap.add_argument("--quantization-assistant", default=None, choices=["none", "fp8"],
+                    help="the assistant's weights (default: the checkpoint's own)")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "float32", "fp8"],
+                    help="the K/V cache (default: auto, the target's dtype)")
+    ap.add_argument("--compare", default=None, metavar="JSON",
+                    help="another run's --out (e.g. bf16 beside this fp8 one): print each row's acceptance length "
+                         "against it, and how many greedy outputs are token for token the same")
     args = ap.parse_args()
 
     ckpt, assistant_ckpt = demo.resolve(args.ckpt, args.assistant)
-    target, assistant = load_target(ckpt, args.dtype), load_assistant(assistant_ckpt, args.dtype)
+    target = load_target(ckpt, args.dtype, quantization=args.quantization)
+    assistant = load_assistant(assistant_ckpt, args.dtype, quantization=args.quantization_assistant)
     tok = load_tokenizer(target.path)
     n = args.prompts_per_source
     makers = {"heldout": lambda: heldout_prompts(tok, Path(args.corpus), n, args.prompt_len,
@@ -205,7 +218,8 @@ def main() -> None:
     for k in [int(x) for x in args.ks.split(",")]:
         t0 = time.perf_counter()
         engine = Engine(target, EngineConfig(max_num_seqs=len(flat), max_model_len=longest,
-                                             num_speculative_tokens=k), assistant=assistant)
+                                             num_speculative_tokens=k, cache_dtype=args.kv_cache_dtype),
+                        assistant=assistant)
         for temp in temps:
             sampling = [SamplingParams(temperature=temp, seed=args.seed * 100_003 + i) if temp > 0 else SamplingParams()
                         for i in range(len(flat))]
@@ -213,14 +227,40 @@ def main() -> None:
             for source in prompts:
                 stats = [o.stats for (s, _), o in zip(flat, out) if s == source]
                 rec = {"k": k, "temperature": temp, "source": source, **summarize(stats, k)}
+                if temp == 0:  # the greedy text, to compare formats token for token
+                    rec["outputs"] = [o.tokens for (s, _), o in zip(flat, out) if s == source]
                 results.append(rec)
                 print(f"k={k} T={temp} {source:12s} L={rec['mean_acceptance_length']:.2f} "
                       f"per-position {rec['rate_per_position']}", flush=True)
         print(f"  (k={k}: {time.perf_counter() - t0:.0f} s)", flush=True)
     report = {"ckpt": str(ckpt), "assistant": str(assistant_ckpt), "dtype": str(target.dtype),
+              "quantization": args.quantization, "quantization_assistant": args.quantization_assistant,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "prompts_per_source": n, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
               "results": results}
     Path(args.out).write_text(json.dumps(report, indent=2))
+    if args.compare:
+        compare(json.loads(Path(args.compare).read_text()), report)
+
+
+def compare(base: dict, run: dict) -> None:
+    """Each row's mean acceptance length and per-position rates beside `base`'s row of the same k, temperature and
+    source, and (greedy) the outputs equal token for token and the mean length of their common prefix."""
+    rows = {(r["k"], r["temperature"], r["source"]): r for r in base["results"]}
+    print(f"\nagainst {base.get('quantization')} weights, {base.get('kv_cache_dtype')} cache:")
+    for r in run["results"]:
+        b = rows.get((r["k"], r["temperature"], r["source"]))
+        if b is None:
+            continue
+        L, Lb = r["mean_acceptance_length"], b["mean_acceptance_length"]
+        line = (f"k={r['k']} T={r['temperature']} {r['source']:12s} L {L:.3f} vs {Lb:.3f} ({100 * (L / Lb - 1):+.1f} %)"
+                f" per-position {r['rate_per_position']} vs {b['rate_per_position']}")
+        if "outputs" in r and "outputs" in b:
+            same = sum(x == y for x, y in zip(r["outputs"], b["outputs"]))
+            prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                      for x, y in zip(r["outputs"], b["outputs"])]
+            line += f"; greedy outputs equal {same}/{len(prefix)}, common prefix {np.mean(prefix):.1f} tokens"
+        print(line)
 
 
 if __name__ == "__main__":
