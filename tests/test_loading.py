@@ -121,12 +121,18 @@ def test_assistant_config_and_pair_checks():
 
 
 # -------------------------------------------------------------------------------------------------- bad checkpoints
-def _copy_with(src, dst, edit):
+def _copy_with(src, dst, edit, torch: bool = False):
+    """A copy of checkpoint `src` at `dst` with `edit` applied to its tensors: numpy arrays, or torch tensors (for
+    a checkpoint holding fp8 tensors: safetensors' numpy API has no float8)."""
+    if torch:
+        from safetensors.torch import load_file as load, save_file as save
+    else:
+        load, save = load_file, save_file
     shutil.copytree(src, dst)
     f = dst / "model.safetensors"
-    tensors = load_file(str(f))
+    tensors = load(str(f))
     edit(tensors)
-    save_file(tensors, str(f))
+    save(tensors, str(f))
     return dst
 
 
@@ -292,16 +298,18 @@ def test_fp8_checkpoint_errors_name_the_tensor(tiny_ckpts, tmp_path):
     assert {k: v.dtype for k, v in shapes.items()} == {k: v.dtype for k, v in got.items()}
 
     name = "model.layers.2.mlp.up_proj.weight"
-    d = _copy_with_torch(ct, tmp_path / "missing", lambda t: t.pop(name + "_scale"))
+    d = _copy_with(ct, tmp_path / "missing", lambda t: t.pop(name + "_scale"), torch=True)
     with pytest.raises(CheckpointError, match=f"missing tensor '{name}_scale'"):
         load_target(d, "float32")
-    d = _copy_with_torch(ct, tmp_path / "shape", lambda t: t.update({name + "_scale": t[name + "_scale"].repeat(3)}))
+    d = _copy_with(ct, tmp_path / "shape", lambda t: t.update({name + "_scale": t[name + "_scale"].repeat(3)}),
+                   torch=True)
     with pytest.raises(CheckpointError, match=rf"tensor '{name}_scale' has shape \(3,\)"):
         load_target(d, "float32")
-    d = _copy_with_torch(ct, tmp_path / "nan", lambda t: t.update({name + "_scale": t[name + "_scale"] * np.nan}))
+    d = _copy_with(ct, tmp_path / "nan", lambda t: t.update({name + "_scale": t[name + "_scale"] * np.nan}),
+                   torch=True)
     with pytest.raises(CheckpointError, match=f"'{name}_scale'.*non-finite"):
         load_target(d, "float32")
-    d = _copy_with_torch(ct, tmp_path / "stray", lambda t: t.update({name: t[name].float()}))
+    d = _copy_with(ct, tmp_path / "stray", lambda t: t.update({name: t[name].float()}), torch=True)
     with pytest.raises(CheckpointError, match=f"'{name}_scale' is a scale, but '{name}' is not float8"):
         load_target(d, "float32")
     cfg = json.loads((ct / "config.json").read_text())
@@ -318,16 +326,6 @@ def test_fp8_checkpoint_errors_name_the_tensor(tiny_ckpts, tmp_path):
         load_target(ct, "float32", quantization="int8")
 
 
-def _copy_with_torch(src, dst, edit):
-    """`_copy_with` for a checkpoint holding fp8 tensors (safetensors' numpy API has no float8)."""
-    from safetensors.torch import load_file as load_torch, save_file as save_torch
-
-    shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    tensors = load_torch(str(f))
-    edit(tensors)
-    save_torch(tensors, str(f))
-    return dst
 
 
 def test_fp8_needs_a_gpu_of_compute_capability_8_9():

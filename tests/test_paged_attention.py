@@ -94,12 +94,10 @@ def build_case(seed: int, *, Tq: int, nH: int, nKV: int, D: int, page_size: int,
     return Case(q, k_pages, v_pages, table, qpos, k_hist, v_hist, window, ring_pages)
 
 
-def dense_oracle(c: Case) -> np.ndarray:
-    """Straightforward attention over the unpaged history, float64."""
+def visible_rows(c: Case):
+    """(b, t, h, k, v) for each real query row: the unpaged keys and values [n, D] its window lets it see."""
     B, Tq, nH, D = c.q.shape
-    nKV = c.k_pages.shape[0]
-    G = nH // nKV
-    out = np.zeros((B, Tq, nH, D))
+    G = nH // c.k_pages.shape[0]
     for b in range(B):
         for t in range(Tq):
             qp = c.q_positions[b, t]
@@ -107,11 +105,16 @@ def dense_oracle(c: Case) -> np.ndarray:
                 continue
             lo = 0 if c.window is None else max(0, qp - c.window + 1)
             for h in range(nH):
-                k = c.k_hist[b][lo:qp + 1, h // G]
-                v = c.v_hist[b][lo:qp + 1, h // G]
-                s = k @ c.q[b, t, h]
-                w = np.exp(s - s.max())
-                out[b, t, h] = (w / w.sum()) @ v
+                yield b, t, h, c.k_hist[b][lo:qp + 1, h // G], c.v_hist[b][lo:qp + 1, h // G]
+
+
+def dense_oracle(c: Case) -> np.ndarray:
+    """Straightforward attention over the unpaged history, float64."""
+    out = np.zeros(c.q.shape)
+    for b, t, h, k, v in visible_rows(c):
+        s = k @ c.q[b, t, h]
+        w = np.exp(s - s.max())
+        out[b, t, h] = (w / w.sum()) @ v
     return out
 
 
@@ -221,20 +224,12 @@ def fp8_bound(c: Case) -> np.ndarray:
     dv <= 2^-4 |v| + 2^-10 V_SCALE, each score by ds <= sum_i |q_i| (2^-4 |k_i| + 2^-10 K_SCALE). Scores moved by at
     most e change every softmax weight by a factor within e^(+-2e): sum |dp| <= e^(2e) - 1. So
     |d out| <= max dv + (e^(2e) - 1) max |v|, over the row's visible keys."""
-    B, Tq, nH, D = c.q.shape
-    G = nH // c.k_pages.shape[0]
-    bound = np.zeros((B, Tq, nH))
-    for b in range(B):
-        for t in range(Tq):
-            qp = c.q_positions[b, t]
-            if qp < 0:
-                continue
-            lo = 0 if c.window is None else max(0, qp - c.window + 1)
-            for h in range(nH):
-                k, v = np.abs(c.k_hist[b][lo:qp + 1, h // G]), np.abs(c.v_hist[b][lo:qp + 1, h // G])
-                ds = (np.abs(c.q[b, t, h]) * (2.0**-4 * k + 2.0**-10 * K_SCALE)).sum(-1).max()
-                dv = (2.0**-4 * v + 2.0**-10 * V_SCALE).max()
-                bound[b, t, h] = dv + np.expm1(2 * ds) * v.max()
+    bound = np.zeros(c.q.shape[:3])
+    for b, t, h, k, v in visible_rows(c):
+        k, v = np.abs(k), np.abs(v)
+        ds = (np.abs(c.q[b, t, h]) * (2.0**-4 * k + 2.0**-10 * K_SCALE)).sum(-1).max()
+        dv = (2.0**-4 * v + 2.0**-10 * V_SCALE).max()
+        bound[b, t, h] = dv + np.expm1(2 * ds) * v.max()
     return bound
 
 
@@ -243,8 +238,8 @@ def test_kernel_fp8_pages(window, ring, splits):
     """A float8 cache (K / K_SCALE, V / V_SCALE in e4m3fn). The reference reads it as the attention of the float8
     values times their scales, bit for bit (the products are exact: powers of two); it strays from exact attention
     on the unquantized K/V by no more than fp8's rounding allows (`fp8_bound`, a worst case; measured on these N(0, 1)
-    values: at most 0.11, under 4 % of the row's bound, 0.006 on average). The kernel, computing in the queries' dtype, equals the reference
-    in float32 and within bfloat16's rounding in bfloat16."""
+    values: at most 0.11, under 4 % of the row's bound, 0.006 on average). The kernel, computing in the queries'
+    dtype, equals the reference in float32 and within bfloat16's rounding in bfloat16."""
     c = build_case(4, Tq=5, nH=8, nKV=2, D=32, page_size=8, starts=[44, 17, 0, 3], n_valid=_valid(5),
                    window=window, ring_pages=ring)
     kq, vq = fp8_pages(c)
