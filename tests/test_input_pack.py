@@ -73,5 +73,7 @@ def test_result_returned_in_the_donated_inputs():
     want = packed.copy()
     want[:, :2] = tree["table"]["full"][:, :2] * 2
     assert np.array_equal(np.asarray(got), want)
-    with pytest.raises(ValueError, match=r"result of 3 x 12 does not fit packed inputs of 3 x 11"):
-        return_in(jnp.asarray(packed), jnp.zeros((3, 12), jnp.int32))
+    wide = jnp.arange(3 * (packed.shape[1] + 1), dtype=jnp.int32).reshape(3, -1)
+    assert np.array_equal(np.asarray(return_in(jnp.asarray(packed), wide)), np.asarray(wide))  # its own array
+    with pytest.raises(ValueError, match=r"result of 2 rows for packed inputs of 3"):
+        return_in(jnp.asarray(packed), jnp.zeros((2, 2), jnp.int32))

@@ -897,11 +897,11 @@ def test_suppressed_tokens_never_drafted(engines, tiny_ckpts):
         _release(eng, req)
 
 
-def _round_on_copies(eng, req, tok: int, P: int, sampling, k: int):
-    """The engine's speculative round (`speculative.speculative_step`, its sampled variant, on the engine's target,
-    drafter and layout) jitted for B rows that each start from `req`'s state after its prefill (P tokens committed,
-    the newest `tok`): the same token, length and h, and each its own copy of req's pages, because the verify
-    forward writes K/V at P..P+k.
+def _round_on_copies(eng, req, tok: int, P: int, sampling, k: int, processing=None, history=None):
+    """The engine's speculative round (`speculative.speculative_step`, its sampled variant, or with `processing`
+    rows and `history` its processed variant, on the engine's target, drafter and layout) jitted for B rows that
+    each start from `req`'s state after its prefill (P tokens committed, the newest `tok`): the same token, length
+    and h, and each its own copy of req's pages, because the verify forward writes K/V at P..P+k.
     Returns (emitted [B, k+1], n [B])."""
     from gemma4_mtp_jax.model.kv_state import NULL_PAGE
     from gemma4_mtp_jax.steps import speculative
@@ -917,20 +917,23 @@ def _round_on_copies(eng, req, tok: int, P: int, sampling, k: int):
         src = np.concatenate([[NULL_PAGE], np.tile(table[eng.target.config.layers[i].layer_type], B)])
         pages[i] = tuple(a[:, src] for a in kv)
     hidden = jnp.repeat(eng.state.hidden[eng.kv.seq(req).slot][None], B + 1, 0)
-    spec = steps.spec.but(layout=layout, k=k, sampled=True)
+    spec = steps.spec.but(layout=layout, k=k, sampled=True, processed=processing is not None)
     rows = StepRows.stack([dict(slot=b, fresh=True, token=tok, length=P, remaining=1 << 20, stop_ids=-1,
                                 speculate=True) for b in range(B)], B)
     fn = jax.jit(functools.partial(speculative.speculative_step, spec))
-    _, _, emitted, n = fn(eng.target.params, steps.draft_params, pages, hidden, StepInputs(rows, tables, sampling))
+    _, _, emitted, n, _, _ = fn(eng.target.params, steps.draft_params, pages, hidden,
+                                StepInputs(rows, tables, sampling, processing), history)
     return np.asarray(emitted), np.asarray(n)
 
 
-def _target_law_pvalues(eng, context, emitted, n, temperature, top_k) -> tuple[dict[str, float], list]:
+def _target_law_pvalues(eng, context, emitted, n, temperature, top_k,
+                        process=None) -> tuple[dict[str, float], list]:
     """p-values of a round's emitted tokens against the target's own sampling distribution, position by position:
     token j+1 of rows that accepted their first j drafts, grouped by those j tokens, against p(. | context, the j
     tokens) = softmax(logits / T) over the top-k, the target's logits from `target_forward` (the dense reference
-    forward, not the paged verify). Position k+1 is the bonus after full acceptance; a token of probability 0 under
-    its p gives p-value 0. Returns (p-values, [(logits, p)] of the groups tested)."""
+    forward, not the paged verify), processed by `process(logits, tokens before)` if given. Position k+1 is the
+    bonus after full acceptance; a token of probability 0 under its p gives p-value 0. Returns (p-values,
+    [(logits, p)] of the groups tested)."""
     from gemma4_mtp_jax import target_forward
 
     k = emitted.shape[1] - 1
@@ -945,6 +948,8 @@ def _target_law_pvalues(eng, context, emitted, n, temperature, top_k) -> tuple[d
             seq = list(context) + list(prefix)
             logits = target_forward(eng.target, np.asarray([seq + [0] * (REF_LEN - len(seq))], np.int32)).logits
             logits = np.asarray(logits[0, len(seq) - 1], np.float64)
+            if process is not None:
+                logits = process(logits, seq)
             p = _filtered_probs(logits, temperature, top_k)
             dists.append((logits, p))
             counts = np.bincount(emitted[rows, j], minlength=len(p))
@@ -1280,3 +1285,168 @@ def test_device_stop_check():
     # a stop id reached on the last allowed token is a stop
     S, L, N = FINISH_STOP, FINISH_LENGTH, FINISH_NONE
     assert reason.tolist() == [S, S, L, L, N, S]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Logits processing (penalties, bias, min_tokens, allowed tokens) and logprobs: exact under speculation
+# ----------------------------------------------------------------------------------------------------------------------
+def _processed_reference(logits, prompt, outputs, pp, stop_ids=(), out_index=0):
+    """Numpy, float64, from the definitions (OpenAI's penalties, vLLM's repetition penalty and order): a request's
+    logits at a position after `prompt` and `outputs` (its output tokens so far), the sampled token being output
+    number `out_index`."""
+    x = np.array(logits, np.float64)
+    V = len(x)
+    if pp.allowed_token_ids is not None:
+        keep = np.zeros(V, bool)
+        keep[list(pp.allowed_token_ids)] = True
+        x[~keep] = -np.inf
+    x[list(pp.bad_token_ids)] = -np.inf
+    for t, b in pp.logit_bias:
+        x[t] += b
+    if out_index < pp.min_tokens:
+        x[list(stop_ids)] = -np.inf
+    counts = np.bincount(np.asarray(outputs, int), minlength=V)
+    seen = counts > 0
+    seen[list(prompt)] = True
+    r = pp.repetition_penalty
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    return x - pp.frequency_penalty * counts - pp.presence_penalty * (counts > 0)
+
+
+def test_process_logits_matches_its_definition():
+    """sampling.process_logits at T = 3 positions of 4 rows, each with its own prompt, output so far, penalties,
+    bias, min_tokens, allowed and bad tokens (and a grammar's mask at one row's first position), against `_processed_reference` position by position (each position
+    counting the inputs before it); and min-p keeps exactly the tokens of probability >= min_p * max."""
+    from gemma4_mtp_jax.model.sampling import SamplingParams, filter_logits, pack_bits, process_logits, unpack_bits
+    from gemma4_mtp_jax.steps.device_state import History, ProcessingRows
+
+    rng = np.random.default_rng(0)
+    B, T, V = 4, 3, 50
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6),
+              SamplingParams(logit_bias=((3, 5.0), (7, -100.0)), min_tokens=6, bad_token_ids=(11,)),
+              SamplingParams(allowed_token_ids=tuple(range(0, 50, 3)), repetition_penalty=0.7, presence_penalty=-1.0),
+              SamplingParams()]
+    prompts = [rng.integers(0, V, 6).tolist() for _ in range(B)]
+    before = [rng.integers(0, V, n).tolist() for n in (5, 2, 0, 3)]  # output tokens committed so far
+    inputs = rng.integers(0, V, (B, T)).astype(np.int32)
+    for b in range(B):
+        inputs[b, 1] = inputs[b, 0]  # repeats count twice
+    stop_ids = np.full((B, 4), -1, np.int32)
+    stop_ids[:, :2] = [[1, 9]]
+    positions = np.array([[len(prompts[b]) + len(before[b]) + j for j in range(T)] for b in range(B)], np.int32)
+    logits = rng.normal(0, 3, (B, T, V)).astype(np.float32)
+    rows = ProcessingRows.stack([pp.processing_row(len(prompts[b])) | {"allowed": pp.allowed_mask(V)}
+                                 for b, pp in enumerate(params)], B, (2, 1, 2))
+    grammar = np.zeros(64, bool)
+    grammar[[4, 5, 6]] = True
+    rows.mask[3, 0] = pack_bits(grammar)  # a grammar's mask at row 3's first position
+    counts = np.stack([np.bincount(before[b], minlength=V) for b in range(B)]).astype(np.int32)
+    seen = np.zeros((B, V), bool)
+    for b in range(B):
+        seen[b, prompts[b]] = True
+    history = History(jnp.asarray(counts), jnp.asarray(seen), unpack_bits(jnp.asarray(rows.allowed), V))
+    got = np.asarray(process_logits(jnp.asarray(logits), rows, history, jnp.asarray(stop_ids),
+                                    jnp.asarray(positions), jnp.asarray(inputs)))
+    for b, pp in enumerate(params):
+        for j in range(T):
+            want = _processed_reference(logits[b, j], prompts[b], before[b] + inputs[b, :j + 1].tolist(), pp,
+                                        [1, 9], positions[b, j] + 1 - len(prompts[b]))
+            if (b, j) == (3, 0):
+                want[~grammar[:V]] = -np.inf
+            np.testing.assert_allclose(got[b, j], want, rtol=1e-6, atol=1e-5, err_msg=f"row {b} position {j}")
+    assert np.isinf(got[1, :, [1, 9]]).all() and (got[1, :, 7] < -90).all()  # min_tokens, bias -100
+    x = rng.normal(0, 2, (3, V)).astype(np.float32)
+    min_p = np.array([0.0, 0.1, 0.5], np.float32)
+    kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(x), jnp.zeros(3, jnp.int32), jnp.ones(3), min_p)))
+    p = _softmax(x.astype(np.float64))
+    assert (kept == (p >= min_p[:, None] * p.max(-1, keepdims=True))).all()
+
+
+def test_processed_speculative_equals_plain(engines):
+    """Greedy requests with penalties, logit bias, min_tokens, allowed tokens and logprobs, beside a plain request,
+    through one continuous batch: the speculative engine (k = 4) emits the plain engine's tokens and logprobs (the
+    verify processes each position as a decode step does, its counts including the drafts before it) — float32 —
+    and drafts still get accepted; the requests' constraints hold; a greedy token is its position's top logprob."""
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+
+    prompts = _prompts(50, [5, 9, 14, 20, 7])
+    plain = greedy_reference(engines, "e2b", prompts, MAX_NEW)
+    stop = {plain[2][1], plain[2][3]}  # tokens the plain run emits early: min_tokens must hold them back
+    allowed = tuple(sorted(set(range(3, hf_tiny.VOCAB, 5)) | set(plain[3][:4])))
+    params = [SamplingParams(presence_penalty=1.2, frequency_penalty=0.6, logprobs=5),
+              SamplingParams(repetition_penalty=1.8, logprobs=0),
+              SamplingParams(min_tokens=6, logit_bias=((plain[2][0], -100.0), (plain[2][5], 3.0)), logprobs=2),
+              SamplingParams(allowed_token_ids=allowed, presence_penalty=0.5),
+              SamplingParams()]
+    stops = [None, None, frozenset(stop), None, None]
+    runs = {}
+    for k in (0, K):
+        eng = engines("e2b", k)
+        reqs = [eng.add_request(p, MAX_NEW, pp, stop_ids=s) for p, pp, s in zip(prompts, params, stops)]
+        eng.run()
+        runs[k] = reqs
+        assert all(n == 0 for n in eng.pages_in_use().values())
+    for a, b in zip(runs[0], runs[K]):
+        assert a.output == b.output, (a.sampling, a.output, b.output)
+        assert len(a.logprobs) == len(a.output) if a.sampling.logprobs is not None else not a.logprobs
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            np.testing.assert_allclose([v for _, v in x.top], [v for _, v in y.top], atol=1e-4)
+    assert sum(r.num_accepted for r in runs[K]) > 0, "no draft accepted: the test would prove little"
+    pen, rep, early, restricted, free = runs[0]
+    assert pen.output != plain[0] and rep.output != plain[1] and free.output == plain[4]
+    assert not stop & set(early.output[:6]) and plain[2][0] not in early.output
+    assert set(restricted.output) <= set(allowed)
+    for r in (pen, rep, early):
+        for tok, lp in zip(r.output, r.logprobs):
+            assert len(lp.top) == r.sampling.logprobs
+            if lp.top:
+                assert lp.top[0][0] == tok and lp.top[0][1] == pytest.approx(lp.logprob)
+            assert lp.logprob <= 0
+    assert len(set(pen.output)) > len(set(plain[0])) or pen.output != plain[0]
+
+
+def test_processed_round_follows_the_target(engines):
+    """Sampling stays lossless with processing: as `test_sampled_round_follows_the_target` (b31b, 2048 rows, T = 0.7,
+    top-k 8, k = 1), the processed round with presence, frequency and repetition penalties and a logit bias, the last 6
+    prompt tokens standing as output tokens already counted (prompt_len 9 of 15): every emitted token follows the
+    target's processed distribution given the tokens before it (`_processed_reference`, the drafts before it
+    counting), the bonus included, at p >= 1e-4."""
+    from gemma4_mtp_jax.model.sampling import SamplingBatch, SamplingParams
+    from gemma4_mtp_jax.steps.device_state import History, ProcessingRows
+
+    eng = engines("b31b", K)
+    seed, k = E2E["b31b"][0], 1  # the penalties, absent from the drafts, lower acceptance: one draft per round
+    prompt = _prompts(seed, [15])[0]
+    req, tok = _prefill_only(eng, prompt)
+    V, P0 = eng.target.config.vocab_size, 9
+    try:
+        B, T, top_k = 2048, 0.7, 8
+        sampling = SamplingBatch(np.full(B, T, np.float32), np.full(B, top_k, np.int32), np.ones(B, np.float32),
+                                 np.arange(B, dtype=np.uint32))
+        # Negative presence and frequency penalties favour the tokens already out: the draft before the bonus then
+        # gains 2 logits there, which a round that did not count it would miss.
+        pp = SamplingParams(temperature=T, top_k=top_k, presence_penalty=-1.0, frequency_penalty=-1.0,
+                            repetition_penalty=1.3, logit_bias=((tok, 1.0),))
+        processing = ProcessingRows.stack([pp.processing_row(P0)] * B, B)
+        counts = np.bincount(prompt[P0:], minlength=V).astype(np.int32)
+        seen = np.zeros(V, bool)
+        seen[prompt[:P0]] = True
+        history = History(jnp.asarray(np.tile(counts, (B, 1))), jnp.asarray(np.tile(seen, (B, 1))),
+                          jnp.ones((B, V), bool))
+        emitted, n = _round_on_copies(eng, req, tok, len(prompt), sampling, k, processing, history)
+    finally:
+        _release(eng, req)
+    hist = np.bincount(n, minlength=k + 1)
+    assert hist.min() >= 200, f"accepted counts {hist.tolist()}: some position would be barely tested"
+
+    def process(logits, seq):  # seq: the prompt, the newest token, the drafts before this position
+        return _processed_reference(logits, seq[:P0], seq[P0:], pp)
+
+    pv, dists = _target_law_pvalues(eng, prompt + [tok], emitted, n, T, top_k, process)
+    assert len(dists) > k, "too few groups of rows to test"
+    bad = {c: v for c, v in pv.items() if not v >= P_MIN}
+    assert not bad, f"emitted tokens off the target's processed distribution (p < {P_MIN}): {bad}; all: {pv}"
+    plain, _ = _target_law_pvalues(eng, prompt + [tok], emitted, n, T, top_k)
+    assert min(plain.values()) < P_MIN, "the penalties change nothing here: the test would prove little"

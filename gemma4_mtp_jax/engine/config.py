@@ -68,6 +68,10 @@ class EngineConfig:
     # device (load the weights into host memory first, as `serve --pack-params` does, or they are held twice).
     # Off until the row layout is timed on the GPU (docs/decisions/0004-pack-params.md).
     pack_params: bool = False
+    # Speculative rounds for requests with a grammar (structured output): two more programs per batch bucket, the
+    # drafts alone and their verify under the grammar's masks at every position. Off: such requests do not
+    # speculate (their mask is known for the first position only).
+    structured_outputs: bool = False
 
     def kv_cache_dtype(self, target_dtype) -> jnp.dtype:
         """`cache_dtype` as a dtype, for a target of `target_dtype`."""

@@ -31,11 +31,11 @@ import jax
 import numpy as np
 
 from gemma4_mtp_jax.model.config import check_pair
-from gemma4_mtp_jax.steps.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState
+from gemma4_mtp_jax.steps.device_state import FINISH_LENGTH, FINISH_STOP, MAX_STOP_IDS, DeviceState, unpack_logprobs
 from gemma4_mtp_jax.engine.config import EngineConfig
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.memory import out_of_memory_explained, pool_sizes
-from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent
+from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent, TokenLogprob
 from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner
 from gemma4_mtp_jax.engine.scheduler import Scheduler
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
@@ -135,7 +135,8 @@ class Engine:
                                        k=self.k, num_slots=cfg.max_num_seqs,
                                        placement=_placement(target, cfg.tensor_parallel_size, devices),
                                        pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
-                                       max_prefill_tokens=max(cfg.prefill_buckets()))
+                                       max_prefill_tokens=max(cfg.prefill_buckets()),
+                                       structured=cfg.structured_outputs)
         self.programs = ProgramSet(self.steps, cfg.batch_buckets(), cfg.prefill_buckets(),
                                    background=cfg.compile_in_background)
         self.compile_times = self.programs.times
@@ -202,7 +203,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                     stop_ids: frozenset[int] | None = None, request_id: str | None = None,
-                    speculative: bool = True) -> Request:
+                    speculative: bool = True, after: Request | None = None, grammar: Any = None) -> Request:
+        """Queue a request. `after`: another request of the same prompt (n > 1: the choices after the first),
+        admitted before this one; this one waits until `after`'s prompt is prefilled, then finds the prompt's
+        full pages in the prefix cache (prefilled once, pages shared). `grammar`: a fresh matcher
+        (engine/grammar.py) every output token must satisfy; such a request does not speculate."""
         V = self.target.config.vocab_size
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -226,10 +231,17 @@ class Engine:
                 raise RequestError(f"request needs {self.layout.pages_needed(g, total)} '{g}' pages; the pool has "
                                    f"{capacity}")
         sampling = sampling or SamplingParams()
+        bad = [t for t in sampling.token_ids() if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"token id {bad[0]} (logit_bias, allowed or bad tokens) is outside the vocabulary "
+                               f"[0, {V})")
         if sampling.seed is None and sampling.temperature > 0:  # unseeded: a fresh draw, not the same seed for all
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling,
-                      self.eos_ids if stop_ids is None else frozenset(stop_ids), speculative=speculative)
+                      self.eos_ids if stop_ids is None else frozenset(stop_ids), speculative=speculative,
+                      allowed_row=sampling.allowed_mask(V), after=after, grammar=grammar)
+        if not req.allowed_row.any():
+            raise RequestError("allowed_token_ids and bad tokens leave no token to emit")
         self.scheduler.add(req)
         return req
 
@@ -270,7 +282,11 @@ class Engine:
         """This step's pages and admissions; returns the sequences that decode in it."""
         scheduler, runner = self.scheduler, self.runner
         decoding = scheduler.decoding()
-        if runner.in_flight is not None and not scheduler.grow_fits(decoding, runner.in_flight_members()):
+        if runner.in_flight is not None and (
+                not scheduler.grow_fits(decoding, runner.in_flight_members())
+                or any(r.grammar is not None for r in runner.in_flight.requests)):
+            # Read the step in flight first: a preempted sequence's tokens must be known, and a grammar's mask
+            # for the next token depends on the tokens before it.
             events += self._update(runner.in_flight)
             decoding = scheduler.decoding()
         decoding = scheduler.grow(decoding, runner.in_flight_members(), events)
@@ -294,7 +310,7 @@ class Engine:
             if packed is not None:
                 req.decoding = True
                 if not resumed:
-                    events.append(self._take(req, packed, time.perf_counter(), speculative_round=False))
+                    events.append(self._take(req, packed, time.perf_counter(), positions=1))
         rows = self._rows(decoding, events)
         previous, self.runner.in_flight = self.runner.in_flight, None
         if rows:
@@ -313,23 +329,35 @@ class Engine:
         for req, row_result in self.runner.collect(dispatched):
             if req.status != "running":
                 continue
-            events.append(self._take(req, row_result, now, self.assistant is not None))
+            events.append(self._take(req, row_result, now, positions=self.k + 1))
             if not req.finished:
                 self.kv.register(req)
         return events
 
-    def _take(self, req: Request, result: np.ndarray, now: float, speculative_round: bool) -> StepEvent:
-        """`req`'s new tokens from its row of a packed result (emitted tokens, n accepted, tokens kept, finish
-        reason): the device decided where its output ends; the host only records it."""
+    def _take(self, req: Request, result: np.ndarray, now: float, positions: int) -> StepEvent:
+        """`req`'s new tokens from its row of a packed result (`positions` emitted tokens, n accepted, tokens kept,
+        finish reason, then for a prefill or a processed step the tokens' logprobs: device_state.finish_round): the
+        device decided where its output ends; the host only records it. A speculative round has k+1 positions."""
         try:
-            n, keep, reason = (int(x) for x in result[len(result) - 3:])
+            n, keep, reason = (int(x) for x in result[positions:positions + 3])
             kept = [int(t) for t in result[:keep]]
+            for t in kept if req.grammar is not None else ():
+                if not req.grammar.accept(t):
+                    raise RuntimeError(f"token {t} broke the request's grammar")
+            logprobs = None
+            if req.sampling.logprobs is not None:
+                chosen, top_ids, top_lp = unpack_logprobs(result[positions + 3:], positions)
+                m = req.sampling.logprobs
+                logprobs = [TokenLogprob(float(chosen[j]), [(int(t), float(v)) for t, v in
+                                                            zip(top_ids[j, :m], top_lp[j, :m])])
+                            for j in range(keep)]
+                req.logprobs += logprobs
             req.output += kept
             req.token_times += [now] * len(kept)
             if req.first_token_at is None and kept:
                 req.first_token_at = now
             accepted = None
-            if speculative_round and req.speculative:
+            if positions > 1 and req.speculative:
                 req.num_speculative_tokens = self.k
                 req.accepted_per_round.append(n)
                 accepted = n
@@ -337,7 +365,7 @@ class Engine:
                 self.scheduler.finish(req, _FINISH_REASONS[reason])
         except Exception as e:
             return self.scheduler.fail(req, "taking its new tokens", e)
-        return StepEvent(req, kept, req.finished, accepted)
+        return StepEvent(req, kept, req.finished, accepted, logprobs)
 
 
 def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | None = None,

@@ -28,6 +28,17 @@ class Request:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     speculative: bool = True  # draft with the assistant (when the engine has one)
+    # The tokens it may emit as a bitmask [ceil(V/32)] int32 (SamplingParams.allowed_mask), which its prefill
+    # writes into its slot; built once by the engine.
+    allowed_row: np.ndarray | None = None
+    # n > 1: a sibling admitted only once this request's prompt is prefilled, so that it finds the prompt's full
+    # pages in the prefix cache instead of computing them again.
+    after: "Request | None" = None
+    # Structured output: the request's grammar matcher (engine/grammar.py's GrammarMatcher), advanced by each
+    # token it outputs; its mask restricts every sampled token.
+    grammar: Any = None
+    # With sampling.logprobs: each output token's logprob and top alternatives, as `output` grows.
+    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
     output: list[int] = dataclasses.field(default_factory=list)
     status: str = "waiting"  # waiting -> running -> finished
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -46,6 +57,11 @@ class Request:
     # The slot's device values (newest token, length, remaining) are this sequence's: a step has run it since it
     # started decoding. Until then its rows bring them from the host.
     on_device: bool = False
+
+    @property
+    def processed(self) -> bool:
+        """Whether its steps need the processed programs (sampling.SamplingParams.processed, or a grammar)."""
+        return self.sampling.processed or self.grammar is not None
 
     @property
     def num_drafted(self) -> int:
@@ -110,8 +126,18 @@ class Request:
 
 
 @dataclasses.dataclass
+class TokenLogprob:
+    """An output token's log-probability under the target's processed distribution at its position
+    (sampling.token_logprobs), and the `logprobs` most likely tokens there, best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
 class StepEvent:
     request: Request
     new_tokens: list[int]
     finished: bool
     accepted: int | None = None  # drafts accepted in this step's speculative round (None: no round)
+    logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for logprobs

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gemma4_mtp_jax.steps.device_state import DeviceState, PrefillRows, StepInputs, StepRows
+from gemma4_mtp_jax.steps.device_state import DeviceState, PrefillRows, ProcessingRows, StepInputs, StepRows
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.request import Request
 from gemma4_mtp_jax.model.kv_state import NULL_PAGE
@@ -36,19 +36,33 @@ class Row:
     token: np.int32 = np.int32(0)
     length: np.int32 = np.int32(-1)
 
-    def step_row(self) -> dict[str, Any]:
-        """Its StepRows values."""
+    def processing_row(self, prefill: bool = False) -> dict[str, Any]:
+        """Its ProcessingRows values: the allowed-token mask (a prefill's alone), and what its grammar allows next
+        (filled now: the tokens before are known)."""
+        row = self.req.sampling.processing_row(len(self.req.prompt))
+        if self.req.grammar is not None:
+            row["mask"] = np.empty((1, *self.req.allowed_row.shape), np.int32)
+            self.req.grammar.fill_mask(row["mask"][0])
+        return {**row, "allowed": self.req.allowed_row} if prefill else row
+
+    def step_row(self, masked_rounds: bool = False) -> dict[str, Any]:
+        """Its StepRows values. A row with a grammar speculates only in rounds whose verify takes the grammar's masks
+        at every position (`masked_rounds`: the draft program, then the verify); otherwise its mask is known for
+        its first position only."""
         return dict(slot=self.slot, fresh=self.fresh, token=self.token, length=self.length,
-                    remaining=self.remaining, stop_ids=self.stop_ids, speculate=self.req.speculative)
+                    remaining=self.remaining, stop_ids=self.stop_ids,
+                    speculate=self.req.speculative and (self.req.grammar is None or masked_rounds))
 
 
 class Dispatched(NamedTuple):
     """A decode or speculative step dispatched and not read yet: its requests by row, the same as a set (asked once
-    per decoding sequence per step), and the program's output on the device."""
+    per decoding sequence per step), the program's output on the device, and whether it was the processed variant
+    (its result then holds logprobs)."""
 
     requests: list[Request]
     members: frozenset[Request]
     packed: jax.Array
+    processed: bool = False
 
 
 def bucket(buckets: list[int], n: int) -> int:
@@ -91,7 +105,7 @@ class Runner:
         return rows, failed
 
     @staticmethod
-    def _batch(rows: list[Row], batch: int, step_rows: Any) -> StepInputs:
+    def _batch(rows: list[Row], batch: int, step_rows: Any, processing: ProcessingRows | None) -> StepInputs:
         """The rows' inputs padded to `batch` rows (padding rows point at the null page)."""
         tables = {}
         for g, t in rows[0].tables.items():
@@ -99,7 +113,8 @@ class Runner:
             for r, row in enumerate(rows):
                 table[r] = row.tables[g]
             tables[g] = table
-        return StepInputs(step_rows, tables, SamplingBatch.from_rows([row.sampling for row in rows], batch))
+        return StepInputs(step_rows, tables, SamplingBatch.from_rows([row.sampling for row in rows], batch),
+                          processing)
 
     def prefill(self, req: Request, row: Row, budget: int | None) -> tuple[int, np.ndarray | None]:
         """Write the K/V of `req`'s tokens but the newest (`row`: its row of host arrays): its prompt, or for a
@@ -111,6 +126,8 @@ class Runner:
         chunk = min(self.prefill_chunk, buckets[-1])
         todo = req.prompt + req.output[:-1]
         ps = self.kv.layout.page_size
+        words = len(req.allowed_row)
+        processing = ProcessingRows.stack([row.processing_row(prefill=True)], 1, (words, 1, words))
         done, packed = 0, None
         while req.prefilled < len(todo) and (budget is None or done < budget):
             start = req.prefilled
@@ -122,7 +139,7 @@ class Runner:
                                            positions=np.pad(np.arange(start, start + n), (0, T - n),
                                                             constant_values=-1),
                                            last_index=n - 1, stop_ids=row.stop_ids, remaining=row.remaining)], 1, T)
-            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows))
+            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows, processing))
             req.prefilled += n
             done += n
             self.kv.register(req)
@@ -130,24 +147,54 @@ class Runner:
             return done, None
         return done, self.programs.result(packed, prefill=True)[0]
 
-    def step_inputs(self, rows: list[Row]) -> StepInputs:
-        """A decode or speculative step's host inputs for `rows`, padded to the batch bucket that holds them."""
+    def step_inputs(self, rows: list[Row], processed: bool = False, masked_rounds: bool = False) -> StepInputs:
+        """A decode or speculative step's host inputs for `rows`, padded to the batch bucket that holds them (with
+        the rows' processing parameters for the processed variant; `masked_rounds`: see Row.step_row)."""
         B = bucket(self.programs.buckets()[0], len(rows))
-        return self._batch(rows, B, StepRows.stack([row.step_row() for row in rows], B, slot=self.pad_slot))
+        processing = None
+        if processed:
+            processing = ProcessingRows.stack([row.processing_row() for row in rows], B,
+                                              (0, 1, len(rows[0].req.allowed_row)))
+        step_rows = StepRows.stack([row.step_row(masked_rounds) for row in rows], B, slot=self.pad_slot)
+        return self._batch(rows, B, step_rows, processing)
+
+    def _masked_round(self, rows: list[Row]) -> jax.Array:
+        """A speculative round for a batch with a grammar, in two programs: the drafts, read here; each grammar's
+        masks at the k+1 verified positions, walked through its row's drafts (a draft it forbids is rejected by
+        the verify: its probability there is 0); the verify. Returns the verify's output."""
+        programs, k = self.programs, self.programs.steps.k
+        inputs = self.step_inputs(rows, masked_rounds=True)
+        self.state, drafted, q, q_ids = programs.draft(self.state, inputs)
+        drafts = programs.drafts(drafted)
+        words = len(rows[0].req.allowed_row)
+        B = inputs.rows.slot.shape[0]
+        processing = ProcessingRows.stack([row.processing_row() for row in rows], B, (0, k + 1, words))
+        processing.mask[:] = -1
+        for r, row in enumerate(rows):
+            if row.req.grammar is not None:
+                row.req.grammar.fill_draft_masks(drafts[r].tolist(), processing.mask[r])
+        self.state, packed = programs.verify(self.state, inputs.replace(processing=processing), drafted, q, q_ids)
+        return packed
 
     def dispatch(self, rows: list[Row]) -> Dispatched:
         """One decode step, or with a drafter one draft-and-verify round, for `rows`, without waiting; it becomes
-        the step in flight."""
-        sampled = any_sampled([row.sampling for row in rows])
-        self.state, packed = self.programs.step(self.state, self.step_inputs(rows), sampled)
+        the step in flight. A batch with a grammar on an engine with masked rounds runs `_masked_round`."""
+        processed = any(row.req.processed for row in rows)
+        sampled = processed or any_sampled([row.sampling for row in rows])
+        steps = self.programs.steps
+        if steps.structured and steps.drafter is not None and any(row.req.grammar is not None for row in rows):
+            processed, packed = True, self._masked_round(rows)
+        else:
+            self.state, packed = self.programs.step(self.state, self.step_inputs(rows, processed), sampled,
+                                                    processed)
         for row in rows:
             row.req.on_device = True
         reqs = [row.req for row in rows]
-        self.in_flight = Dispatched(reqs, frozenset(reqs), packed)
+        self.in_flight = Dispatched(reqs, frozenset(reqs), packed, processed)
         return self.in_flight
 
     def collect(self, dispatched: Dispatched) -> list[tuple[Request, np.ndarray]]:
         """Read a dispatched step (the one host read of a step): each row's request and its packed result row."""
         if self.in_flight is dispatched:
             self.in_flight = None
-        return list(zip(dispatched.requests, self.programs.result(dispatched.packed)))
+        return list(zip(dispatched.requests, self.programs.result(dispatched.packed, processed=dispatched.processed)))

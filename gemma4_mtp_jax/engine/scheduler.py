@@ -116,6 +116,9 @@ class Scheduler:
         cap = min(self.config.max_num_seqs, cap)
         while self.waiting and len(self.running) < cap:
             req = self.waiting[0]
+            if req.after is not None and not (req.after.decoding or req.after.finished):
+                break  # a sibling of a prompt still prefilling: it waits to share that prompt's pages
+            req.after = None
             n_cached, cached = self.kv.cached_prefix(req)
             if not self.kv.admission_fits(self.kv.pages_short(req, req.num_tokens), cached, len(self.running)):
                 break  # first come, first served: wait for pages to free up

@@ -16,7 +16,7 @@ from gemma4_mtp_jax.model.kv_state import KVLayout, abstract_pages, init_pages
 from gemma4_mtp_jax.model.runtime import Target, shapes_only
 from gemma4_mtp_jax.model.sharding import Placement, mesh_context
 from gemma4_mtp_jax.programs.param_pack import PackedParams, ParamPack
-from gemma4_mtp_jax.steps.device_state import DeviceState, init_slots
+from gemma4_mtp_jax.steps.device_state import DeviceState, init_processing, init_slots, processing_shapes
 
 
 def shapes_of(tree: Any, shardings: Any = None) -> Any:
@@ -121,7 +121,8 @@ class ProgramArrays:
         if self.placement is None:
             return None
         rep = self.replicated
-        return DeviceState(self.page_shardings(), rep if self.with_hidden else None, rep, rep, rep, rep)
+        return DeviceState(self.page_shardings(), rep if self.with_hidden else None, rep, rep, rep, rep, rep, rep,
+                           rep)
 
     def abstract_params(self) -> tuple[Any, Any]:
         """(program params, draft params) as shapes, with their shardings."""
@@ -135,7 +136,8 @@ class ProgramArrays:
         hidden = jax.ShapeDtypeStruct((self.num_slots + 1, H), self.hidden_dtype) if self.with_hidden else None
         slots = [jax.ShapeDtypeStruct((self.num_slots + 1,), jnp.int32)] * 3
         inputs = jax.ShapeDtypeStruct((self.input_capacity,), jnp.int32)
-        return shapes_of(DeviceState(pages, hidden, *slots, inputs), self.state_shardings())
+        history = processing_shapes(self.num_slots, self.target.config.vocab_size)
+        return shapes_of(DeviceState(pages, hidden, *slots, inputs, *history), self.state_shardings())
 
     def init_state(self, pages: Any = None, hidden: Any = None) -> DeviceState:
         """The engine's device state, made where it lives: zeroed page pools (or `pages`, e.g. a benchmark's random
@@ -149,7 +151,8 @@ class ProgramArrays:
             if hidden is None and self.with_hidden:
                 hidden = jnp.zeros((self.num_slots + 1, H), self.hidden_dtype)
             inputs = jnp.zeros((self.input_capacity,), jnp.int32)
-            return DeviceState(pages, hidden, *init_slots(self.num_slots), inputs)
+            history = init_processing(self.num_slots, self.target.config.vocab_size)
+            return DeviceState(pages, hidden, *init_slots(self.num_slots), inputs, *history)
 
         donate = tuple(i for i, a in enumerate((pages, hidden)) if a is not None)
         return jit_on(self.placement, make, donate, self.state_shardings())(pages, hidden)

@@ -20,16 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs, finish_round, stop_check
+from gemma4_mtp_jax.steps.device_state import (DeviceState, History, StepInputs, count_inputs, finish_round,
+                                                prefill_history, stop_check)
 from gemma4_mtp_jax.programs.executable_cache import user_cache_dir
 from gemma4_mtp_jax.steps.forward import StepSpec, decode_step, prefill_step
 from gemma4_mtp_jax.programs.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
 from gemma4_mtp_jax.model.kv_state import KVLayout
 from gemma4_mtp_jax.model.runtime import Target
-from gemma4_mtp_jax.model.sharding import Placement
+from gemma4_mtp_jax.model.sharding import Placement, mesh_context
 from gemma4_mtp_jax.programs.arrays import ProgramArrays, jit_on
-from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter, speculative_step
+from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter, draft_round, speculative_step, verify_round
+from gemma4_mtp_jax.model.sampling import mask_words, top_logprobs_count
 from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
 
 log = logging.getLogger(__name__)
@@ -105,12 +107,21 @@ def _with_pallas_kernels(fn: Callable) -> Callable:
     return traced
 
 
+# A step program's variants, (sampled, processed): every row greedy; some row samples (`sampling.sample` says why
+# the host, not the device, decides); some row needs logits processing or logprobs (sampling.SamplingParams.
+# processed), which samples too. The cheaper variants skip what their batches never need.
+VARIANTS = ((False, False), (True, False), (True, True))
+
+
+def variant_tag(sampled: bool, processed: bool) -> str:
+    return ",processed" if processed else ",sampled" if sampled else ""
+
+
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
-    with a drafter, the speculative round, each in two variants: `sampled` False for batches whose rows are all
-    greedy, True when some row samples (`sampling.sample` says why the host, not the device, decides). What the
-    programs take besides their host inputs (parameters, the device state) is `arrays` (arrays.py)."""
+    with a drafter, the speculative round, each in the three VARIANTS. What the programs take besides their host
+    inputs (parameters, the device state) is `arrays` (arrays.py)."""
 
     target: Target
     layout: KVLayout
@@ -130,16 +141,22 @@ class CompiledSteps:
     # rows; the layout's max_model_len tokens.
     max_batch: int | None = None
     max_prefill_tokens: int | None = None
+    # With a drafter: also a round in two programs per batch bucket, the drafts (`draft`) and then their verify
+    # (`verify`, the processed variant with a grammar's masks at every verified position), for batches with a
+    # grammar: its masks depend on the drafts, which the host reads between the two.
+    structured: bool = False
     prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
-    decode: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, sampled)
-    speculative: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)
+    decode: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, *variant)
+    speculative: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)
+    draft: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> the drafts alone (structured)
+    verify: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> their verify (structured)
 
     def __post_init__(self):
         self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k)
         self._rep = None if self.placement is None else self.placement.replicated
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
         rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len
-        capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows)),
+        capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows, processed=True)),
                            packed_width(self._abstract_inputs(1, tokens)))
         self.arrays = ProgramArrays(self.target, self.layout, self.cache_dtype,
                                     self.drafter.params() if self.drafter is not None else None, self.num_slots,
@@ -157,16 +174,20 @@ class CompiledSteps:
             fn = _with_pallas_kernels(fn)
         return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(), self._rep))
 
-    def _abstract_inputs(self, batch: int, tokens: int | None = None) -> StepInputs:
+    def _abstract_inputs(self, batch: int, tokens: int | None = None, processed: bool = False,
+                         masked: int = 1) -> StepInputs:
         """A program's host inputs: a prefill's (PrefillRows of `tokens` per row) or, for tokens None, a decode or
-        speculative step's (StepRows)."""
-        return StepInputs.abstract(batch, self.layout.pages_per_seq, tokens, self._rep)
+        speculative step's (StepRows; with processing rows in the processed variant, grammar masks for `masked`
+        positions)."""
+        return StepInputs.abstract(batch, self.layout.pages_per_seq, tokens, self._rep, processed,
+                                   mask_words(self.target.config.vocab_size), masked)
 
-    def _abstract_args(self, batch: int, tokens: int | None = None) -> tuple:
+    def _abstract_args(self, batch: int, tokens: int | None = None, processed: bool = False,
+                       masked: int = 1) -> tuple:
         """(program params, draft params, state, packed inputs) as shapes."""
         params, draft = self.arrays.abstract_params()
-        packed = jax.ShapeDtypeStruct((batch, packed_width(self._abstract_inputs(batch, tokens))), jnp.int32,
-                                      sharding=self._rep)
+        width = packed_width(self._abstract_inputs(batch, tokens, processed, masked))
+        packed = jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=self._rep)
         return params, draft, self.arrays.abstract_state(), packed
 
     @staticmethod
@@ -175,41 +196,80 @@ class CompiledSteps:
         (input_pack.py)."""
         return pack_rows(inputs)
 
-    def _unpack(self, state: DeviceState, packed: jax.Array, tokens: int | None = None) -> tuple:
+    def _unpack(self, state: DeviceState, packed: jax.Array, tokens: int | None = None,
+                processed: bool = False, masked: int = 1) -> tuple:
         """(StepInputs, state with the inputs staged): see input_pack.py. A program whose packed inputs do not fit
         the staging buffer (more rows than max_batch, a longer chunk than max_prefill_tokens) fails here, at
         tracing."""
-        inputs, staged = unpack_rows(packed, self._abstract_inputs(packed.shape[0], tokens), state.inputs)
+        inputs, staged = unpack_rows(packed, self._abstract_inputs(packed.shape[0], tokens, processed, masked),
+                                     state.inputs)
         return inputs, state.replace(inputs=staged)
 
     def _prefill_fn(self, params, state: DeviceState, packed, *, tokens: int) -> tuple[DeviceState, jax.Array]:
         """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
-        a prompt's final chunk) as a packed [B, 4] result; the drafter's h (the hidden there) into its slot."""
+        a prompt's final chunk), with its logprobs, as a packed [B, 4 + 1 + 2K] result (finish_round's layout);
+        the drafter's h (the hidden there) into its slot; the rows' histories (device_state.prefill_history)."""
         inputs, state = self._unpack(state, packed, tokens)
         rows = inputs.rows
-        pages, token, h_last = prefill_step(self.spec, self.arrays.pack.unpack(params), state.pages, inputs)
+        state, history = prefill_history(state, rows, inputs.processing)
+        pages, token, h_last, logprobs = prefill_step(self.spec, self.arrays.pack.unpack(params), state.pages,
+                                                      inputs, history)
         state = state.replace(pages=pages)
         if state.hidden is not None:
             state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
         keep, reason = stop_check(token[:, None], jnp.zeros_like(token), rows.stop_ids, rows.remaining)
         zeros = jnp.zeros_like(token)
-        return state, return_in(packed, jnp.stack([token, zeros, keep, reason], 1))
+        return state, return_in(packed, jnp.concatenate([jnp.stack([token, zeros, keep, reason], 1), logprobs], 1))
 
-    def _decode_fn(self, params, state: DeviceState, packed, *, sampled: bool) -> tuple[DeviceState, jax.Array]:
-        inputs, state = self._unpack(state, packed)
-        inputs = inputs.replace(rows=inputs.rows.resolve(state))
-        pages, nxt = decode_step(self.spec.but(sampled=sampled), self.arrays.pack.unpack(params), state.pages,
-                                 inputs)
-        state, result = finish_round(state.replace(pages=pages), inputs.rows, nxt[:, None], jnp.zeros_like(nxt))
+    def _decode_fn(self, params, state: DeviceState, packed, *, sampled: bool,
+                   processed: bool) -> tuple[DeviceState, jax.Array]:
+        inputs, state = self._unpack(state, packed, processed=processed)
+        rows = inputs.rows.resolve(state)
+        inputs = inputs.replace(rows=rows)
+        history = History.of(state, rows.slot) if processed else None
+        pages, nxt, logprobs = decode_step(self.spec.but(sampled=sampled, processed=processed),
+                                           self.arrays.pack.unpack(params), state.pages, inputs, history)
+        state = state.replace(pages=pages)
+        zeros = jnp.zeros_like(nxt)
+        if processed:
+            state = count_inputs(state, rows, rows.token[:, None], zeros)
+        state, result = finish_round(state, rows, nxt[:, None], zeros, logprobs)
         return state, return_in(packed, result)
 
-    def _speculative_fn(self, params, params_d, state: DeviceState, packed, *,
-                        sampled: bool) -> tuple[DeviceState, jax.Array]:
+    def _speculative_fn(self, params, params_d, state: DeviceState, packed, *, sampled: bool,
+                        processed: bool) -> tuple[DeviceState, jax.Array]:
+        inputs, state = self._unpack(state, packed, processed=processed)
+        rows = inputs.rows.resolve(state)
+        inputs = inputs.replace(rows=rows)
+        history = History.of(state, rows.slot) if processed else None
+        pages, hidden, emitted, n, verified, logprobs = speculative_step(
+            self.spec.but(sampled=sampled, processed=processed), self.arrays.pack.unpack(params), params_d,
+            state.pages, state.hidden, inputs, history)
+        state = state.replace(pages=pages, hidden=hidden)
+        if processed:
+            state = count_inputs(state, rows, verified, n)
+        state, result = finish_round(state, rows, emitted, n, logprobs)
+        return state, return_in(packed, result)
+
+    def _draft_fn(self, params, params_d, state: DeviceState, packed) -> tuple:
+        """A round's drafts alone (speculative.draft_round): (state, packed [B, k] drafts, q, q_ids)."""
         inputs, state = self._unpack(state, packed)
         inputs = inputs.replace(rows=inputs.rows.resolve(state))
-        pages, hidden, emitted, n = speculative_step(self.spec.but(sampled=sampled), self.arrays.pack.unpack(params),
-                                                     params_d, state.pages, state.hidden, inputs)
-        state, result = finish_round(state.replace(pages=pages, hidden=hidden), inputs.rows, emitted, n)
+        drafts, q, q_ids = draft_round(self.spec, self.arrays.pack.unpack(params), params_d, state.pages,
+                                       state.hidden, inputs)
+        return state, return_in(packed, drafts), q, q_ids
+
+    def _verify_fn(self, params, state: DeviceState, packed, drafted, q, q_ids) -> tuple[DeviceState, jax.Array]:
+        """The verify of a `_draft_fn`'s drafts (`drafted`: its packed output; q, q_ids: its distributions), in the
+        processed variant with grammar masks at the k+1 verified positions: the speculative round's result."""
+        inputs, state = self._unpack(state, packed, processed=True, masked=self.k + 1)
+        rows = inputs.rows.resolve(state)
+        inputs = inputs.replace(rows=rows)
+        pages, hidden, emitted, n, verified, logprobs = verify_round(
+            self.spec.but(sampled=True, processed=True), self.arrays.pack.unpack(params), state.pages, state.hidden,
+            inputs, History.of(state, rows.slot), drafted[:, :self.k], q, q_ids)
+        state = count_inputs(state.replace(pages=pages, hidden=hidden), rows, verified, n)
+        state, result = finish_round(state, rows, emitted, n, logprobs)
         return state, return_in(packed, result)
 
     # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both
@@ -218,12 +278,26 @@ class CompiledSteps:
         params, _, state, packed = self._abstract_args(batch, tokens)
         return self._jit(functools.partial(self._prefill_fn, tokens=tokens), (1, 2)), (params, state, packed)
 
-    def decode_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
-        params, _, state, packed = self._abstract_args(batch)
-        return self._jit(functools.partial(self._decode_fn, sampled=sampled), (1, 2)), (params, state, packed)
+    def decode_program(self, batch: int, sampled: bool, processed: bool = False) -> tuple[Any, tuple]:
+        params, _, state, packed = self._abstract_args(batch, processed=processed)
+        fn = functools.partial(self._decode_fn, sampled=sampled, processed=processed)
+        return self._jit(fn, (1, 2)), (params, state, packed)
 
-    def speculative_program(self, batch: int, sampled: bool) -> tuple[Any, tuple]:
-        return self._jit(functools.partial(self._speculative_fn, sampled=sampled), (2, 3)), self._abstract_args(batch)
+    def speculative_program(self, batch: int, sampled: bool, processed: bool = False) -> tuple[Any, tuple]:
+        fn = functools.partial(self._speculative_fn, sampled=sampled, processed=processed)
+        return self._jit(fn, (2, 3)), self._abstract_args(batch, processed=processed)
+
+    def draft_program(self, batch: int) -> tuple[Any, tuple]:
+        return self._jit(self._draft_fn, (2, 3)), self._abstract_args(batch)
+
+    def verify_program(self, batch: int) -> tuple[Any, tuple]:
+        params, _, state, packed = self._abstract_args(batch, processed=True, masked=self.k + 1)
+        return self._jit(self._verify_fn, (1, 2)), (params, state, packed, *self.draft_outputs(batch)[1:])
+
+    def draft_outputs(self, batch: int) -> tuple:
+        """What the draft program of `batch` rows returns, as shapes: (state, packed drafts, q, q_ids)."""
+        with mesh_context(self.placement):
+            return jax.eval_shape(self._draft_fn, *self._abstract_args(batch))
 
     def static_description(self) -> tuple | None:
         """What shapes every program besides its arguments and the package's code (the executable cache's key):
@@ -240,13 +314,29 @@ class CompiledSteps:
                 str(jnp.dtype(self.target.dtype)), drafter,
                 tuple(getattr(jax.config, name, None) for name in _TRACE_CONFIG))
 
-    def result(self, out: jax.Array, prefill: bool = False) -> np.ndarray:
+    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False) -> np.ndarray:
         """A program's packed result on the host (waits for the program): the first columns of the array it
-        returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step (finish_round)."""
-        return np.asarray(out)[:, : 4 if prefill else 4 + (self.k if self.drafter is not None else 0)]
+        returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step (finish_round), then for
+        a prefill or a processed step the emitted tokens' logprob columns (device_state.unpack_logprobs)."""
+        positions = 1 if prefill else 1 + (self.k if self.drafter is not None else 0)
+        width = positions + 3
+        if prefill or processed:
+            width += positions * (1 + 2 * top_logprobs_count(self.target.config.vocab_size))
+        return np.asarray(out)[:, :width]
+
+    def compile_draft(self, batch: int) -> Any:
+        """(program_params, draft_params, state, inputs) -> (state, drafted, q, q_ids): a round's drafts alone
+        (`result(drafted)[:, :k]` reads them); state and inputs donated."""
+        return self._compiled(self.draft, batch, lambda: self.draft_program(batch))
+
+    def compile_verify(self, batch: int) -> Any:
+        """(program_params, state, inputs, drafted, q, q_ids) -> (state, out): the verify of a draft program's
+        drafts; inputs: `inputs(StepInputs)` with processing rows masked at k+1 positions; `result(out,
+        processed=True)` is the round's packed result."""
+        return self._compiled(self.verify, batch, lambda: self.verify_program(batch))
 
     @staticmethod
-    def _compiled(table: dict, key: tuple, program: Callable[[], tuple[Any, tuple]]) -> Any:
+    def _compiled(table: dict, key: Any, program: Callable[[], tuple[Any, tuple]]) -> Any:
         if key not in table:
             jitted, args = program()
             table[key] = compile_lowered(jitted.lower(*args))
@@ -257,21 +347,24 @@ class CompiledSteps:
         (PrefillRows); state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
         return self._compiled(self.prefill, (batch, tokens), lambda: self.prefill_program(batch, tokens))
 
-    def compile_decode(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows); state and
-        inputs donated; `result(out)` is the packed [B, 4] result. `sampled`: some row samples (False: every row
-        must be greedy)."""
-        return self._compiled(self.decode, (batch, sampled), lambda: self.decode_program(batch, sampled))
+    def compile_decode(self, batch: int, sampled: bool = False, processed: bool = False) -> Any:
+        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows, and processing
+        rows when `processed`); state and inputs donated; `result(out, processed=processed)` is the packed result.
+        The variant (VARIANTS): `sampled`, some row samples (False: every row must be greedy); `processed`, some row
+        needs processing or logprobs (implies sampled)."""
+        key = (batch, sampled or processed, processed)
+        return self._compiled(self.decode, key, lambda: self.decode_program(*key))
 
-    def compile_speculative(self, batch: int, sampled: bool = False) -> Any:
-        """(program_params, draft_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows);
-        state and inputs donated; `result(out)` is the packed [B, k+4] result. `sampled`: some row samples (False:
-        every row must be greedy)."""
-        return self._compiled(self.speculative, (batch, sampled), lambda: self.speculative_program(batch, sampled))
+    def compile_speculative(self, batch: int, sampled: bool = False, processed: bool = False) -> Any:
+        """(program_params, draft_params, state, inputs) -> (state, out); as `compile_decode`, for the speculative
+        round (a packed [B, k+4] result, then the logprob columns when `processed`)."""
+        key = (batch, sampled or processed, processed)
+        return self._compiled(self.speculative, key, lambda: self.speculative_program(*key))
 
-    def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple[str, Callable, Callable]]:
-        """Every program the engine runs with these buckets: (name, build, store), where build() gives the jitted
-        function and the abstract arguments to lower it for, and store(compiled) keeps the compiled program."""
+    def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple]:
+        """Every program the engine runs with these buckets: (name, build, store[, outputs]), where build() gives
+        the jitted function and the abstract arguments to lower it for, store(compiled) keeps the compiled program,
+        and outputs() what it returns as shapes when that is not (state, one array)."""
         def put(table, key):
             return lambda compiled: table.__setitem__(key, compiled)
 
@@ -281,12 +374,17 @@ class CompiledSteps:
         batch_buckets, prefill_buckets = sorted(batch_buckets, reverse=True), sorted(prefill_buckets, reverse=True)
         progs = [(f"prefill[1x{t}]", lambda t=t: self.prefill_program(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
-        for sampled in (True, False):
-            tag = ",sampled" if sampled else ""
+        for variant in sorted(VARIANTS, reverse=True):
+            tag = variant_tag(*variant)
             if self.drafter is None:
-                progs += [(f"decode[{b}{tag}]", lambda b=b, s=sampled: self.decode_program(b, s),
-                           put(self.decode, (b, sampled))) for b in batch_buckets]
+                progs += [(f"decode[{b}{tag}]", lambda b=b, v=variant: self.decode_program(b, *v),
+                           put(self.decode, (b, *variant))) for b in batch_buckets]
             else:
-                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, s=sampled: self.speculative_program(b, s),
-                           put(self.speculative, (b, sampled))) for b in batch_buckets]
+                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, v=variant: self.speculative_program(b, *v),
+                           put(self.speculative, (b, *variant))) for b in batch_buckets]
+        if self.drafter is not None and self.structured:
+            progs += [(f"draft[{b}x{self.k}]", lambda b=b: self.draft_program(b), put(self.draft, b),
+                       lambda b=b: self.draft_outputs(b)) for b in batch_buckets]
+            progs += [(f"verify[{b}x{self.k},masked]", lambda b=b: self.verify_program(b), put(self.verify, b))
+                      for b in batch_buckets]
         return progs

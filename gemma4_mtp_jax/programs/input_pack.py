@@ -102,8 +102,11 @@ def unpack_rows(packed: jax.Array, like: Any, staging: jax.Array) -> tuple[Any, 
 
 def return_in(packed: jax.Array, result: jax.Array) -> jax.Array:
     """Inside a program: `result` [B, R] (int32) written over the first R columns of the packed inputs [B, W] it
-    was given (donated: the write happens in place). The host reads the first R columns back (module docstring)."""
+    was given (donated: the write happens in place), or for R > W returned as it is. The host reads the first R
+    columns back (module docstring)."""
     (B, W), (Br, R) = packed.shape, result.shape
-    if Br != B or R > W:
-        raise ValueError(f"input_pack: a result of {Br} x {R} does not fit packed inputs of {B} x {W}")
+    if Br != B:
+        raise ValueError(f"input_pack: a result of {Br} rows for packed inputs of {B}")
+    if R > W:  # wider than the inputs (a processed program's logprobs at a large k): an allocation of its own
+        return result.astype(jnp.int32)
     return lax.dynamic_update_slice(packed, result.astype(jnp.int32), (0, 0))

@@ -21,7 +21,8 @@ import numpy as np
 
 from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache, compile_for_cache, program_key
-from gemma4_mtp_jax.programs.compiled import CompiledSteps, compile_lowered, compiler_options, quick_compiles
+from gemma4_mtp_jax.programs.compiled import (VARIANTS, CompiledSteps, compile_lowered, compiler_options,
+                                              quick_compiles)
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class ProgramSet:
         progs = sorted(steps.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
         threads = threads or min(len(progs), os.cpu_count() or 1)
         times: dict[str, float] = {}
-        out_like = (steps.arrays.abstract_state(), 0)  # what every program returns: (state, its output array)
+        state_out = (steps.arrays.abstract_state(), 0)  # what most programs return: (state, its output array)
+        outs = {p[0]: p[3]() if len(p) > 3 else state_out for p in progs}
         static = None if cache is None else steps.static_description()
         if cache is not None and static is None:
             log.info("executable cache: not used with a drafter of type %s", type(steps.drafter).__name__)
@@ -146,15 +148,15 @@ class ProgramSet:
                 keep(name, store, compiled, t_lower + t_compile, key, autotune, None if autotune else "untuned")
                 # Untuned programs are not stored: a later start should find only tuned ones in the cache.
                 if cache is not None and storable and autotune:
-                    cache.store(key, compiled, args, out_like)
+                    cache.store(key, compiled, args, outs[name])
 
         given = given or {}
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            built = [(name, store, *build()) for name, build, store in progs]  # (name, store, jitted, args)
+            built = [(name, store, *build()) for name, build, store, *_ in progs]  # (name, store, jitted, args)
             keys = [None if cache is None else program_key(name, args, static, compiler_options())
                     for name, _, _, args in built]
-            loads = [None if cache is None or key in given else pool.submit(timed, cache.load, key, args, out_like)
-                     for key, (_, _, _, args) in zip(keys, built)]
+            loads = [None if cache is None or key in given else pool.submit(timed, cache.load, key, args, outs[name])
+                     for key, (name, _, _, args) in zip(keys, built)]
             for (name, store, jitted, args), key, load in zip(built, keys, loads):
                 if stop is not None and stop.is_set():
                     break
@@ -198,16 +200,18 @@ class ProgramSet:
         steps = self.steps
         if self._num_programs is None:
             self._num_programs = len(steps.programs(self.batch_buckets, self.prefill_buckets))
-        return len(steps.prefill) + len(steps.decode) + len(steps.speculative), self._num_programs
+        done = len(steps.prefill) + len(steps.decode) + len(steps.speculative) + len(steps.draft) + len(steps.verify)
+        return done, self._num_programs
 
     def buckets(self) -> tuple[list[int], list[int]]:
         """(batch buckets, prefill buckets) usable now: every one, or while programs still compile in the
-        background, those whose programs are compiled (a batch bucket's greedy and sampled ones)."""
+        background, those whose programs are compiled (a batch bucket's every variant)."""
         if self._all_compiled:
             return self.batch_buckets, self.prefill_buckets
         steps = self.steps
         table = steps.decode if steps.drafter is None else steps.speculative
-        batch = [b for b in self.batch_buckets if (b, False) in table and (b, True) in table]
+        batch = [b for b in self.batch_buckets if all((b, *v) in table for v in VARIANTS)
+                 and (not (steps.structured and steps.drafter) or (b in steps.draft and b in steps.verify))]
         prefill = [t for t in self.prefill_buckets if (1, t) in steps.prefill]
         if len(batch) == len(self.batch_buckets) and len(prefill) == len(self.prefill_buckets):
             self._all_compiled = True  # no more lookups
@@ -221,17 +225,39 @@ class ProgramSet:
         B, T = inputs.rows.tokens.shape
         return steps.compile_prefill(B, T)(steps.program_params, state, steps.inputs(inputs))
 
-    def step(self, state: DeviceState, inputs: StepInputs, sampled: bool) -> tuple[DeviceState, jax.Array]:
-        """One decode step, or with a drafter one draft-and-verify round, for `inputs` (StepRows, host arrays) of a
-        batch bucket, without waiting: (state, its output; `result(out)` reads the packed result). `sampled`: some
-        row samples (the sampling variant; False: every row is greedy)."""
+    def step(self, state: DeviceState, inputs: StepInputs, sampled: bool,
+             processed: bool = False) -> tuple[DeviceState, jax.Array]:
+        """One decode step, or with a drafter one draft-and-verify round, for `inputs` (StepRows, host arrays, and
+        processing rows when `processed`) of a batch bucket, without waiting: (state, its output; `result(out,
+        processed=processed)` reads the packed result). The variant (compiled.VARIANTS): `sampled`, some row
+        samples (False: every row is greedy); `processed`, some row needs logits processing or logprobs."""
         steps = self.steps
         B = inputs.rows.slot.shape[0]
         packed = steps.inputs(inputs)
         if steps.drafter is None:
-            return steps.compile_decode(B, sampled)(steps.program_params, state, packed)
-        return steps.compile_speculative(B, sampled)(steps.program_params, steps.draft_params, state, packed)
+            return steps.compile_decode(B, sampled, processed)(steps.program_params, state, packed)
+        return steps.compile_speculative(B, sampled, processed)(steps.program_params, steps.draft_params, state,
+                                                                packed)
 
-    def result(self, out: jax.Array, prefill: bool = False) -> np.ndarray:
+    def draft(self, state: DeviceState, inputs: StepInputs) -> tuple[DeviceState, jax.Array, jax.Array, Any]:
+        """A round's drafts alone (a structured engine's grammar batches): (state, the drafts' packed output:
+        `drafts(out)` reads them, q, q_ids), to be verified by `verify`."""
+        steps = self.steps
+        B = inputs.rows.slot.shape[0]
+        return steps.compile_draft(B)(steps.program_params, steps.draft_params, state, steps.inputs(inputs))
+
+    def drafts(self, drafted: jax.Array) -> np.ndarray:
+        """A draft program's drafts [B, k] on the host (waits for it)."""
+        return np.asarray(drafted)[:, : self.steps.k]
+
+    def verify(self, state: DeviceState, inputs: StepInputs, drafted: jax.Array, q: jax.Array,
+               q_ids: Any) -> tuple[DeviceState, jax.Array]:
+        """The verify of `draft`'s drafts (inputs: processing rows with grammar masks at the k+1 positions): (state,
+        its output; `result(out, processed=True)` reads the round's packed result)."""
+        steps = self.steps
+        B = inputs.rows.slot.shape[0]
+        return steps.compile_verify(B)(steps.program_params, state, steps.inputs(inputs), drafted, q, q_ids)
+
+    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False) -> np.ndarray:
         """A program's packed result on the host (waits for the program)."""
-        return self.steps.result(out, prefill)
+        return self.steps.result(out, prefill, processed)

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.model.config import SLIDING, owning_layers
-from gemma4_mtp_jax.steps.device_state import StepInputs
+from gemma4_mtp_jax.steps.device_state import History, StepInputs, pack_logprobs
 from gemma4_mtp_jax.model.kv_state import KVLayout, PagedKV
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.runtime import Target
-from gemma4_mtp_jax.model.sampling import sample
+from gemma4_mtp_jax.model.sampling import process_logits, sample, token_logprobs
 
 Array = jax.Array
 
@@ -37,6 +37,9 @@ class StepSpec:
     layout: KVLayout
     attention_impl: str = "auto"
     sampled: bool = True
+    # Some row needs logits processing or logprobs (sampling.SamplingParams.processed): the processed variant, which
+    # also samples. Decided on the host, like `sampled`.
+    processed: bool = False
     drafter: Any = None  # speculative.Drafter (the round's drafts); None outside the speculative round
     k: int = 0  # drafts per round
 
@@ -65,24 +68,41 @@ def lm_logits(target: Target, params, hidden: Array) -> Array:
     return target.module.apply({"params": params}, hidden, method=Gemma4Target.lm_logits)
 
 
-def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs):
+def processed_sample(spec: StepSpec, logits: Array, inputs: StepInputs, history: History, positions: Array,
+                     counted: Array | None) -> tuple[Array, Array]:
+    """The processed variant's sampling of one position per row: logits [B, V] after the token at `positions` [B]
+    (`counted` [B]: that token, an output token that counts first; None: it is a prompt token). Returns (next token
+    [B], its logprob columns: device_state.pack_logprobs)."""
+    proc = inputs.processing
+    processed = process_logits(logits.astype(jnp.float32)[:, None], proc, history, inputs.rows.stop_ids,
+                               positions[:, None], None if counted is None else counted[:, None])[:, 0]
+    token = sample(processed, inputs.sampling, positions + 1, min_p=proc.min_p)
+    return token, pack_logprobs(*token_logprobs(processed[:, None], inputs.sampling.temperature, token[:, None]))
+
+
+def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: History):
     """One prompt chunk per row (`inputs.rows`: PrefillRows). Writes its K/V and samples from the logits at
-    `last_index` (the row's last real token; only meaningful on a prompt's final chunk). Returns (pages, token
-    [B], hidden at last [B, H]). Prefill always takes `sample`'s sampling path: one draw per row is cheap next to a
+    `last_index` (the row's last real token; only meaningful on a prompt's final chunk), processed with the rows'
+    `history` (device_state.prefill_history). Returns (pages, token [B], hidden at last [B, H], the token's logprob
+    columns). Prefill always takes the processed sampling path: one row's processing and draw are cheap next to a
     chunk's forward, and one variant per bucket keeps start-up short."""
     rows = inputs.rows
     hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables)
     b = jnp.arange(rows.tokens.shape[0])
     h_last = hidden[b, rows.last_index]
     logits = lm_logits(spec.target, params, h_last)
-    next_pos = rows.positions[b, rows.last_index] + 1
-    return pages, sample(logits, inputs.sampling, next_pos), h_last
+    token, logprobs = processed_sample(spec, logits, inputs, history, rows.positions[b, rows.last_index], None)
+    return pages, token, h_last, logprobs
 
 
-def decode_step(spec: StepSpec, params, pages, inputs: StepInputs):
+def decode_step(spec: StepSpec, params, pages, inputs: StepInputs, history: History | None = None):
     """One token per row: `inputs.rows` (StepRows, resolved: each row's newest token at its length; -1 = padding
-    row). Returns (pages, next token [B])."""
+    row). Returns (pages, next token [B], its logprob columns or None); the processed variant (`history` given)
+    processes the logits and returns logprobs."""
     tokens, positions = inputs.rows.token, inputs.rows.length
     hidden, pages = forward_paged(spec, params, pages, tokens[:, None], positions[:, None], inputs.tables)
     logits = lm_logits(spec.target, params, hidden[:, 0])
-    return pages, sample(logits, inputs.sampling, positions + 1, sampled=spec.sampled)
+    if spec.processed:
+        token, logprobs = processed_sample(spec, logits, inputs, history, positions, tokens)
+        return pages, token, logprobs
+    return pages, sample(logits, inputs.sampling, positions + 1, sampled=spec.sampled), None

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.model.config import SLIDING
-from gemma4_mtp_jax.steps.device_state import StepInputs
+from gemma4_mtp_jax.steps.device_state import History, StepInputs, pack_logprobs
 from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
 from gemma4_mtp_jax.model.kv_state import PagedDraftKV
@@ -27,7 +27,7 @@ from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.traced import traced_once
 from gemma4_mtp_jax.model.runtime import Assistant, shapes_only
-from gemma4_mtp_jax.model.sampling import SamplingBatch, filter_logits
+from gemma4_mtp_jax.model.sampling import SamplingBatch, filter_logits, process_logits, token_logprobs
 
 Array = jax.Array
 _NEG = -jnp.inf
@@ -200,14 +200,16 @@ class AssistantDrafter:
 
 
 def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, sampling: SamplingBatch,
-           spec_on: Array, positions: Array, sampled: bool = True) -> tuple[Array, Array]:
+           spec_on: Array, positions: Array, sampled: bool = True,
+           min_p: Array | None = None) -> tuple[Array, Array]:
     """Exact verification (docs/DESIGN.md convention 3). drafts [B, k], target_logits [B, k+1, V], q [B, k, N] the
     draft distributions over candidate ids q_ids [B, k, N] (None: N = V, the vocabulary in order).
 
     Greedy rows: the longest prefix of drafts equal to the target's argmax, then the target's token there.
     Sampled rows: accept d_j with probability min(1, p_j(d_j)/q_j(d_j)); at the first rejection draw from
     normalize(max(p_j - q_j, 0)); if all are accepted draw the bonus from p_k. p is the target's distribution
-    at the request's temperature/top-k/top-p, the same filter the drafts were sampled under. Rows with
+    at the request's temperature/min-p/top-k/top-p (the processed variant's logits arrive processed:
+    sampling.process_logits). Rows with
     spec_on = False accept nothing. Returns (emitted tokens [B, k+1], -1 after the bonus; n accepted [B]).
     `sampled` (static): whether some row samples; when False only the greedy rule is traced.
     """
@@ -220,7 +222,8 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
     def sampled_path():
         temp = jnp.where(greedy_rows, 1.0, sampling.temperature)
         flat = logits.reshape(B * (k + 1), -1) / jnp.repeat(temp, k + 1)[:, None]
-        flat = filter_logits(flat, jnp.repeat(sampling.top_k, k + 1), jnp.repeat(sampling.top_p, k + 1))
+        flat = filter_logits(flat, jnp.repeat(sampling.top_k, k + 1), jnp.repeat(sampling.top_p, k + 1),
+                             None if min_p is None else jnp.repeat(min_p, k + 1))
         p = jax.nn.softmax(flat, -1).reshape(B, k + 1, -1)
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
         q_d = q_at(q, q_ids, drafts)
@@ -250,27 +253,57 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
     return emitted, n
 
 
-def speculative_step(spec: StepSpec, params_t, params_d, pages, hidden_buf: Array,
-                     inputs: StepInputs) -> tuple[Any, Array, Array, Array]:
+def speculative_step(spec: StepSpec, params_t, params_d, pages, hidden_buf: Array, inputs: StepInputs,
+                     history: History | None = None) -> tuple[Any, Array, Array, Array, Array, Array | None]:
     """One round for B sequences: `inputs.rows` (StepRows, resolved: each row's newest token at its length; length
     < 0 marks padding) and their page tables and sampling rows. `hidden_buf` [slots+1, H] holds each sequence's h
     by slot; both it and the pages are donated and updated in place. The drafts come from `spec.drafter`
-    (`AssistantDrafter` in production).
+    (`AssistantDrafter` in production): `draft_round`, then `verify_round`.
 
-    Returns (pages, hidden_buf, emitted [B, k+1]: the accepted drafts and the bonus, -1 after it, n accepted [B]);
-    where the sequence's output stops is decided after, with the decode step's rule (device_state.finish_round)."""
+    The processed variant (`spec.processed`, with the rows' `history`) processes the target's logits at each
+    verified position as a decode step would there (its counts include the newest token and the drafts before
+    it: sampling.process_logits), so acceptance stays exact, and returns the emitted tokens' logprobs.
+
+    Returns (pages, hidden_buf, emitted [B, k+1]: the accepted drafts and the bonus, -1 after it, n accepted [B],
+    the verified tokens [B, k+1] (the newest token and the drafts), the emitted tokens' logprob columns
+    (device_state.pack_logprobs) or None); where the sequence's output stops is decided after, with the decode
+    step's rule (device_state.finish_round)."""
+    drafts, q, q_ids = draft_round(spec, params_t, params_d, pages, hidden_buf, inputs)
+    return verify_round(spec, params_t, pages, hidden_buf, inputs, history, drafts, q, q_ids)
+
+
+def draft_round(spec: StepSpec, params_t, params_d, pages, hidden_buf: Array,
+                inputs: StepInputs) -> tuple[Array, Array, Array | None]:
+    """A round's drafts [B, k], and the distributions they were drawn from (q over candidate ids q_ids, or None:
+    the vocabulary), from `spec.drafter`; reads the pages and the hidden buffer, writes nothing. Run alone (a
+    program of its own) when the host must see the drafts before the verify: a grammar's masks at the verified
+    positions depend on them."""
+    rows = inputs.rows
+    P = jnp.where(rows.length >= 0, rows.length, 0)
+    return spec.drafter.draft(spec, params_t, params_d, pages, hidden_buf[rows.slot],
+                              inputs.replace(rows=rows.replace(length=P)))
+
+
+def verify_round(spec: StepSpec, params_t, pages, hidden_buf: Array, inputs: StepInputs, history: History | None,
+                 drafts: Array, q: Array, q_ids: Array | None) -> tuple[Any, Array, Array, Array, Array, Array | None]:
+    """The target's forward on each row's newest token and its `drafts`, exact acceptance against q, and the next h
+    in the hidden buffer: the rest of `speculative_step` (which returns what this returns)."""
     rows, k = inputs.rows, spec.k
     valid = rows.length >= 0
     P = jnp.where(valid, rows.length, 0)
-    hidden = hidden_buf[rows.slot]
-    drafts, q, q_ids = spec.drafter.draft(spec, params_t, params_d, pages, hidden,
-                                          inputs.replace(rows=rows.replace(length=P)))
     verify_tokens = jnp.concatenate([rows.token[:, None], drafts], 1)  # [B, k+1]
     positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
     h_all, pages = forward_paged(spec, params_t, pages, verify_tokens, positions, inputs.tables)
     logits = lm_logits(spec.target, params_t, h_all)  # [B, k+1, V]
-    emitted, n = accept(drafts, q, q_ids, logits, inputs.sampling, rows.speculate & valid, P, spec.sampled)
+    min_p = logprobs = None
+    if spec.processed:
+        logits = process_logits(logits.astype(jnp.float32), inputs.processing, history, rows.stop_ids, positions,
+                                verify_tokens)
+        min_p = inputs.processing.min_p
+    emitted, n = accept(drafts, q, q_ids, logits, inputs.sampling, rows.speculate & valid, P, spec.sampled, min_p)
+    if spec.processed:
+        logprobs = pack_logprobs(*token_logprobs(logits, inputs.sampling.temperature, emitted))
     h_next = h_all[jnp.arange(h_all.shape[0]), n]
     slots = rows.slot
     hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
-    return pages, hidden_buf, emitted, n
+    return pages, hidden_buf, emitted, n, verify_tokens, logprobs
