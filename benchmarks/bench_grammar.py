@@ -1,4 +1,4 @@
-"""Host cost of structured output: xgrammar against llguidance on the CPU (docs/decisions/0018-grammar-engine.md).
+"""Host cost of structured output: xgrammar against llguidance on the CPU (docs/decisions/0019-grammar-engine.md).
 
 For each tokenizer (the demo pair's, 8192 tokens; and a synthetic Gemma-sized one, 262144 tokens, unless --tokenizer
 names a real tokenizer.json) and each JSON schema (any object, as json_object asks; small; nested; enum-heavy;
@@ -8,9 +8,10 @@ hostile deep-and-wide):
 - a speculative round per sequence as the engine runs it: a mask filled at each of the k+1 verified positions
   (walking the matcher through the k drafts), the drafts rolled back, then the round's k+1 tokens accepted. The
   drafts are a valid JSON instance of the schema, tokenized greedily (longest token first), so every draft is
-  allowed: the worst case (a rejected draft stops the walk early). Figures: microseconds per mask, per accepted
-  token, and per round of B sequences done one after the other on one thread (B = 1, 16, 64) and, for llguidance,
-  through its own thread pool (`LLExecutor`, --threads).
+  allowed: the worst case (a rejected draft stops the walk early). Figures, medians over the rounds: microseconds
+  per mask (its share of the walk: k+1 fills, k accepts, one rollback), per accepted token, and milliseconds per
+  round of B sequences done one after the other on one thread (B = 1, 16, 64) and, for llguidance, through its own
+  thread pool (`LLExecutor`, --threads). "cold" is the mean over the first walk of a freshly compiled grammar.
 
     python benchmarks/bench_grammar.py                       # both libraries, both tokenizers
     python benchmarks/bench_grammar.py --library llguidance --vocab 262144 --threads 2
@@ -261,9 +262,10 @@ def measure(lib, schema: dict, tokens: list[int], batches: list[int], k: int, re
         if B == "cold":
             compiled = lib.compile(schema)
         ms = [lib.matcher(compiled) for _ in range(1 if B == "cold" else B)]
-        fill_s = accept_s = 0.0
-        t0 = time.perf_counter()
+        fills, accepts, totals = [], [], []  # per round; medians, as other processes share the CPU
         for r in rounds:
+            fill_s = accept_s = 0.0
+            t0 = time.perf_counter()
             for m in ms:
                 t = time.perf_counter()
                 for i in range(k + 1):
@@ -276,20 +278,23 @@ def measure(lib, schema: dict, tokens: list[int], batches: list[int], k: int, re
                     assert lib.accept(m, tok), "the instance's tokens must be accepted"
                 fill_s += t1 - t
                 accept_s += time.perf_counter() - t1
-        total = time.perf_counter() - t0
-        n = len(rounds) * len(ms)
-        res[f"B{B}"] = {"mask_us": 1e6 * fill_s / (n * (k + 1)), "accept_us": 1e6 * accept_s / (n * (k + 1)),
-                        "round_ms": 1e3 * total / len(rounds)}
+            totals.append(time.perf_counter() - t0)
+            fills.append(fill_s / (len(ms) * (k + 1)))
+            accepts.append(accept_s / (len(ms) * (k + 1)))
+        res[f"B{B}"] = {"mask_us": 1e6 * (statistics.mean(fills) if B == "cold" else statistics.median(fills)),
+                        "accept_us": 1e6 * statistics.median(accepts), "round_ms": 1e3 * statistics.median(totals)}
         if hasattr(lib, "fill_drafts_par") and B != "cold":
             ms = [lib.matcher(compiled) for _ in range(B)]
             big = np.zeros((B * (k + 1), words), np.int32)
-            t0 = time.perf_counter()
+            totals = []
             for r in rounds:
+                t0 = time.perf_counter()
                 lib.fill_drafts_par(ms, [r[:k]] * B, big)
                 for m in ms:
                     for tok in r:
                         lib.accept(m, tok)
-            res[f"B{B}"]["round_par_ms"] = 1e3 * (time.perf_counter() - t0) / len(rounds)
+                totals.append(time.perf_counter() - t0)
+            res[f"B{B}"]["round_par_ms"] = 1e3 * statistics.median(totals)
     return res
 
 
@@ -308,7 +313,13 @@ def main() -> None:
     args = ap.parse_args()
 
     all_schemas = schemas()
-    tmp = Path(tempfile.mkdtemp())
+    from importlib.metadata import version
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    print(f"{cpu}, {os.cpu_count()} CPUs; " + ", ".join(f"{n} {version(n)}" for n in args.library), flush=True)
+    tmp_dir = tempfile.TemporaryDirectory()
+    tmp = Path(tmp_dir.name)
     results = []
     sizes = ["real"] if args.tokenizer else args.vocab
     for size in sizes:
@@ -338,6 +349,7 @@ def main() -> None:
                     + (f" (pool {r[f'B{B}']['round_par_ms']:.2f} ms)" if "round_par_ms" in r[f"B{B}"] else "")
                     for B in ["cold"] + args.batch)
                 print(f"  {sname:8s} compile {r['compile_ms']:8.1f} ms  {r['tokens']} tokens  {per_b}", flush=True)
+    tmp_dir.cleanup()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -1,7 +1,7 @@
 """Structured output on the host: a grammar compiled against the checkpoint's vocabulary, and a matcher per request
 that fills the token bitmask of each position a step samples or verifies.
 
-The grammar engine is llguidance (docs/decisions/0018-grammar-engine.md). A `GrammarSpec` says what the output must
+The grammar engine is llguidance (docs/decisions/0019-grammar-engine.md). A `GrammarSpec` says what the output must
 be: JSON valid against a schema (`json`; "any JSON object" is the schema {"type": "object"}), a full match of a
 regular expression (`regex`), one of a list of strings (`choice`) or a sentence of a Lark grammar (`lark`, the
 library's own syntax). `compile_grammar` turns it into a `CompiledGrammar` once per distinct spec (the server

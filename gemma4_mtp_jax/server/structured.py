@@ -36,7 +36,7 @@ MAX_GRAMMAR_CHARS = 64 * 1024  # a Lark grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 64 * 1024  # all choices together
 # How long a request waits for its grammar (the first one also builds the vocabulary's index: ~1.5 s for 262144
-# tokens). Compilation takes milliseconds for usual schemas (docs/decisions/0018-grammar-engine.md).
+# tokens). Compilation takes milliseconds for usual schemas (docs/decisions/0019-grammar-engine.md).
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
