@@ -16,8 +16,8 @@ import pytest
 import regex
 from tokenizers import Tokenizer
 
-from gemma4_mtp_jax.engine.grammar import (JSON_WHITESPACE, GrammarCompiler, GrammarError, GrammarSpec, Vocabulary,
-                                           allows, compile_grammar)
+from gemma4_mtp_jax.engine.grammar import (JSON_WHITESPACE, GrammarCompiler, GrammarError, GrammarSpec, RoundMasks,
+                                           Vocabulary, allows, compile_grammar)
 from gemma4_mtp_jax.server.errors import APIError
 from gemma4_mtp_jax.server.structured import (MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, StructuredOutput,
                                               compile_structured, parse_structured_output, schema_depth)
@@ -202,6 +202,17 @@ def test_draft_masks_stop_at_a_forbidden_draft(vocab, tokenizer):
     np.testing.assert_array_equal(first, out[0])
 
 
+def test_draft_masks_stop_where_the_mask_forbids_a_draft_the_matcher_would_take(vocab, tokenizer):
+    # In a forced stretch ('"ok"') the mask allows only the canonical "ok"; the device rejects an "o" there, so the
+    # walk must stop at it even though the grammar could go on from it.
+    m = compile_grammar(GrammarSpec.json_schema(TINY_SCHEMA), vocab).matcher()
+    o, k_ = (tokenizer.token_to_id(t) for t in ("o", "k"))
+    drafts = [tokenizer.token_to_id("{"), tokenizer.token_to_id('"'), o, k_]
+    out = vocab.new_masks(len(drafts) + 1)
+    assert m.fill_draft_masks(drafts, out) == 3 and not allows(out[2], o)
+    assert m.num_accepted == 0
+
+
 def test_draft_masks_past_a_stop_allow_only_stops(vocab, tokenizer):
     m = compile_grammar(GrammarSpec.choice(["no"]), vocab).matcher()
     no = tokenizer.encode("no", add_special_tokens=False).ids
@@ -210,6 +221,31 @@ def test_draft_masks_past_a_stop_allow_only_stops(vocab, tokenizer):
     assert m.fill_draft_masks(drafts, out) == len(drafts) + 1
     assert all(allowed(out[i]) == set(STOP) for i in range(len(no), len(drafts) + 1))
     assert m.num_accepted == 0 and not m.is_terminated()
+
+
+def test_a_batch_round_fills_what_each_matcher_fills(vocab, tokenizer):
+    doc = tokenizer.encode(json.dumps({"name": "cup", "size": "small", "count": 3, "dims": {"w": 2}}),
+                           add_special_tokens=False).ids + [STOP[0]]
+    compiled = compile_grammar(GrammarSpec.json_schema(NESTED_SCHEMA), vocab)
+    choice = compile_grammar(GrammarSpec.choice(["yes", "no"]), vocab)
+    bad = tokenizer.encode("x", add_special_tokens=False).ids[0]
+    k = 4
+    # (matcher, tokens accepted first, drafts): all allowed, a forbidden one, through the stop, a finished match
+    cases = [(compiled.matcher(), doc[:3], doc[3:7]), (compiled.matcher(), doc[:5], doc[5:7] + [bad, bad]),
+             (compiled.matcher(), doc[:-3], doc[-3:] + [STOP[0]]), (choice.matcher(), [], [bad] * k)]
+    cases.append((choice.matcher(), tokenizer.encode("no", add_special_tokens=False).ids + [STOP[1]], [STOP[0]] * k))
+    for m, before, _ in cases:
+        assert all(m.accept(t) for t in before)
+    matchers, drafts = [m for m, _, _ in cases], [d for _, _, d in cases]
+    out = vocab.new_masks(len(cases), k + 1)
+    RoundMasks(threads=2).fill(matchers, drafts, out)
+    for b, (m, before, d) in enumerate(cases):
+        ref = vocab.new_masks(k + 1)
+        n = m.fill_draft_masks(d, ref)
+        if STOP[0] in d:  # the sequence ends at its first stop: the rows after it do not count
+            n = min(n, d.index(STOP[0]) + 1)
+        np.testing.assert_array_equal(out[b, :n], ref[:n], err_msg=f"case {b}")
+        assert m.num_accepted == len(before)
 
 
 # ---------------------------------------------------------------------------------------------------- random walks

@@ -227,6 +227,34 @@ def allows(mask: np.ndarray, token: int) -> bool:
     return 0 <= token < 32 * mask.shape[-1] and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
 
+class RoundMasks:
+    """Fills a whole batch's round of masks at once, in llguidance's own thread pool (the GIL released): the
+    engine's way to keep B x (k+1) fills within a device step (docs/decisions/0019-grammar-engine.md)."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._executor = llguidance.LLExecutor(num_threads=self.threads)
+
+    def fill(self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]], out: np.ndarray) -> None:
+        """out[b] ([B, k+1, words], C-contiguous int32) gets what `matchers[b].fill_draft_masks(drafts[b], out[b])`
+        writes in the rows that count: up to the first draft the grammar forbids, or the first stop id (past it
+        the sequence has ended). Every matcher ends where it started."""
+        if len(matchers) != len(drafts) or out.ndim != 3 or out.shape[0] != len(matchers):
+            raise ValueError(f"{len(matchers)} matchers, {len(drafts)} draft lists and masks {out.shape} disagree")
+        k1, words = out.shape[1], out.shape[2]
+        if out.dtype != np.int32 or not out.flags.c_contiguous or any(len(d) != k1 - 1 for d in drafts):
+            raise ValueError(f"masks must be contiguous int32 [B, k+1, words] for k = {k1 - 1} drafts each")
+        for m in matchers:
+            if m.vocab.words != words:
+                raise ValueError(f"masks of {words} words for a vocabulary of {m.vocab.words}")
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            [(m._m, b * k1, list(d)) for b, (m, d) in enumerate(zip(matchers, drafts))],
+            out.ctypes.data, words * 4, out.shape[0] * k1)
+        for m in matchers:
+            if m._m.is_error():
+                raise GrammarError(m._m.get_error())
+
+
 class GrammarCompiler:
     """Compiles specs in a small thread pool of its own (never the event loop's thread nor the engine's) and keeps
     the newest `cache_size` compiled grammars, keyed by their spec. Concurrent requests for one spec share one
