@@ -81,7 +81,7 @@ def canonical_json(value) -> str:
 class Vocabulary:
     """The checkpoint's tokenizer as the grammar engine reads it: each token's bytes, the model's vocabulary size
     (the logits' width, which may exceed the tokenizer's) and the stop ids a complete grammar allows. Building it
-    takes ~1.5 s for a 262144-token vocabulary: one per server."""
+    takes ~2.5 s for a 262144-token vocabulary and holds the GIL all along: one per server, made at start-up."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_ids: Iterable[int]):
         stop = sorted(set(stop_ids))

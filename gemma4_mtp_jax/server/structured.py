@@ -35,8 +35,8 @@ MAX_PATTERN_CHARS = 4096  # a regex
 MAX_GRAMMAR_CHARS = 64 * 1024  # a Lark grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 64 * 1024  # all choices together
-# How long a request waits for its grammar (the first one also builds the vocabulary's index: ~1.5 s for 262144
-# tokens). Compilation takes milliseconds for usual schemas (docs/decisions/0019-grammar-engine.md).
+# How long a request waits for its grammar: compilation takes milliseconds for usual schemas, 0.3 s for a hostile
+# one (docs/decisions/0019-grammar-engine.md).
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -183,7 +183,8 @@ def _show(v: Any, limit: int = 64) -> str:
 def grammar_compiler(tokenizer_json: str, vocab_size: int, stop_ids, *, workers: int | None = None,
                      cache_size: int = 256) -> GrammarCompiler:
     """The server's compiler for the checkpoint's tokenizer (`TextTokenizer.tokenizer.to_str()`), the model's
-    vocabulary size (the logits' width) and its stop ids (EOS and end-of-turn: what a complete grammar allows)."""
+    vocabulary size (the logits' width) and its stop ids (EOS and end-of-turn: what a complete grammar allows).
+    Make it at start-up, before serving: indexing the vocabulary holds the GIL (~2.5 s for 262144 tokens)."""
     return GrammarCompiler(Vocabulary(tokenizer_json, vocab_size, stop_ids), workers=workers, cache_size=cache_size)
 
 
