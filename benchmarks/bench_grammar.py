@@ -17,6 +17,9 @@ hostile deep-and-wide):
     python benchmarks/bench_grammar.py --library llguidance --vocab 262144 --threads 2
     python benchmarks/bench_grammar.py --tokenizer /path/to/gemma/tokenizer.json
 
+xgrammar is not a dependency of the package: `pip install xgrammar` first to compare (it pulls in torch,
+transformers and triton), or pass `--library llguidance`.
+
 The synthetic tokenizer is Gemma's kind (BPE with byte fallback, "▁" for a space; no merges: only the vocabulary
 matters to a grammar engine): the 256 byte tokens, the words, numbers, punctuation runs and whitespace runs of the
 Python standard library's sources with and without "▁" and their prefixes, CJK, Hangul and other characters, then
@@ -32,15 +35,12 @@ import os
 import random
 import re
 import statistics
-import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DEMO_TOKENIZER = Path(__file__).resolve().parent.parent / "gemma4_mtp_jax" / "demo_pair" / "target" / "tokenizer.json"
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -68,7 +68,7 @@ def synthetic_gemma_tokenizer(path: Path, vocab_size: int = 262144, seed: int = 
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        for i, m in enumerate(words.finditer(text)):
+        for m in words.finditer(text):
             w = m.group().replace(" ", "▁")
             space = m.start() > 0 and text[m.start() - 1] == " "
             counts["▁" + w if space else w] += 1
@@ -157,8 +157,8 @@ def schemas() -> dict[str, tuple[dict, object]]:
     free_doc = {"title": "On the Analytical Engine", "summary": "The engine might act upon other things besides "
                 "number, were objects found whose mutual fundamental relations could be expressed.",
                 "year": 1843, "notes": ["A", "B", "G"], "meta": {"translated": True, "pages": 65.5}}
-    return {"object": ({"type": "object"}, free_doc), "small": (small, small_doc), "nested": (nested, nested_doc), "enum": (enum, enum_doc),
-            "hostile": (hostile, hostile_doc)}
+    return {"object": ({"type": "object"}, free_doc), "small": (small, small_doc), "nested": (nested, nested_doc),
+            "enum": (enum, enum_doc), "hostile": (hostile, hostile_doc)}
 
 
 # ------------------------------------------------------------------------------------------------------ libraries
