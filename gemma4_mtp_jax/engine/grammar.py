@@ -122,8 +122,8 @@ class CompiledGrammar:
 
 def compile_grammar(spec: GrammarSpec, vocab: Vocabulary) -> CompiledGrammar:
     """Compile `spec` and compute its first mask (which builds the lexer's start state and finds the errors that
-    only show there). Raises GrammarError with the library's reason. Takes milliseconds for usual schemas, up to
-    ~0.2 s for large ones (the parser limits bound it): call it off the event loop and off the engine thread."""
+    only show there). Raises GrammarError with the library's reason. Takes milliseconds for usual schemas, ~0.3 s
+    for a hostile one (the parser limits bound it): call it off the event loop and off the engine thread."""
     try:
         grammar = spec.grammar()
     except ValueError as e:  # a schema or pattern the converter refuses
