@@ -910,3 +910,32 @@ def test_step_inputs_and_result_move_in_one_array(engines):
         assert len(users) == 2 and len(staged) == 1 and len(returned) == 1, \
             f"{name}: the packed inputs {shape} are read by {len(users)} instructions: {users}"
         assert not hlo_outputs_of_their_own(text), f"{name}: outputs {hlo_outputs_of_their_own(text)} alias nothing"
+
+
+def test_prompt_logprobs_are_the_models(tiny_ckpts, jax_models):
+    """An engine with prompt_logprobs: a request asking for them gets, for each prompt token after the first, its
+    logprob under the target's own distribution given the tokens before it (the dense reference forward's
+    log-softmax, float32) and the top alternatives there, over several prefill chunks; a repeat of the same prompt
+    gets them too (it computes its pages rather than taking cached ones); an engine without them refuses the
+    request, naming the setting."""
+    from gemma4_mtp_jax import target_forward
+    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.engine.request import RequestError
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    engine = Engine(target, _engine_config(prompt_logprobs=True, compile_at_start=False))
+    prompt = _prompts(21, [19])[0]
+    reqs = [engine.add_request(prompt, 2, SamplingParams(prompt_logprobs=3, logprobs=1)) for _ in range(2)]
+    engine.run()
+    want = np.asarray(jax.nn.log_softmax(target_forward(target, np.asarray([prompt], np.int32)).logits[0], -1))
+    for req in reqs:
+        assert len(req.prompt_logprobs) == len(prompt) - 1
+        for i, lp in enumerate(req.prompt_logprobs):
+            assert lp.logprob == pytest.approx(want[i, prompt[i + 1]], abs=1e-4)
+            top = np.argsort(-want[i], kind="stable")[:3]
+            assert [t for t, _ in lp.top] == top.tolist()
+            np.testing.assert_allclose([v for _, v in lp.top], want[i, top], atol=1e-4)
+        assert req.logprobs[0].logprob == pytest.approx(want[-1, req.output[0]], abs=1e-4)
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        Engine(target, _engine_config(compile_at_start=False)).add_request(prompt, 2, SamplingParams(prompt_logprobs=0))

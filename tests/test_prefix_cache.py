@@ -214,3 +214,43 @@ def test_a_prefix_window_survives_a_longer_hit_in_a_default_pool(tiny_ckpts, jax
         hits.append(engine.kv.hits - before)
     assert hits == [0, 13 * PAGE, 11 * PAGE]
     _assert_all_pages_back(engine)
+
+
+def test_siblings_share_their_prompt_and_penalties_survive_preemption(tiny_ckpts, jax_models):
+    """n > 1: choices added `after` the first wait until its prompt is prefilled, then find its full pages in the
+    cache (the prompt is prefilled once); seeded choices differ from each other, greedy ones are identical. A
+    penalized request (its history counted on the device) takes no cached pages, and its output survives
+    preemption: the tight pool's outputs equal the roomy run's without the cache."""
+    from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+
+    target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
+    engine = Engine(target, _config())
+    prompt = np.random.default_rng(3).integers(3, 400, size=30).tolist()
+    first = engine.add_request(prompt, 10, SamplingParams(temperature=1.0, seed=1))
+    sampled = [engine.add_request(prompt, 10, SamplingParams(temperature=1.0, seed=s), after=first) for s in (2, 3)]
+    greedy = [engine.add_request(prompt, 10, after=first) for _ in range(2)]
+    penalized = engine.add_request(prompt, 10, SamplingParams(presence_penalty=1.5, repetition_penalty=1.5),
+                                   after=first)
+    engine.run()
+    assert engine.kv.hits == 4 * ((len(prompt) - 1) // PAGE) * PAGE, "each sibling finds the prompt's full pages"
+    assert len({tuple(r.output) for r in [first] + sampled}) == 3 and greedy[0].output == greedy[1].output
+    assert penalized.output != greedy[0].output
+    _assert_all_pages_back(engine)
+
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 400, size=n).tolist() for n in (9, 21, 14, 25)]
+    params = [SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), SamplingParams(repetition_penalty=1.4),
+              SamplingParams(frequency_penalty=-0.5, logprobs=1), SamplingParams(presence_penalty=0.8, seed=5,
+                                                                                  temperature=0.9)]
+    outputs = {}
+    ring = engine.layout.table_width("sliding_attention")
+    for name, cfg in [("roomy", _config(enable_prefix_caching=False)),
+                      ("tight", _config(num_pages={"full_attention": 26, "sliding_attention": 4 * ring + 1}))]:
+        eng = Engine(target, cfg)
+        reqs = [eng.add_request(p, 20, s) for p, s in zip(prompts, params)]
+        eng.run()
+        outputs[name] = [r.output for r in reqs]
+        _assert_all_pages_back(eng)
+    assert eng.scheduler.num_preemptions > 0
+    assert outputs["tight"] == outputs["roomy"]

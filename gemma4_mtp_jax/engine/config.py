@@ -72,6 +72,9 @@ class EngineConfig:
     # drafts alone and their verify under the grammar's masks at every position. Off: such requests do not
     # speculate (their mask is known for the first position only).
     structured_outputs: bool = False
+    # Prefill programs that also return the prompt tokens' logprobs (SamplingParams.prompt_logprobs: completions'
+    # echo with logprobs, as evaluation harnesses score text): one more program per prefill bucket.
+    prompt_logprobs: bool = False
 
     def kv_cache_dtype(self, target_dtype) -> jnp.dtype:
         """`cache_dtype` as a dtype, for a target of `target_dtype`."""

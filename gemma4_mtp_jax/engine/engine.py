@@ -136,7 +136,7 @@ class Engine:
                                        placement=_placement(target, cfg.tensor_parallel_size, devices),
                                        pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
                                        max_prefill_tokens=max(cfg.prefill_buckets()),
-                                       structured=cfg.structured_outputs)
+                                       structured=cfg.structured_outputs, prompt_logprobs=cfg.prompt_logprobs)
         self.programs = ProgramSet(self.steps, cfg.batch_buckets(), cfg.prefill_buckets(),
                                    background=cfg.compile_in_background)
         self.compile_times = self.programs.times
@@ -235,6 +235,8 @@ class Engine:
         if bad:
             raise RequestError(f"token id {bad[0]} (logit_bias, allowed or bad tokens) is outside the vocabulary "
                                f"[0, {V})")
+        if sampling.prompt_logprobs is not None and not self.config.prompt_logprobs:
+            raise RequestError("prompt logprobs need an engine with prompt_logprobs (serve --enable-prompt-logprobs)")
         if sampling.seed is None and sampling.temperature > 0:  # unseeded: a fresh draw, not the same seed for all
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling,
@@ -346,11 +348,8 @@ class Engine:
                     raise RuntimeError(f"token {t} broke the request's grammar")
             logprobs = None
             if req.sampling.logprobs is not None:
-                chosen, top_ids, top_lp = unpack_logprobs(result[positions + 3:], positions)
-                m = req.sampling.logprobs
-                logprobs = [TokenLogprob(float(chosen[j]), [(int(t), float(v)) for t, v in
-                                                            zip(top_ids[j, :m], top_lp[j, :m])])
-                            for j in range(keep)]
+                columns = unpack_logprobs(result[positions + 3:], positions)
+                logprobs = TokenLogprob.rows(*columns, req.sampling.logprobs, keep)
                 req.logprobs += logprobs
             req.output += kept
             req.token_times += [now] * len(kept)

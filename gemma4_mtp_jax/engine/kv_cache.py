@@ -120,9 +120,9 @@ class KVCacheManager:
         """The most full pages of `req`'s tokens (all but the newest, and at least one token left to prefill) whose
         K/V the cache holds: every page for full layers, the window's for sliding rings. Returns (pages,
         {group: (first logical page, cached pages from it)}); (0, {}) with the cache off or on a miss."""
-        if not self.prefix_caching or req.sampling.uses_history:
-            # Penalties count the tokens a prefill passes (device_state.prefill_history): such a request computes
-            # its pages itself.
+        if not self.prefix_caching or req.sampling.uses_history or req.sampling.prompt_logprobs is not None:
+            # Penalties count the tokens a prefill passes (device_state.prefill_history), and prompt logprobs come
+            # from it: such a request computes its pages itself.
             return 0, {}
         limit = (req.prefill_len - 1) // self.layout.page_size
         if limit <= 0:

@@ -39,6 +39,8 @@ class Request:
     grammar: Any = None
     # With sampling.logprobs: each output token's logprob and top alternatives, as `output` grows.
     logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+    # With sampling.prompt_logprobs: those of its prompt's tokens from the second on (filled by its prefill).
+    prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
     output: list[int] = dataclasses.field(default_factory=list)
     status: str = "waiting"  # waiting -> running -> finished
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -132,6 +134,14 @@ class TokenLogprob:
 
     logprob: float
     top: list[tuple[int, float]]
+
+    @staticmethod
+    def rows(chosen: np.ndarray, top_ids: np.ndarray, top_lp: np.ndarray, count: int, n: int) -> list["TokenLogprob"]:
+        """The first `n` positions of a program's logprob columns (device_state.unpack_logprobs), with `count`
+        alternatives each."""
+        return [TokenLogprob(float(chosen[j]), [(int(t), float(v)) for t, v in zip(top_ids[j, :count],
+                                                                                 top_lp[j, :count])])
+                for j in range(n)]
 
 
 @dataclasses.dataclass

@@ -13,9 +13,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gemma4_mtp_jax.steps.device_state import DeviceState, PrefillRows, ProcessingRows, StepInputs, StepRows
+from gemma4_mtp_jax.steps.device_state import (DeviceState, PrefillRows, ProcessingRows, StepInputs, StepRows,
+                                                unpack_logprobs)
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
-from gemma4_mtp_jax.engine.request import Request
+from gemma4_mtp_jax.engine.request import Request, TokenLogprob
 from gemma4_mtp_jax.model.kv_state import NULL_PAGE
 from gemma4_mtp_jax.programs.program_set import ProgramSet
 from gemma4_mtp_jax.model.sampling import SamplingBatch, any_sampled
@@ -125,6 +126,8 @@ class Runner:
         buckets = self.programs.buckets()[1]
         chunk = min(self.prefill_chunk, buckets[-1])
         todo = req.prompt + req.output[:-1]
+        # Prompt logprobs come with the request's first prefill (a resumed one has them already).
+        scored = req.sampling.prompt_logprobs is not None and not req.output
         ps = self.kv.layout.page_size
         words = len(req.allowed_row)
         processing = ProcessingRows.stack([row.processing_row(prefill=True)], 1, (words, 1, words))
@@ -135,17 +138,32 @@ class Runner:
             self.kv.advance_rings(req, (start + n - 1) // ps)
             row.tables = self.kv.page_table(req)
             T = bucket(buckets, n)
+            following = todo[start + 1:start + n + 1]
             rows = PrefillRows.stack([dict(slot=row.slot, tokens=np.pad(todo[start:start + n], (0, T - n)),
                                            positions=np.pad(np.arange(start, start + n), (0, T - n),
                                                             constant_values=-1),
-                                           last_index=n - 1, stop_ids=row.stop_ids, remaining=row.remaining)], 1, T)
-            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows, processing))
+                                           last_index=n - 1, stop_ids=row.stop_ids, remaining=row.remaining,
+                                           next_tokens=np.pad(following, (0, T - len(following)),
+                                                              constant_values=-1))], 1, T)
+            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows, processing), scored)
+            if scored:
+                result = self.programs.result(packed, prefill=True, scored=T)[0]
+                self._take_prompt_logprobs(req, result, T, len(following))
             req.prefilled += n
             done += n
             self.kv.register(req)
         if req.prefilled < len(todo):
             return done, None
         return done, self.programs.result(packed, prefill=True)[0]
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request, result: np.ndarray, tokens: int, n: int) -> None:
+        """A scored prefill chunk's prompt logprobs (after its sampled token's columns: CompiledSteps.result, for a
+        chunk of `tokens` positions) for its first `n` tokens' successors, the prompt's tokens from the chunk's
+        second on, onto `req.prompt_logprobs`."""
+        per_position = (len(result) - 4) // (tokens + 1)
+        columns = unpack_logprobs(result[4 + per_position:], tokens)
+        req.prompt_logprobs += TokenLogprob.rows(*columns, req.sampling.prompt_logprobs, n)
 
     def step_inputs(self, rows: list[Row], processed: bool = False, masked_rounds: bool = False) -> StepInputs:
         """A decode or speculative step's host inputs for `rows`, padded to the batch bucket that holds them (with

@@ -55,6 +55,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob (raw model) and this many top alternatives
 
     def __post_init__(self):
         # The step holds these as float32 / int32 / uint32 rows: refuse what would not survive the cast.
@@ -82,8 +83,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, {INT32_MAX}], got {self.min_tokens}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {getattr(self, name)}")
 
     @property
     def processed(self) -> bool:

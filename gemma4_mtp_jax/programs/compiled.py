@@ -145,7 +145,10 @@ class CompiledSteps:
     # (`verify`, the processed variant with a grammar's masks at every verified position), for batches with a
     # grammar: its masks depend on the drafts, which the host reads between the two.
     structured: bool = False
-    prefill: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    # Prefill programs that also return their prompt tokens' logprobs (completions' echo with logprobs), one more
+    # per prefill bucket.
+    prompt_logprobs: bool = False
+    prefill: dict[tuple, Any] = dataclasses.field(default_factory=dict)  # (batch, tokens[, "scored"])
     decode: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, *variant)
     speculative: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)
     draft: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> the drafts alone (structured)
@@ -156,7 +159,8 @@ class CompiledSteps:
         self._rep = None if self.placement is None else self.placement.replicated
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
         rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len
-        capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows, processed=True)),
+        masked = self.k + 1 if self.structured and self.drafter is not None else 1  # the verify's masks
+        capacity = 1 + max(rows * packed_width(self._abstract_inputs(rows, processed=True, masked=masked)),
                            packed_width(self._abstract_inputs(1, tokens)))
         self.arrays = ProgramArrays(self.target, self.layout, self.cache_dtype,
                                     self.drafter.params() if self.drafter is not None else None, self.num_slots,
@@ -205,15 +209,16 @@ class CompiledSteps:
                                      state.inputs)
         return inputs, state.replace(inputs=staged)
 
-    def _prefill_fn(self, params, state: DeviceState, packed, *, tokens: int) -> tuple[DeviceState, jax.Array]:
+    def _prefill_fn(self, params, state: DeviceState, packed, *, tokens: int,
+                    scored: bool = False) -> tuple[DeviceState, jax.Array]:
         """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
         a prompt's final chunk), with its logprobs, as a packed [B, 4 + 1 + 2K] result (finish_round's layout);
         the drafter's h (the hidden there) into its slot; the rows' histories (device_state.prefill_history)."""
         inputs, state = self._unpack(state, packed, tokens)
         rows = inputs.rows
         state, history = prefill_history(state, rows, inputs.processing)
-        pages, token, h_last, logprobs = prefill_step(self.spec, self.arrays.pack.unpack(params), state.pages,
-                                                      inputs, history)
+        pages, token, h_last, logprobs = prefill_step(self.spec.but(scored=scored), self.arrays.pack.unpack(params),
+                                                      state.pages, inputs, history)
         state = state.replace(pages=pages)
         if state.hidden is not None:
             state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
@@ -274,9 +279,10 @@ class CompiledSteps:
 
     # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both
     # (`jitted.lower(*args)`), and the executable cache keys on the arguments without lowering.
-    def prefill_program(self, batch: int, tokens: int) -> tuple[Any, tuple]:
+    def prefill_program(self, batch: int, tokens: int, scored: bool = False) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch, tokens)
-        return self._jit(functools.partial(self._prefill_fn, tokens=tokens), (1, 2)), (params, state, packed)
+        fn = functools.partial(self._prefill_fn, tokens=tokens, scored=scored)
+        return self._jit(fn, (1, 2)), (params, state, packed)
 
     def decode_program(self, batch: int, sampled: bool, processed: bool = False) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch, processed=processed)
@@ -314,15 +320,18 @@ class CompiledSteps:
                 str(jnp.dtype(self.target.dtype)), drafter,
                 tuple(getattr(jax.config, name, None) for name in _TRACE_CONFIG))
 
-    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False) -> np.ndarray:
+    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False,
+               scored: int = 0) -> np.ndarray:
         """A program's packed result on the host (waits for the program): the first columns of the array it
         returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step (finish_round), then for
-        a prefill or a processed step the emitted tokens' logprob columns (device_state.unpack_logprobs)."""
+        a prefill or a processed step the emitted tokens' logprob columns (device_state.unpack_logprobs), and for
+        a scored prefill of `scored` tokens the prompt tokens' ones."""
         positions = 1 if prefill else 1 + (self.k if self.drafter is not None else 0)
+        per_position = 1 + 2 * top_logprobs_count(self.target.config.vocab_size)
         width = positions + 3
         if prefill or processed:
-            width += positions * (1 + 2 * top_logprobs_count(self.target.config.vocab_size))
-        return np.asarray(out)[:, :width]
+            width += positions * per_position
+        return np.asarray(out)[:, :width + scored * per_position]
 
     def compile_draft(self, batch: int) -> Any:
         """(program_params, draft_params, state, inputs) -> (state, drafted, q, q_ids): a round's drafts alone
@@ -342,10 +351,11 @@ class CompiledSteps:
             table[key] = compile_lowered(jitted.lower(*args))
         return table[key]
 
-    def compile_prefill(self, batch: int, tokens: int) -> Any:
+    def compile_prefill(self, batch: int, tokens: int, scored: bool = False) -> Any:
         """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` of B rows of T tokens
         (PrefillRows); state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
-        return self._compiled(self.prefill, (batch, tokens), lambda: self.prefill_program(batch, tokens))
+        key = (batch, tokens) + (("scored",) if scored else ())
+        return self._compiled(self.prefill, key, lambda: self.prefill_program(batch, tokens, scored))
 
     def compile_decode(self, batch: int, sampled: bool = False, processed: bool = False) -> Any:
         """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows, and processing
@@ -374,6 +384,9 @@ class CompiledSteps:
         batch_buckets, prefill_buckets = sorted(batch_buckets, reverse=True), sorted(prefill_buckets, reverse=True)
         progs = [(f"prefill[1x{t}]", lambda t=t: self.prefill_program(1, t), put(self.prefill, (1, t)))
                  for t in prefill_buckets]
+        if self.prompt_logprobs:
+            progs += [(f"prefill[1x{t},scored]", lambda t=t: self.prefill_program(1, t, True),
+                       put(self.prefill, (1, t, "scored"))) for t in prefill_buckets]
         for variant in sorted(VARIANTS, reverse=True):
             tag = variant_tag(*variant)
             if self.drafter is None:

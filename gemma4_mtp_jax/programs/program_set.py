@@ -212,18 +212,20 @@ class ProgramSet:
         table = steps.decode if steps.drafter is None else steps.speculative
         batch = [b for b in self.batch_buckets if all((b, *v) in table for v in VARIANTS)
                  and (not (steps.structured and steps.drafter) or (b in steps.draft and b in steps.verify))]
-        prefill = [t for t in self.prefill_buckets if (1, t) in steps.prefill]
+        prefill = [t for t in self.prefill_buckets if (1, t) in steps.prefill
+                   and (not steps.prompt_logprobs or (1, t, "scored") in steps.prefill)]
         if len(batch) == len(self.batch_buckets) and len(prefill) == len(self.prefill_buckets):
             self._all_compiled = True  # no more lookups
         return batch, prefill
 
     # ------------------------------------------------------------------ running
-    def prefill(self, state: DeviceState, inputs: StepInputs) -> tuple[DeviceState, jax.Array]:
-        """One prefill chunk (inputs: one row of PrefillRows, host arrays) through its program: (state, its output:
-        `result(out, prefill=True)` reads the packed result)."""
+    def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False) -> tuple[DeviceState, jax.Array]:
+        """One prefill chunk (inputs: one row of PrefillRows, host arrays) through its program, `scored`: the one
+        that also returns the chunk's prompt logprobs: (state, its output: `result(out, prefill=True, scored=T)`
+        reads the packed result)."""
         steps = self.steps
         B, T = inputs.rows.tokens.shape
-        return steps.compile_prefill(B, T)(steps.program_params, state, steps.inputs(inputs))
+        return steps.compile_prefill(B, T, scored)(steps.program_params, state, steps.inputs(inputs))
 
     def step(self, state: DeviceState, inputs: StepInputs, sampled: bool,
              processed: bool = False) -> tuple[DeviceState, jax.Array]:
@@ -258,6 +260,6 @@ class ProgramSet:
         B = inputs.rows.slot.shape[0]
         return steps.compile_verify(B)(steps.program_params, state, steps.inputs(inputs), drafted, q, q_ids)
 
-    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False) -> np.ndarray:
+    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False, scored: int = 0) -> np.ndarray:
         """A program's packed result on the host (waits for the program)."""
-        return self.steps.result(out, prefill, processed)
+        return self.steps.result(out, prefill, processed, scored)

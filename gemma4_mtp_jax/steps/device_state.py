@@ -116,10 +116,12 @@ class PrefillRows(_HostRows):
     last_index: Array  # [B] int32
     stop_ids: Array  # [B, MAX_STOP_IDS] int32, -1 padded
     remaining: Array  # [B] int32: tokens the sequence may still produce
+    next_tokens: Array  # [B, T] int32: the token after each of `tokens` where known (a scored prefill's), else -1
 
     @classmethod
     def _fields(cls, tokens: int | None) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
-        return {"slot": ((), np.int32, 0), "tokens": ((tokens,), np.int32, 0), "positions": ((tokens,), np.int32, -1),
+        return {"next_tokens": ((tokens,), np.int32, -1),
+                "slot": ((), np.int32, 0), "tokens": ((tokens,), np.int32, 0), "positions": ((tokens,), np.int32, -1),
                 "last_index": ((), np.int32, 0), "stop_ids": ((MAX_STOP_IDS,), np.int32, -1),
                 "remaining": ((), np.int32, 0)}
 

@@ -40,6 +40,8 @@ class StepSpec:
     # Some row needs logits processing or logprobs (sampling.SamplingParams.processed): the processed variant, which
     # also samples. Decided on the host, like `sampled`.
     processed: bool = False
+    # A prefill that also returns the logprobs of its chunk's prompt tokens (prompt_logprobs: completions' echo).
+    scored: bool = False
     drafter: Any = None  # speculative.Drafter (the round's drafts); None outside the speculative round
     k: int = 0  # drafts per round
 
@@ -80,11 +82,19 @@ def processed_sample(spec: StepSpec, logits: Array, inputs: StepInputs, history:
     return token, pack_logprobs(*token_logprobs(processed[:, None], inputs.sampling.temperature, token[:, None]))
 
 
+def prompt_logprobs(spec: StepSpec, params, hidden: Array, next_tokens: Array) -> Array:
+    """A scored prefill's logprobs of each chunk token's successor under the model's own distribution (no processing,
+    temperature 1): hidden [B, T, H], next_tokens [B, T] (-1: unknown). Returns logprob columns [B, T (1 + 2K)]
+    (device_state.pack_logprobs)."""
+    logits = lm_logits(spec.target, params, hidden).astype(jnp.float32)  # [B, T, V]
+    return pack_logprobs(*token_logprobs(logits, jnp.zeros(logits.shape[:1], jnp.float32), next_tokens))
+
+
 def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: History):
     """One prompt chunk per row (`inputs.rows`: PrefillRows). Writes its K/V and samples from the logits at
     `last_index` (the row's last real token; only meaningful on a prompt's final chunk), processed with the rows'
     `history` (device_state.prefill_history). Returns (pages, token [B], hidden at last [B, H], the token's logprob
-    columns). Prefill always takes the processed sampling path: one row's processing and draw are cheap next to a
+    columns, and for a `spec.scored` prefill then the chunk's `prompt_logprobs` columns). Prefill always takes the processed sampling path: one row's processing and draw are cheap next to a
     chunk's forward, and one variant per bucket keeps start-up short."""
     rows = inputs.rows
     hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables)
@@ -92,6 +102,8 @@ def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: His
     h_last = hidden[b, rows.last_index]
     logits = lm_logits(spec.target, params, h_last)
     token, logprobs = processed_sample(spec, logits, inputs, history, rows.positions[b, rows.last_index], None)
+    if spec.scored:
+        logprobs = jnp.concatenate([logprobs, prompt_logprobs(spec, params, hidden, rows.next_tokens)], 1)
     return pages, token, h_last, logprobs
 
 
