@@ -515,20 +515,21 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
         if threading.current_thread() is threading.main_thread():
             raise AssertionError("the engine compiled a program on its own thread")
         calls.append(autotune)
-        # The three start-up programs go through; the other buckets' wait for `gate`, the tuned replacements
-        # of the first three for `tuned_gate`.
-        if len(calls) > 3:
-            assert (gate if len(calls) <= 6 else tuned_gate).wait(300)
+        # The four start-up programs go through; the other buckets' wait for `gate`, the tuned replacements
+        # of the first four for `tuned_gate`.
+        if len(calls) > 4:
+            assert (gate if len(calls) <= 8 else tuned_gate).wait(300)
         return real(lowered, autotune)
 
     monkeypatch.setattr(step_mod, "compile_lowered", gated)
     monkeypatch.setattr(step_mod, "quick_compiles", lambda: True)
     target = jax_models.target(tiny_ckpts["e2b"]["target_plain"])
     engine = Engine(target, _engine_config(compile_in_background=True))  # batch buckets [2, 4], prefill [4, 8]
-    first = {"decode[2]": engine.steps.decode[(2, False)], "prefill[1x4]": engine.steps.prefill[(1, 4)]}
+    first = {"decode[2]": engine.steps.decode[(2, False, False)], "prefill[1x4]": engine.steps.prefill[(1, 4)]}
     try:
-        assert engine.programs.ready() == (3, 6) and engine.stats()["programs_untuned"] == 3
-        assert calls == [False] * 3 and engine.programs.untuned == {"decode[2]", "decode[2,sampled]", "prefill[1x4]"}
+        assert engine.programs.ready() == (4, 8) and engine.stats()["programs_untuned"] == 4
+        assert calls == [False] * 4 and engine.programs.untuned == {"decode[2]", "decode[2,sampled]",
+                                                                    "decode[2,processed]", "prefill[1x4]"}
         prompts = _prompts(11, [3, 9, 20, 5])
 
         def serve(eng):
@@ -540,17 +541,17 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
             return [r.output for r in reqs], widest
 
         early, widest = serve(engine)
-        assert widest == 2 and engine.programs.ready() == (3, 6)
+        assert widest == 2 and engine.programs.ready() == (4, 8)
         gate.set()
         deadline = time.monotonic() + 300
-        while len(calls) < 7 and time.monotonic() < deadline:  # every bucket compiled, the replacements begun
+        while len(calls) < 9 and time.monotonic() < deadline:  # every bucket compiled, the replacements begun
             time.sleep(0.01)
-        assert engine.programs.ready() == (6, 6) and engine.stats()["programs_untuned"] == 3
+        assert engine.programs.ready() == (8, 8) and engine.stats()["programs_untuned"] == 4
         tuned_gate.set()
-        assert engine.programs.wait(300) and engine.programs.ready() == (6, 6)
+        assert engine.programs.wait(300) and engine.programs.ready() == (8, 8)
         assert engine.stats()["programs_untuned"] == 0
-        assert calls == [False] * 3 + [True] * 6 and engine.programs.untuned == set()
-        assert engine.steps.decode[(2, False)] is not first["decode[2]"]
+        assert calls == [False] * 4 + [True] * 8 and engine.programs.untuned == set()
+        assert engine.steps.decode[(2, False, False)] is not first["decode[2]"]
         assert engine.steps.prefill[(1, 4)] is not first["prefill[1x4]"]
         late, widest = serve(engine)
         assert widest == 4
@@ -563,15 +564,15 @@ def test_compile_in_background_serves_within_the_compiled_buckets(engines, jax_m
 
 
 def test_programs_are_listed_costliest_first(engines):
-    """compile_all starts programs in this order: sampling's step programs, then the greedy ones, larger buckets
-    first, then prefill, longer chunks first (the order of their compile times on the H200:
+    """compile_all starts programs in this order: the processed step programs, sampling's, then the greedy ones,
+    larger buckets first, then prefill, longer chunks first (the order of their compile times on the H200:
     docs/decisions/0013-compile-in-background.md)."""
     import re
 
-    names = [name for name, _, _ in engines("e2b").steps.programs([2, 4], [8, 16])]
-    steps = [(bool(re.search(r",sampled\]$", n)), int(re.search(r"\[(\d+)", n).group(1)))
+    names = [name for name, *_ in engines("e2b").steps.programs([2, 4], [8, 16])]
+    steps = [(re.search(r",(\w+)\]$", n).group(1) if "," in n else "", int(re.search(r"\[(\d+)", n).group(1)))
              for n in names if not n.startswith("prefill")]
-    assert steps == [(True, 4), (True, 2), (False, 4), (False, 2)]
+    assert steps == [("processed", 4), ("processed", 2), ("sampled", 4), ("sampled", 2), ("", 4), ("", 2)]
     assert [n for n in names if n.startswith("prefill")] == ["prefill[1x16]", "prefill[1x8]"]
 
 

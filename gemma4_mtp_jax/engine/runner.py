@@ -8,6 +8,7 @@ built (a value that does not fit its dtype, a page table longer than its width) 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -84,6 +85,7 @@ class Runner:
         self.prefill_chunk = prefill_chunk
         self.pad_slot = num_slots  # padding rows use the spare last slot
         self.in_flight: Dispatched | None = None
+        self.mask_seconds = 0.0  # host time spent filling grammar masks (structured output), in all
 
     def in_flight_members(self) -> frozenset[Request]:
         return frozenset() if self.in_flight is None else self.in_flight.members
@@ -171,8 +173,11 @@ class Runner:
         B = bucket(self.programs.buckets()[0], len(rows))
         processing = None
         if processed:
+            t0 = time.perf_counter()
             processing = ProcessingRows.stack([row.processing_row() for row in rows], B,
                                               (0, 1, len(rows[0].req.allowed_row)))
+            if any(row.req.grammar is not None for row in rows):
+                self.mask_seconds += time.perf_counter() - t0
         step_rows = StepRows.stack([row.step_row(masked_rounds) for row in rows], B, slot=self.pad_slot)
         return self._batch(rows, B, step_rows, processing)
 
@@ -188,9 +193,11 @@ class Runner:
         B = inputs.rows.slot.shape[0]
         processing = ProcessingRows.stack([row.processing_row() for row in rows], B, (0, k + 1, words))
         processing.mask[:] = -1
+        t0 = time.perf_counter()
         for r, row in enumerate(rows):
             if row.req.grammar is not None:
                 row.req.grammar.fill_draft_masks(drafts[r].tolist(), processing.mask[r])
+        self.mask_seconds += time.perf_counter() - t0
         self.state, packed = programs.verify(self.state, inputs.replace(processing=processing), drafted, q, q_ids)
         return packed
 
