@@ -408,7 +408,7 @@ class FakeEngine:
     def close(self):
         self.closed = True
 
-    def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None):
+    def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None, after=None):
         self.stop_ids_asked = stop_ids
         req = self._Request(request_id, list(prompt), max_new_tokens, sampling,
                             self.eos_ids if stop_ids is None else stop_ids)
@@ -651,7 +651,7 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
         assert sample(metric_samples("127.0.0.1", port), "gemma4_kv_pages_total", group="full_attention") == 16
 
         async def submit_then_cancel():
-            stream = await front.submit([BYTE0 + 1], 50, SamplingParams())
+            [stream] = await front.submit([BYTE0 + 1], 50, [SamplingParams()])
             front.cancel(stream)
             return stream
 
