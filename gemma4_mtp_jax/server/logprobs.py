@@ -32,6 +32,7 @@ class TokenEntry:
 
 
 def _finite(lp: float) -> float:
+    lp = float(lp)  # (a NumPy scalar from the engine's arrays is no JSON number)
     return lp if math.isfinite(lp) else NEG_INF_LOGPROB
 
 
@@ -43,6 +44,7 @@ class TokenPieces:
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
+        token = int(token)
         hit = self._cache.get(token)
         if hit is None:
             hit = self._cache[token] = self._piece(token)
