@@ -697,7 +697,7 @@ def test_metrics_count_what_was_served(srv, client):
                                                  max_tokens=7, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     usages.append(chunks[-1].usage)
-    request(srv.host, srv.port, "POST", "/v1/completions", {"prompt": "x", "n": 5})
+    request(srv.host, srv.port, "POST", "/v1/completions", {"prompt": "x", "n": 17})
     wait_idle(srv.host, srv.port)
     after = metric_samples(srv.host, srv.port)
 
