@@ -379,7 +379,8 @@ class FakeEngine:
     """Stands in for Engine (same surface the server uses): every step (`delay` seconds) yields `per_step` = 3 tokens
     per running request, as a speculative step with 2 of 3 drafts accepted would; one page per request. A request
     that asks for logprobs gets `fake_logprob(seed)` for every token, the token itself first of its top ones; a
-    request whose id `fail` matches fails at its first step."""
+    request whose id `fail` matches fails at its first step. With `by_seed`, a request's tokens start `seed` tokens
+    into `tokens`."""
 
     def __init__(self, max_num_seqs=2, tokens=b"speculative!"):
         from types import SimpleNamespace
@@ -395,6 +396,7 @@ class FakeEngine:
         self.served = []  # every request added
         self.after = {}  # request id -> the `after` it was added with
         self.fail = lambda request_id: False
+        self.by_seed = False
         self.k = 3
         self.per_step, self.delay = 3, 0.02
 
@@ -444,8 +446,9 @@ class FakeEngine:
                 self.running.remove(req)
                 events.append(StepEvent(req, [], True))
                 continue
-            n = len(req.output)
-            new = [self.tokens[(n + i) % len(self.tokens)] for i in range(self.per_step)][: req.max_new_tokens - n]
+            n = len(req.output) + (req.sampling.seed if self.by_seed else 0)
+            new = [self.tokens[(n + i) % len(self.tokens)] for i in range(self.per_step)][: req.max_new_tokens -
+                                                                                          len(req.output)]
             req.output += new
             req.num_speculative_tokens = 3
             req.accepted_per_round.append(2)
@@ -1113,6 +1116,47 @@ def test_a_failed_choice_fails_the_response_and_cancels_the_others(fake_server):
             assert reasons == ["cancelled", "error", "cancelled"], reasons
     finally:
         engine.fail = lambda rid: False
+
+
+def test_a_stop_string_ends_only_its_choice(fake_server):
+    from gemma4_mtp_jax.server.app import choice_seed
+    from test_server_support import wait_idle
+
+    tokens, n_tokens = "speculative!", 6
+
+    def full_text(seed, index):
+        start = choice_seed(seed, index) % len(tokens)
+        return (tokens * 2)[start:start + n_tokens]
+
+    # a seed whose choices stop at "ive" and run to max_tokens both
+    seed = next(s for s in range(1000) if len({"ive" in full_text(s, i) for i in range(3)}) == 2)
+    engine = fake_server_engine[0]
+    engine.by_seed = True
+    try:
+        body = _post(fake_server, {"prompt": "x", "max_tokens": n_tokens, "n": 3, "seed": seed, "stop": "ive"})
+    finally:
+        engine.by_seed = False
+    wait_idle("127.0.0.1", fake_server)
+    for c, req in zip(body["choices"], engine.served[-3:]):
+        full = full_text(seed, c["index"])
+        if "ive" in full:  # cut there, and the engine request cancelled; the other choices ran to their end
+            assert (c["text"], c["finish_reason"]) == (full[:full.find("ive")], "stop")
+            assert req.finish_reason in ("cancelled", "length")
+        else:
+            assert (c["text"], c["finish_reason"], req.finish_reason) == (full, "length", "length")
+    assert {c["finish_reason"] for c in body["choices"]} == {"stop", "length"}
+
+
+def test_stop_token_ids_join_the_eos_ids(fake_server):
+    from test_server_support import request
+
+    engine = fake_server_engine[0]
+    for extra, want in (({}, frozenset([1, 7])), ({"ignore_eos": True}, frozenset([7]))):
+        _post(fake_server, {"prompt": "x", "max_tokens": 2, "stop_token_ids": [7], **extra})
+        assert engine.stop_ids_asked == want
+    status, _, raw = request("127.0.0.1", fake_server, "POST", "/v1/completions",
+                             {"prompt": "x", "max_tokens": 2, "stop_token_ids": list(range(2, 18))})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "stop_token_ids", raw
 
 
 def test_a_disconnect_cancels_every_choice(fake_server):
