@@ -934,6 +934,7 @@ def test_new_fields_reach_the_params():
     ("completion", {"bad_words": ["hello"]}, "bad_words"),  # byte-level: 5 tokens
     ("completion", {"min_tokens": 17}, "min_tokens"),  # more than the default max_tokens, 16
     ("chat", {"min_tokens": 256}, "min_tokens"),  # more than the context leaves
+    ("completion", {"allowed_token_ids": [BYTE0 + ord("h")], "bad_words": ["h"]}, "bad_words"),  # nothing left
 ])
 def test_prepare_checks_what_needs_the_model(demo_tok, kind, fields, param):
     from gemma4_mtp_jax.server.prepare import Preparer, ServerSettings

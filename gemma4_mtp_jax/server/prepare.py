@@ -87,7 +87,10 @@ class Preparer:
         for ids, param in ((params.logit_bias, "logit_bias"), (params.allowed_token_ids or (), "allowed_token_ids"),
                            (params.stop_token_ids, "stop_token_ids")):
             self._check_vocabulary(ids, param)
-        return Prepared(params, prompt_ids, max_tokens, self._bad_token_ids(params.bad_words))
+        bad = self._bad_token_ids(params.bad_words)
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(bad):
+            raise bad_request("'bad_words' ban every token of 'allowed_token_ids': none is left to emit", "bad_words")
+        return Prepared(params, prompt_ids, max_tokens, bad)
 
     def _check_vocabulary(self, ids, param: str) -> None:
         V = self.settings.vocab_size

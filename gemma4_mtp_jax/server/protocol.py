@@ -19,7 +19,14 @@ import math
 import re
 from typing import Any, Callable
 
-from gemma4_mtp_jax.model.sampling import FLOAT32_MAX, INT32_MAX, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from gemma4_mtp_jax.model.sampling import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 from gemma4_mtp_jax.server.errors import bad_request
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 
@@ -233,7 +240,8 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 
 def _get_logit_bias(body: dict) -> dict[int, float]:
-    """OpenAI's `logit_bias`: an object of token ids (as strings) to biases in [-100, 100] added to the logits."""
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to biases in [-MAX_BIAS, MAX_BIAS] added to the
+    logits."""
     v = body.get("logit_bias")
     if v is None:
         return {}
@@ -246,9 +254,9 @@ def _get_logit_bias(body: dict) -> dict[int, float]:
     for k, bias in v.items():
         if not _TOKEN_ID_KEY.fullmatch(k) or int(k) > INT32_MAX:
             raise bad_request(f"'logit_bias' keys must be token ids, got {show_json(k)}", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {show_json(bias)} for "
-                              f"token {k}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise bad_request(f"'logit_bias' values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got "
+                              f"{show_json(bias)} for token {k}", "logit_bias")
         out[int(k)] = float(bias)
     return out
 
@@ -283,12 +291,12 @@ def _get_choices(body: dict, p: GenerationParams) -> None:
 def _get_shaping(body: dict, p: GenerationParams) -> None:
     """Penalties and logit shaping (the engine applies them inside its programs, at every verified position)."""
     def penalty(key: str) -> float:
-        v = _get_float(body, key, lambda x: -2 <= x <= 2, "in [-2, 2]")
+        v = _get_float(body, key, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         return 0.0 if v is None else v
 
     p.presence_penalty = penalty("presence_penalty")
     p.frequency_penalty = penalty("frequency_penalty")
-    rp = _get_float(body, "repetition_penalty", lambda x: 0 < x <= 2, "in (0, 2]")
+    rp = _get_float(body, "repetition_penalty", lambda x: 0 < x <= MAX_PENALTY, f"in (0, {MAX_PENALTY:g}]")
     p.repetition_penalty = 1.0 if rp is None else rp
     min_p = _get_float(body, "min_p", lambda x: 0 <= x <= 1, "in [0, 1]")
     p.min_p = 0.0 if min_p is None else min_p
