@@ -247,6 +247,104 @@ def test_sampling_is_seeded(srv, client, tok, reference):
     assert _extra(a.choices[0], "token_ids") == reference(ids, 16, SamplingParams(0.9, 50, 0.95, 7), speculative)
 
 
+# ------------------------------------------------------------------------------------- n, logprobs, penalties
+def test_n_choices_are_seeded_and_distinct(srv, client, tok, reference):
+    """n = 3 sampled: each choice is the run of its own seed (choice 0 the request's, the others derived from it),
+    so a seeded request is reproducible and its choices differ; usage counts every choice, the prompt once."""
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+    from gemma4_mtp_jax.server.app import choice_seed
+
+    ids = tok.encode("abc").ids
+    kw = dict(model=MODEL, prompt="abc", max_tokens=12, temperature=0.9, n=3, seed=5,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    got = [_extra(c, "token_ids") for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and got == [_extra(c, "token_ids") for c in b.choices]
+    assert len({tuple(t) for t in got}) == 3
+    assert a.usage.prompt_tokens == len(ids) and a.usage.completion_tokens == 36
+    speculative = srv.server.settings.num_speculative_tokens > 0
+    for i in range(3):
+        sampling = SamplingParams(0.9, seed=choice_seed(5, i))
+        assert got[i] == reference(ids, 12, sampling, speculative)[:12], f"choice {i}"
+    wait_idle(srv.host, srv.port)
+
+
+def test_greedy_n_choices_are_identical(client, tok, reference):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=10,
+                                       temperature=0, n=2, extra_body={"return_token_ids": True})
+    ids = _extra(r, "prompt_token_ids")
+    assert [c.index for c in r.choices] == [0, 1]
+    assert _extra(r.choices[0], "token_ids") == _extra(r.choices[1], "token_ids") == reference(ids, 10)
+    assert r.choices[0].message.content == r.choices[1].message.content
+
+
+def test_streamed_choices_interleave_with_usage(srv, client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=3, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts, finish = ["", ""], [None, None]
+    for c in chunks[:-1]:  # (how the choices interleave depends on the engine's steps and the client's pace)
+        assert len(c.choices) == 1
+        ch = c.choices[0]
+        texts[ch.index] += ch.text
+        finish[ch.index] = ch.finish_reason or finish[ch.index]
+    assert texts == [c.text for c in whole.choices] and finish == ["length", "length"]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 32 == whole.usage.completion_tokens
+    wait_idle(srv.host, srv.port)
+
+
+def test_logprobs_are_the_targets_and_go_with_the_tokens(client):
+    """Greedy: the chosen token is the likeliest of its top ones, with the same logprob; the top ones are sorted and
+    their probabilities sum to at most 1; one entry per token (no EOS here: ignore_eos). Streamed: the same."""
+    import math
+
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logprobs=5,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8 == r.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and max(top.values()) == chosen == top[token]
+        assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob and [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True)
+        assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-5
+
+
+def test_penalties_and_logit_shaping_reach_the_engine(client, tok):
+    """A penalized request is served; min_tokens holds the EOS back, a banned word stays out, a +100 bias makes
+    greedy pick that token, allowed_token_ids confine the draw."""
+    def one_token(text):
+        [t] = tok.encode(text, add_special_tokens=False).ids
+        return t
+
+    x, y, q = one_token("x"), one_token("y"), one_token("q")
+
+    def token_ids(**kw):
+        extra = {"return_token_ids": True, **kw.pop("extra", {})}
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, extra_body=extra, **kw)
+        return _extra(r.choices[0], "token_ids")
+
+    ids = token_ids(temperature=0.8, seed=1, presence_penalty=1.5, frequency_penalty=-0.5,
+                    extra={"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 8, "bad_words": ["q"]})
+    assert len(ids) == 8 and q not in ids
+    assert token_ids(temperature=0, logit_bias={str(x): 100}) == [x] * 8
+    assert set(token_ids(temperature=0.8, seed=2, extra={"allowed_token_ids": [x, y]})) <= {x, y}
+
+
 # ------------------------------------------------------------------------------------------------------ concurrency
 def test_32_concurrent_streams_equal_sequential_runs(srv, client, monkeypatch):
     prompts = [f"Request {i}: {'xyz' * (i % 5)} tell me" for i in range(32)]
@@ -354,13 +452,21 @@ BAD_REQUESTS = [
     ("stream-not-bool", "POST", C, {**_GOOD, "stream": "yes"}, 400, "stream"),
     ("stream-options-without-stream", "POST", C, {**_GOOD, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
-    ("n-2", "POST", C, {**_GOOD, "n": 2}, 400, "n"),
-    ("best-of-3", "POST", C, {**_GOOD, "best_of": 3}, 400, "best_of"),
-    ("logprobs", "POST", C, {**_GOOD, "logprobs": 2}, 400, "logprobs"),
-    ("echo", "POST", C, {**_GOOD, "echo": True}, 400, "echo"),
+    ("n-17", "POST", C, {**_GOOD, "n": 17}, 400, "n"),
+    ("best-of-below-n", "POST", C, {**_GOOD, "n": 3, "best_of": 2}, 400, "best_of"),
+    ("best-of-streamed", "POST", C, {**_GOOD, "best_of": 2, "stream": True}, 400, "best_of"),
+    ("logprobs-21", "POST", C, {**_GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("echo-with-logprobs", "POST", C, {**_GOOD, "echo": True, "logprobs": 1}, 400, "echo"),
     ("suffix", "POST", C, {**_GOOD, "suffix": "end"}, 400, "suffix"),
-    ("presence-penalty", "POST", C, {**_GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("logit-bias", "POST", C, {**_GOOD, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("presence-penalty-3", "POST", C, {**_GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("repetition-penalty-0", "POST", C, {**_GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("logit-bias-out-of-vocab", "POST", C, {**_GOOD, "logit_bias": {"100000": 10}}, 400, "logit_bias"),
+    ("logit-bias-101", "POST", C, {**_GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("min-tokens-above-max", "POST", C, {**_GOOD, "min_tokens": 5}, 400, "min_tokens"),
+    ("allowed-token-ids-out-of-vocab", "POST", C, {**_GOOD, "allowed_token_ids": [100000]}, 400,
+     "allowed_token_ids"),
+    ("bad-words-several-tokens", "POST", C, {**_GOOD, "bad_words": ["hello"]}, 400, "bad_words"),
+    ("stop-token-ids-out-of-vocab", "POST", C, {**_GOOD, "stop_token_ids": [100000]}, 400, "stop_token_ids"),
     ("unknown-parameter", "POST", C, {**_GOOD, "temprature": 0.5}, 400, "temprature"),
     ("unknown-model", "POST", C, {**_GOOD, "model": "gpt-9"}, 404, "model"),
     ("model-not-string", "POST", C, {**_GOOD, "model": 3}, 400, "model"),
@@ -375,9 +481,10 @@ BAD_REQUESTS = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
     ("chat-tool-role", "POST", CH, {**_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
     ("chat-tools", "POST", CH, {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("chat-logprobs", "POST", CH, {**_CHAT, "logprobs": True}, 400, "logprobs"),
-    ("chat-top-logprobs", "POST", CH, {**_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
-    ("chat-n-3", "POST", CH, {**_CHAT, "n": 3}, 400, "n"),
+    ("chat-logprobs-number", "POST", CH, {**_CHAT, "logprobs": 2}, 400, "logprobs"),
+    ("chat-top-logprobs-without-logprobs", "POST", CH, {**_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat-n-0", "POST", CH, {**_CHAT, "n": 0}, 400, "n"),
+    ("chat-best-of", "POST", CH, {**_CHAT, "best_of": 2}, 400, "best_of"),
     ("chat-json-mode", "POST", CH, {**_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("chat-too-long", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "y" * 300}]}, 400, "messages"),
     ("chat-max-tokens-too-long", "POST", CH, {**_CHAT, "max_tokens": MAX_LEN}, 400, "max_tokens"),
@@ -448,7 +555,7 @@ def test_server_fine_after_bad_requests(srv, client):
 
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as ei:
-        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, n=2)
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, n=17)
     assert ei.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -590,7 +697,7 @@ def test_metrics_count_what_was_served(srv, client):
                                                  max_tokens=7, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     usages.append(chunks[-1].usage)
-    request(srv.host, srv.port, "POST", "/v1/completions", {"prompt": "x", "n": 5})
+    request(srv.host, srv.port, "POST", "/v1/completions", {"prompt": "x", "n": 17})
     wait_idle(srv.host, srv.port)
     after = metric_samples(srv.host, srv.port)
 

@@ -157,7 +157,8 @@ def sample(samples: dict, name: str, **labels) -> float:
 EDGE_NUMBERS = [0, 1, -1, 2, 2**31 - 1, 2**31, -2**31 - 1, 2**32, 2**63, -2**63 - 1, 2**64, 10**30, 0.5, -0.0, 1e-40,
                 1e-5, 1e39, 3.4e38, 1e308, 2.5, float("nan"), float("inf"), -float("inf")]
 NUMERIC_FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "n", "best_of",
-                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty"]
+                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                  "min_tokens"]
 
 
 def fuzz_requests():
@@ -180,7 +181,9 @@ def fuzz_requests():
                               "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "logprobs",
                               "top_logprobs", "echo", "best_of", "suffix", "user", "metadata", "service_tier",
                               "return_token_ids", "tools", "tool_choice", "response_format", "logit_bias",
-                              "presence_penalty", "role", "content", "name", "type", "text", "include_usage"])
+                              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                              "allowed_token_ids", "bad_words", "stop_token_ids", "role", "content", "name", "type",
+                              "text", "include_usage"])
     json_values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=4),
                                                              st.dictionaries(fields | text, c, max_size=4)),
                                max_leaves=8)
@@ -200,7 +203,10 @@ def fuzz_requests():
         "temperature": st.floats(0, 3.4e38) | st.sampled_from([1e-30, 1e-5, 2.0, 3.4e38]),
         "top_p": st.floats(1e-300, 1.0, exclude_min=False) | st.just(1.0),
         "stop": st.lists(st.text(min_size=1, max_size=5), max_size=3),
-        "stream": st.booleans(), "return_token_ids": st.booleans(), "n": st.just(1), "user": st.text(max_size=8),
+        "stream": st.booleans(), "return_token_ids": st.booleans(), "n": st.integers(1, 2), "user": st.text(max_size=8),
+        "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0, 2, exclude_min=True),
+        "min_p": st.floats(0, 1), "logit_bias": st.dictionaries(st.integers(0, 511).map(str), st.floats(-100, 100),
+                                                                max_size=3),
         "model": st.just(MODEL),
     })
 

@@ -377,7 +377,10 @@ def test_parse_json_rejects(raw):
 # ---------------------------------------------------------------------------------------- the server on a fake engine
 class FakeEngine:
     """Stands in for Engine (same surface the server uses): every step (`delay` seconds) yields `per_step` = 3 tokens
-    per running request, as a speculative step with 2 of 3 drafts accepted would; one page per request."""
+    per running request, as a speculative step with 2 of 3 drafts accepted would; one page per request. A request
+    that asks for logprobs gets `fake_logprob(seed)` for every token, the token itself first of its top ones; a
+    request whose id `fail` matches fails at its first step. With `by_seed`, a request's tokens start `seed` tokens
+    into `tokens`."""
 
     def __init__(self, max_num_seqs=2, tokens=b"speculative!"):
         from types import SimpleNamespace
@@ -391,6 +394,9 @@ class FakeEngine:
         self.tokens = [BYTE0 + b for b in tokens]
         self.programs, self.untuned = [3, 3], 0  # (compiled, total) and programs not yet tuned
         self.served = []  # every request added
+        self.after = {}  # request id -> the `after` it was added with
+        self.fail = lambda request_id: False
+        self.by_seed = False
         self.k = 3
         self.per_step, self.delay = 3, 0.02
 
@@ -408,10 +414,11 @@ class FakeEngine:
     def close(self):
         self.closed = True
 
-    def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None):
+    def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None, after=None):
         self.stop_ids_asked = stop_ids
         req = self._Request(request_id, list(prompt), max_new_tokens, sampling,
                             self.eos_ids if stop_ids is None else stop_ids)
+        self.after[request_id] = after
         self.waiting.append(req)
         self.served.append(req)
         return req
@@ -434,16 +441,36 @@ class FakeEngine:
             self.running.append(self.waiting.pop(0))
         events = []
         for req in list(self.running):
-            n = len(req.output)
-            new = [self.tokens[(n + i) % len(self.tokens)] for i in range(self.per_step)][: req.max_new_tokens - n]
+            if self.fail(req.id):
+                req.status, req.finish_reason = "finished", "error"
+                self.running.remove(req)
+                events.append(StepEvent(req, [], True))
+                continue
+            n = len(req.output) + (req.sampling.seed if self.by_seed else 0)
+            new = [self.tokens[(n + i) % len(self.tokens)] for i in range(self.per_step)][: req.max_new_tokens -
+                                                                                          len(req.output)]
             req.output += new
             req.num_speculative_tokens = 3
             req.accepted_per_round.append(2)
             if len(req.output) >= req.max_new_tokens:
                 req.status, req.finish_reason = "finished", "length"
                 self.running.remove(req)
-            events.append(StepEvent(req, new, req.finished, accepted=2))
+            events.append(StepEvent(req, new, req.finished, accepted=2, logprobs=fake_logprobs(req.sampling, new)))
         return events
+
+
+def fake_logprob(seed: int | None) -> float:
+    return -((seed or 0) % 7 + 1) / 8
+
+
+def fake_logprobs(sampling, tokens: list[int]):
+    """FakeEngine's logprobs: the token `fake_logprob(seed)`, then `logprobs` - 1 others, less likely."""
+    from gemma4_mtp_jax.engine.request import TokenLogprob
+
+    if sampling is None or sampling.logprobs is None:
+        return None
+    lp, k = fake_logprob(sampling.seed), sampling.logprobs
+    return [TokenLogprob(lp, ([(t, lp)] + [(300 + j, lp - 1 - j) for j in range(k - 1)])[:k]) for t in tokens]
 
 
 fake_server_engine: list = []  # the fake_server fixture's engine and OpenAIServer
@@ -651,7 +678,7 @@ def test_data_parallel_replicas_share_the_load_and_sum_their_state(demo_tok):
         assert sample(metric_samples("127.0.0.1", port), "gemma4_kv_pages_total", group="full_attention") == 16
 
         async def submit_then_cancel():
-            stream = await front.submit([BYTE0 + 1], 50, SamplingParams())
+            [stream] = await front.submit([BYTE0 + 1], 50, [SamplingParams()])
             front.cancel(stream)
             return stream
 
@@ -830,3 +857,326 @@ def test_connection_and_body_flags():
     assert max_connections(parse(["--max-connections", "5"])) == 5
     assert parse([]).max_request_size is None and parse(["--max-request-size", "1MiB"]).max_request_size == 2**20
     assert parse([]).max_messages is None and parse(["--max-messages", "7"]).max_messages == 7
+
+
+# ----------------------------------------------------------------------- n, best_of, logprobs, penalties: the edge
+_BAD_NEW_FIELDS = [  # (endpoint kind or "both", the fields sent, the param the 400 names)
+    ("both", {"n": 0}, "n"), ("both", {"n": 17}, "n"), ("both", {"n": 1.5}, "n"), ("both", {"n": "2"}, "n"),
+    ("both", {"presence_penalty": 2.5}, "presence_penalty"), ("both", {"presence_penalty": "x"}, "presence_penalty"),
+    ("both", {"frequency_penalty": -2.01}, "frequency_penalty"),
+    ("both", {"repetition_penalty": 0}, "repetition_penalty"), ("both", {"repetition_penalty": 2.5},
+                                                                 "repetition_penalty"),
+    ("both", {"min_p": -0.1}, "min_p"), ("both", {"min_p": 1.5}, "min_p"),
+    ("both", {"logit_bias": []}, "logit_bias"), ("both", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("both", {"logit_bias": {"-1": 1}}, "logit_bias"), ("both", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("both", {"logit_bias": {"5": "a"}}, "logit_bias"), ("both", {"logit_bias": {"5": True}}, "logit_bias"),
+    ("both", {"logit_bias": {"99999999999": 1}}, "logit_bias"),
+    ("both", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("both", {"min_tokens": -1}, "min_tokens"), ("both", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("both", {"allowed_token_ids": []}, "allowed_token_ids"), ("both", {"allowed_token_ids": [-1]},
+                                                               "allowed_token_ids"),
+    ("both", {"allowed_token_ids": ["a"]}, "allowed_token_ids"), ("both", {"allowed_token_ids": 5},
+                                                                  "allowed_token_ids"),
+    ("both", {"allowed_token_ids": [True]}, "allowed_token_ids"),
+    ("both", {"allowed_token_ids": list(range(16385))}, "allowed_token_ids"),
+    ("both", {"bad_words": "x"}, "bad_words"), ("both", {"bad_words": [1]}, "bad_words"),
+    ("both", {"bad_words": [" "]}, "bad_words"), ("both", {"bad_words": ["x" * 300]}, "bad_words"),
+    ("both", {"bad_words": [str(i) for i in range(65)]}, "bad_words"),
+    ("both", {"stop_token_ids": [-1]}, "stop_token_ids"), ("both", {"stop_token_ids": "1"}, "stop_token_ids"),
+    ("both", {"stop_token_ids": list(range(17))}, "stop_token_ids"),
+    ("completion", {"best_of": 0}, "best_of"), ("completion", {"best_of": 17}, "best_of"),
+    ("completion", {"n": 3, "best_of": 2}, "best_of"), ("completion", {"best_of": 3, "stream": True}, "best_of"),
+    ("completion", {"logprobs": -1}, "logprobs"), ("completion", {"logprobs": 21}, "logprobs"),
+    ("completion", {"logprobs": True}, "logprobs"), ("completion", {"echo": "yes"}, "echo"),
+    ("completion", {"echo": True, "logprobs": 1}, "echo"),
+    ("chat", {"logprobs": 1}, "logprobs"), ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ("chat", {"top_logprobs": -1, "logprobs": True}, "top_logprobs"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2, "logprobs": False}, "top_logprobs"), ("chat", {"best_of": 2}, "best_of"),
+    ("chat", {"echo": True}, "echo"),
+]
+
+
+def _parse(kind: str, fields: dict):
+    if kind == "completion":
+        return parse_completion({"prompt": "hi", **fields})
+    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+@pytest.mark.parametrize("kind,fields,param", _BAD_NEW_FIELDS, ids=[f"{k}-{p}-{i}" for i, (k, _, p) in
+                                                                    enumerate(_BAD_NEW_FIELDS)])
+def test_new_fields_bad_values_are_400s_naming_them(kind, fields, param):
+    for k in ("completion", "chat") if kind == "both" else (kind,):
+        with pytest.raises(APIError) as ei:
+            _parse(k, fields)
+        assert ei.value.status == 400 and ei.value.param == param, (k, ei.value.body())
+
+
+def test_new_fields_reach_the_params():
+    p = _parse("completion", {"n": 2, "best_of": 3, "logprobs": 0, "presence_penalty": -2, "frequency_penalty": 2,
+                              "repetition_penalty": 1.3, "min_p": 0.1, "logit_bias": {"7": -100, "9": 2.5},
+                              "min_tokens": 3, "max_tokens": 3, "allowed_token_ids": [5, 4, 5], "bad_words": ["a"],
+                              "stop_token_ids": [7]})
+    assert (p.n, p.best_of, p.logprobs, p.presence_penalty, p.frequency_penalty) == (2, 3, 0, -2.0, 2.0)
+    assert (p.repetition_penalty, p.min_p, p.logit_bias, p.min_tokens) == (1.3, 0.1, {7: -100.0, 9: 2.5}, 3)
+    assert (p.allowed_token_ids, p.bad_words, p.stop_token_ids) == ([5, 4], ["a"], [7])
+    assert _parse("completion", {"n": 4}).best_of == 4
+    assert _parse("completion", {"echo": True}).echo
+    assert _parse("chat", {"logprobs": True}).logprobs == 0
+    assert _parse("chat", {"logprobs": True, "top_logprobs": 5, "n": 3}).logprobs == 5
+    assert _parse("chat", {"logprobs": False, "top_logprobs": 0}).logprobs is None
+    assert _parse("chat", {"max_completion_tokens": 4, "min_tokens": 4}).min_tokens == 4
+
+
+@pytest.mark.parametrize("kind,fields,param", [
+    ("completion", {"logit_bias": {"512": 1}}, "logit_bias"),
+    ("chat", {"allowed_token_ids": [3, 600]}, "allowed_token_ids"),
+    ("completion", {"stop_token_ids": [512]}, "stop_token_ids"),
+    ("completion", {"bad_words": ["hello"]}, "bad_words"),  # byte-level: 5 tokens
+    ("completion", {"min_tokens": 17}, "min_tokens"),  # more than the default max_tokens, 16
+    ("chat", {"min_tokens": 256}, "min_tokens"),  # more than the context leaves
+    ("completion", {"allowed_token_ids": [BYTE0 + ord("h")], "bad_words": ["h"]}, "bad_words"),  # nothing left
+])
+def test_prepare_checks_what_needs_the_model(demo_tok, kind, fields, param):
+    from gemma4_mtp_jax.server.prepare import Preparer, ServerSettings
+
+    preparer = Preparer(ServerSettings("fake", max_model_len=256, vocab_size=512), demo_tok)
+    base = {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(APIError) as ei:
+        preparer.prepare(json.dumps({**base, **fields}).encode(), kind)
+    assert ei.value.status == 400 and ei.value.param == param, ei.value.body()
+
+
+def test_bad_words_are_banned_bare_and_after_a_space(demo_tok, tmp_path):
+    """A word is banned as the single token it is; its spaced form too, when that is one other token (the demo
+    tokenizer is byte-level: " h" is two tokens, so only "h" is banned; a vocabulary with "▁h"-style merged tokens
+    bans both)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gemma4_mtp_jax.server.prepare import Preparer, ServerSettings
+
+    def bad_ids(tok, words):
+        preparer = Preparer(ServerSettings("fake", max_model_len=256, vocab_size=512), tok)
+        return preparer.prepare(json.dumps({"prompt": "hi", "bad_words": words}).encode(), "completion").bad_token_ids
+
+    assert bad_ids(demo_tok, ["h", " h"]) == (BYTE0 + ord("h"),)
+    vocab = {"<unk>": 0, "hi": 1, " hi": 2, "h": 3, "i": 4, " ": 5}
+    words = Tokenizer(models.BPE(vocab=vocab, merges=[("h", "i"), (" ", "hi")], unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_next")
+    (tmp_path / "tokenizer.json").write_text(words.to_str())
+    assert bad_ids(TextTokenizer(tmp_path), ["hi"]) == (1, 2)
+
+
+def test_text_stream_shows_the_tokens_of_the_text_returned(demo_tok):
+    """`shown`: a token counts once its text has begun to be returned: not while a stop string may still start at
+    it, never past the stop string's start, not while its character is incomplete; at the end all but the EOS."""
+    s = TextStream(demo_tok, stop=["STOP"])
+    assert s.push(_byte_ids(b"ab S")) == "ab " and s.shown() == 3  # "S" held back
+    assert s.push(_byte_ids(b"TOP more")) == "" and s.stopped
+    assert s.shown(final=True) == 3 and s.offsets[:4] == [0, 1, 2, 3]
+    s = TextStream(demo_tok)
+    euro = _byte_ids("x€".encode())
+    s.push(euro[:3])
+    assert s.shown() == 1 and s.offsets == [0, 1, 1]  # the € is incomplete: its first bytes wait for the last
+    s.push(euro[3:])
+    assert s.shown() == 4 and s.offsets == [0, 1, 1, 1]
+    s.push([1], skip_text=[1])  # the EOS: counted, never shown
+    assert s.num_tokens == 5 and s.finish() == "" and s.shown(final=True) == 4
+
+
+def test_logprobs_bodies():
+    from gemma4_mtp_jax.engine.request import TokenLogprob
+    from gemma4_mtp_jax.server.logprobs import TokenEntry, TokenPieces, chat_logprobs, completion_logprobs
+
+    class Pieces:  # a SentencePiece-like vocabulary: 7 is the byte-fallback piece of 0xE2
+        def decode(self, ids, skip_special_tokens=True):
+            return {5: "Hi", 6: " there", 7: "\ufffd"}[ids[0]]
+
+        def id_to_token(self, token):
+            return {5: "Hi", 6: "▁there", 7: "<0xE2>"}[token]
+
+    pieces = TokenPieces(Pieces())
+    entries = [TokenEntry(5, 0, TokenLogprob(-0.5, [(5, -0.5), (6, float("-inf"))])),
+               TokenEntry(7, 2, TokenLogprob(float("-inf"), [(6, -0.1)]))]
+    chat = chat_logprobs(entries, pieces)
+    assert chat["content"][0] == {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
+        {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}, {"token": " there", "logprob": -9999.0,
+                                                               "bytes": list(b" there")}]}
+    assert chat["content"][1]["bytes"] == [0xE2] and chat["content"][1]["logprob"] == -9999.0
+    comp = completion_logprobs(entries, pieces, base=3)
+    assert comp == {"tokens": ["Hi", "\ufffd"], "token_logprobs": [-0.5, -9999.0],
+                    "top_logprobs": [{"Hi": -0.5, " there": -9999.0}, {" there": -0.1, "\ufffd": -9999.0}],
+                    "text_offset": [3, 5]}
+    assert TokenPieces(None)(42) == ("token_id:42", list(b"token_id:42"))
+
+
+# ------------------------------------------------------------------ n, best_of, logprobs on the fake engine
+def _post(port, body, path="/v1/completions"):
+    from test_server_support import request, sse_events
+
+    status, _, raw = request("127.0.0.1", port, "POST", path, body)
+    assert status == 200, raw
+    return sse_events(raw) if body.get("stream") else json.loads(raw)
+
+
+def test_n_choices_share_the_prompt_and_derive_their_seeds(fake_server):
+    from gemma4_mtp_jax.server.app import choice_seed
+    from test_server_support import wait_idle
+
+    engine = fake_server_engine[0]
+    body = _post(fake_server, {"prompt": "x", "max_tokens": 5, "n": 3, "seed": 7, "temperature": 1})
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["text"] == "specu" and c["finish_reason"] == "length" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 15 and body["usage"]["prompt_tokens"] == 2  # BOS, "x"
+    reqs = engine.served[-3:]
+    assert [r.id for r in reqs] == [body["id"] + f"-{i}" for i in range(3)]
+    assert [r.sampling.seed for r in reqs] == [7, choice_seed(7, 1), choice_seed(7, 2)]
+    assert len({r.sampling.seed for r in reqs}) == 3
+    assert [engine.after[r.id] for r in reqs] == [None, reqs[0], reqs[0]]  # 1.. wait for 0's prompt
+    single = _post(fake_server, {"prompt": "x", "max_tokens": 5, "seed": 7, "temperature": 1})
+    assert engine.served[-1].id == single["id"] and engine.served[-1].sampling.seed == 7
+
+    events = _post(fake_server, {"prompt": "x", "max_tokens": 7, "n": 2, "stream": True,
+                                 "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 14 and not events[-2]["choices"]
+    chunks = [(e["choices"][0]["index"], e["choices"][0]) for e in events[:-2]]
+    assert all(len(e["choices"]) == 1 for e in events[:-2])
+    for i in (0, 1):
+        mine = [c for j, c in chunks if j == i]
+        assert "".join(c["text"] for c in mine) == "specula" and mine[-1]["finish_reason"] == "length"
+    order = [i for i, c in chunks if c["text"]]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0), order  # interleaved, not one after the other
+    wait_idle("127.0.0.1", fake_server)
+
+
+def test_logprobs_go_with_the_text(fake_server):
+    """Completions and chat logprobs, streamed and not: one entry per token of the text returned (a stop string's
+    tokens are not), the chosen token first among the top ones, offsets into the text."""
+    lp = fake_logprob(3)
+    body = _post(fake_server, {"prompt": "x", "max_tokens": 12, "logprobs": 2, "seed": 3, "stop": "ive"})
+    c = body["choices"][0]
+    assert c["text"] == "speculat" and "".join(c["logprobs"]["tokens"]) == c["text"]
+    assert c["logprobs"]["token_logprobs"] == [lp] * 8 and c["logprobs"]["text_offset"] == list(range(8))
+    assert all(len(top) == 2 and list(top)[0] == t and top[t] == lp
+               for t, top in zip(c["logprobs"]["tokens"], c["logprobs"]["top_logprobs"]))
+    assert body["usage"]["completion_tokens"] == 11  # the stop string's tokens are counted, not shown
+    events = _post(fake_server, {"prompt": "x", "max_tokens": 12, "logprobs": 2, "seed": 3, "stop": "ive",
+                                 "stream": True})
+    streamed = [e["choices"][0]["logprobs"] for e in events[:-1] if e["choices"][0]["logprobs"]]
+    assert sum((s["tokens"] for s in streamed), []) == c["logprobs"]["tokens"]
+    assert sum((s["text_offset"] for s in streamed), []) == list(range(8))
+
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "logprobs": True, "top_logprobs": 3,
+            "seed": 3}
+    body = _post(fake_server, chat, "/v1/chat/completions")
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == list("specu") and all(e["logprob"] == lp for e in content)
+    assert all(e["top_logprobs"][0]["token"] == e["token"] and len(e["top_logprobs"]) == 3 for e in content)
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+    events = _post(fake_server, {**chat, "stream": True}, "/v1/chat/completions")
+    streamed = [e["choices"][0]["logprobs"] for e in events[:-1] if e["choices"][0]["logprobs"]]
+    assert sum((s["content"] for s in streamed), []) == content
+    plain = _post(fake_server, {**chat, "logprobs": False, "top_logprobs": 0}, "/v1/chat/completions")
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_best_of_returns_the_likeliest_choices(fake_server):
+    from gemma4_mtp_jax.server.app import choice_seed
+
+    body = _post(fake_server, {"prompt": "x", "max_tokens": 3, "n": 2, "best_of": 4, "seed": 11, "logprobs": 0})
+    likeliest = sorted((fake_logprob(choice_seed(11, i)) for i in range(4)), reverse=True)[:2]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["logprobs"]["token_logprobs"] for c in body["choices"]] == [[lp] * 3 for lp in likeliest]
+    assert body["usage"]["completion_tokens"] == 12  # every choice generated
+    body = _post(fake_server, {"prompt": "x", "max_tokens": 3, "n": 1, "best_of": 3, "seed": 11})
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None  # ranked, not shown
+
+
+def test_echo_prepends_the_prompt(fake_server):
+    body = _post(fake_server, {"prompt": "abc", "max_tokens": 3, "echo": True, "n": 2})
+    assert [c["text"] for c in body["choices"]] == ["abcspe"] * 2
+    events = _post(fake_server, {"prompt": [2, BYTE0 + ord("z")], "max_tokens": 3, "echo": True, "stream": True})
+    assert events[0]["choices"][0]["text"] == "z" and "".join(e["choices"][0]["text"] for e in events[:-1]) == "zspe"
+
+
+def test_a_failed_choice_fails_the_response_and_cancels_the_others(fake_server):
+    from test_server_support import request, sse_events, wait_idle
+
+    engine = fake_server_engine[0]
+    engine.fail = lambda rid: rid.endswith("-1")
+    try:
+        for stream in (False, True):
+            status, _, raw = request("127.0.0.1", fake_server, "POST", "/v1/completions",
+                                     {"prompt": "x", "max_tokens": 200, "n": 3, "stream": stream})
+            if stream:
+                events = sse_events(raw)
+                assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "error", events
+            else:
+                assert status == 500 and json.loads(raw)["error"]["type"] == "server_error", raw
+            wait_idle("127.0.0.1", fake_server)
+            reasons = [r.finish_reason for r in engine.served[-3:]]
+            assert reasons == ["cancelled", "error", "cancelled"], reasons
+    finally:
+        engine.fail = lambda rid: False
+
+
+def test_a_stop_string_ends_only_its_choice(fake_server):
+    from gemma4_mtp_jax.server.app import choice_seed
+    from test_server_support import wait_idle
+
+    tokens, n_tokens = "speculative!", 6
+
+    def full_text(seed, index):
+        start = choice_seed(seed, index) % len(tokens)
+        return (tokens * 2)[start:start + n_tokens]
+
+    # a seed whose choices stop at "ive" and run to max_tokens both
+    seed = next(s for s in range(1000) if len({"ive" in full_text(s, i) for i in range(3)}) == 2)
+    engine = fake_server_engine[0]
+    engine.by_seed = True
+    try:
+        body = _post(fake_server, {"prompt": "x", "max_tokens": n_tokens, "n": 3, "seed": seed, "stop": "ive"})
+    finally:
+        engine.by_seed = False
+    wait_idle("127.0.0.1", fake_server)
+    for c, req in zip(body["choices"], engine.served[-3:]):
+        full = full_text(seed, c["index"])
+        if "ive" in full:  # cut there, and the engine request cancelled; the other choices ran to their end
+            assert (c["text"], c["finish_reason"]) == (full[:full.find("ive")], "stop")
+            assert req.finish_reason in ("cancelled", "length")
+        else:
+            assert (c["text"], c["finish_reason"], req.finish_reason) == (full, "length", "length")
+    assert {c["finish_reason"] for c in body["choices"]} == {"stop", "length"}
+
+
+def test_stop_token_ids_join_the_eos_ids(fake_server):
+    from test_server_support import request
+
+    engine = fake_server_engine[0]
+    for extra, want in (({}, frozenset([1, 7])), ({"ignore_eos": True}, frozenset([7]))):
+        _post(fake_server, {"prompt": "x", "max_tokens": 2, "stop_token_ids": [7], **extra})
+        assert engine.stop_ids_asked == want
+    status, _, raw = request("127.0.0.1", fake_server, "POST", "/v1/completions",
+                             {"prompt": "x", "max_tokens": 2, "stop_token_ids": list(range(2, 18))})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "stop_token_ids", raw
+
+
+def test_a_disconnect_cancels_every_choice(fake_server):
+    import socket
+    import time
+
+    from test_server_support import wait_idle
+
+    engine = fake_server_engine[0]
+    data = json.dumps({"prompt": "x", "max_tokens": 200, "n": 3, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", fake_server), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    buf = b""
+    while buf.count(b"data: ") < 4:
+        buf += sock.recv(65536)
+    sock.close()
+    deadline = time.time() + 10
+    while not all(r.finished for r in engine.served[-3:]) and time.time() < deadline:
+        time.sleep(0.02)
+    assert [r.finish_reason for r in engine.served[-3:]] == ["cancelled"] * 3
+    assert wait_idle("127.0.0.1", fake_server)["in_flight"] == 0

@@ -19,6 +19,8 @@ caught with a JSON 500. Every body is JSON that encodes (lone surrogates a clien
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import hmac
 import logging
 import secrets
@@ -40,8 +42,10 @@ from gemma4_mtp_jax.server.chat import TextTokenizer
 from gemma4_mtp_jax.server.errors import APIError, bad_request, json_bytes
 from gemma4_mtp_jax.server.generation import CLIENT_CLOSED, Generation, GenerationResponse
 from gemma4_mtp_jax.server.metrics import Metrics
-from gemma4_mtp_jax.server.prepare import RequestPreparer, ServerSettings
+from gemma4_mtp_jax.server.logprobs import TokenPieces
+from gemma4_mtp_jax.server.prepare import Prepared, RequestPreparer, ServerSettings
 from gemma4_mtp_jax.server.protocol import GenerationParams
+from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 
 log = logging.getLogger("gemma4_mtp_jax.server")
 
@@ -53,6 +57,13 @@ _INTERNAL_ERROR = APIError(500, "Internal server error", code="internal_error")
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"The request body is larger than this server's limit of {limit} bytes",
                     code="request_too_large")
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed` (choice 0: the seed itself, so n = 1 is unchanged)."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=4).digest(), "little")
 
 
 def _json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -72,6 +83,7 @@ class OpenAIServer:
         self.metrics = metrics
         self.eos_ids = frozenset(eos_ids)
         self.preparer = RequestPreparer(settings, tokenizer)
+        self.token_pieces = TokenPieces(tokenizer)  # token strings and bytes for logprobs, cached
         metrics.spec_tokens.set(settings.num_speculative_tokens)
         self.routes = Starlette(
             routes=[
@@ -175,14 +187,36 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _sampling(self, p: GenerationParams) -> SamplingParams:
-        s = self.settings
+    def _samplings(self, prepared: Prepared) -> list[SamplingParams]:
+        """One SamplingParams per choice to generate (best_of of them): choice 0 has the request's seed, choice i
+        one derived from (seed, i), so a seeded request is reproducible and its choices differ."""
+        s, p = self.settings, prepared.params
         temperature = s.default_temperature if p.temperature is None else p.temperature
         seed = p.seed if p.seed is not None else secrets.randbits(32)
-        # protocol.py checked every field against what SamplingParams takes; the server's defaults come from the
-        # checkpoint's generation_config, and a bad one there is not the client's fault (500, logged).
-        return SamplingParams(temperature, s.default_top_k if p.top_k is None else p.top_k,
-                              s.default_top_p if p.top_p is None else p.top_p, seed)
+        # best_of > n ranks the choices by their logprobs: the engine computes them even when not asked for.
+        logprobs = 0 if p.logprobs is None and p.best_of > p.n else p.logprobs
+        # protocol.py and prepare.py checked every field against what SamplingParams takes; the server's defaults
+        # come from the checkpoint's generation_config, and a bad one there is not the client's fault (500, logged).
+        top_k = s.default_top_k if p.top_k is None else p.top_k
+        top_p = s.default_top_p if p.top_p is None else p.top_p
+        base = SamplingParams(
+            temperature, top_k, top_p, seed, min_p=p.min_p, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+            logit_bias=tuple(sorted(p.logit_bias.items())), min_tokens=p.min_tokens,
+            allowed_token_ids=None if p.allowed_token_ids is None else tuple(sorted(p.allowed_token_ids)),
+            bad_token_ids=prepared.bad_token_ids, logprobs=logprobs)
+        return [base] + [dataclasses.replace(base, seed=choice_seed(seed, i)) for i in range(1, p.best_of)]
+
+    def _stop_ids(self, p: GenerationParams) -> frozenset[int] | None:
+        """The token ids that end the request: the model's EOS (unless ignore_eos) and `stop_token_ids`; None: the
+        engine's own EOS ids."""
+        if not p.stop_token_ids:
+            return frozenset() if p.ignore_eos else None
+        ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+        if len(ids) > MAX_STOP_IDS:
+            raise bad_request(f"'stop_token_ids': at most {MAX_STOP_IDS} stop token ids with the model's "
+                              f"{len(self.eos_ids)} end-of-sequence ids, got {len(ids)}", "stop_token_ids")
+        return ids
 
     def _rejected(self, endpoint: str, e: APIError) -> Response:
         if e.status >= 500:
@@ -198,10 +232,10 @@ class OpenAIServer:
                 raise APIError(503, "The server is shutting down", code="shutting_down")
             prepared = await self.preparer.prepare(await self._read_body(request), kind)
             params, prompt_ids = prepared.params, prepared.prompt_ids
-            sampling = self._sampling(params)
+            stop_ids = self._stop_ids(params)
+            samplings = self._samplings(prepared)
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-            stop_ids = frozenset() if params.ignore_eos else None  # None: the model's EOS ids
-            stream = await self.engine.submit(prompt_ids, prepared.max_tokens, sampling, stop_ids, rid)
+            streams = await self.engine.submit(prompt_ids, prepared.max_tokens, samplings, stop_ids, rid)
         except APIError as e:
             return self._rejected(endpoint, e)
         except QueueFull as e:
@@ -219,7 +253,7 @@ class OpenAIServer:
             log.exception("unexpected error while admitting a request")
             return self._rejected(endpoint, _INTERNAL_ERROR)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        gen = Generation(self, stream, params, prompt_ids, arrival, endpoint)
+        gen = Generation(self, rid, streams, params, prompt_ids, arrival, endpoint)
         return GenerationResponse(gen)
 
 

@@ -9,7 +9,9 @@ gone, stop string reached), "abort" (the shutdown grace period ran out) or "erro
 requests in that step fail, those still waiting stay queued, and the engine thread lives on).
 
 Admission is bounded: at most `max_num_seqs + max_queue_len` requests are in flight; past that `submit` raises
-QueueFull with a Retry-After estimate, so nothing already accepted is ever dropped.
+QueueFull with a Retry-After estimate, so nothing already accepted is ever dropped. An HTTP request with n choices
+is n engine requests, submitted together (all or none, on one engine): choices 1.. wait in the engine until choice
+0's prompt is prefilled (`after`), then find its pages in the prefix cache.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import math
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from gemma4_mtp_jax.engine import Engine, Request, RequestError, StepEvent
+from gemma4_mtp_jax.engine.request import TokenLogprob
 from gemma4_mtp_jax.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,22 +54,25 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "abort" | "error"
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
     def merge(self, later: "Delta") -> "Delta":
-        return dataclasses.replace(later, tokens=self.tokens + later.tokens)
+        logprobs = None if self.logprobs is None or later.logprobs is None else self.logprobs + later.logprobs
+        return dataclasses.replace(later, tokens=self.tokens + later.tokens, logprobs=logprobs)
 
 
 class RequestStream:
     """The handler's side of one request: `async for delta in stream.deltas()` until the final one."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
-                 sampling: SamplingParams, stop_ids: frozenset[int] | None):
+                 sampling: SamplingParams, stop_ids: frozenset[int] | None, after: "RequestStream | None" = None):
         self.id = request_id
         self.loop = loop
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.stop_ids = stop_ids
+        self.after = after  # a sibling choice's stream: the engine admits this one once that one's prompt is in
         self.arrival = time.perf_counter()
         self.request: Request | None = None  # the engine's Request, once added (engine thread)
         self.owner: AsyncEngine | None = None  # the engine serving it
@@ -160,27 +166,40 @@ class AsyncEngine:
         return int(min(60, max(1, math.ceil(ema * queued / self.max_num_seqs))))
 
     # ------------------------------------------------------------------ event loop
-    async def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> RequestStream:
-        """Queue a request; returns once the engine took it. Raises QueueFull, ShuttingDown, RequestError."""
+    async def submit(self, prompt: list[int], max_tokens: int, samplings: Sequence[SamplingParams],
+                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> list[RequestStream]:
+        """Queue one request per SamplingParams (the choices of one prompt), all or none; returns once the engine
+        took them. Their ids: `request_id`, or `request_id-i` for several. Raises QueueFull, ShuttingDown,
+        RequestError."""
         if self.draining or not self.alive:
             raise ShuttingDown("the server is shutting down" if self.draining else "the engine is not running")
         loop = asyncio.get_running_loop()
+        rid = request_id or f"req-{id(loop)}-{time.perf_counter_ns()}"
+        streams: list[RequestStream] = []
         with self._lock:
             n = len(self._active)
-            if n >= self.max_num_seqs + self.max_queue_len:
+            if n + len(samplings) > self.max_num_seqs + self.max_queue_len:
                 raise QueueFull(self.retry_after(), n)
-            stream = RequestStream(request_id or f"req-{id(loop)}-{time.perf_counter_ns()}", loop, prompt,
-                                   max_tokens, sampling, stop_ids)
-            stream.owner = self
-            self._active[stream.id] = stream
-        self._cmds.put(("add", stream))
+            for i, sampling in enumerate(samplings):
+                stream = RequestStream(rid if len(samplings) == 1 else f"{rid}-{i}", loop, prompt, max_tokens,
+                                       sampling, stop_ids, after=streams[0] if streams else None)
+                stream.owner = self
+                self._active[stream.id] = stream
+                streams.append(stream)
+        for stream in streams:
+            self._cmds.put(("add", stream))
         try:
-            await asyncio.shield(stream.accepted)
+            added = await asyncio.shield(asyncio.gather(*(s.accepted for s in streams), return_exceptions=True))
         except asyncio.CancelledError:
-            self._cmds.put(("cancel", stream))
+            for stream in streams:
+                self._cmds.put(("cancel", stream))
             raise
-        return stream
+        failed = next((r for r in added if isinstance(r, BaseException)), None)
+        if failed is not None:  # the others are in the engine: take them out
+            for stream in streams:
+                self._cmds.put(("cancel", stream))
+            raise failed
+        return streams
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
@@ -233,8 +252,9 @@ class AsyncEngine:
         if stream._closed:
             return
         try:
+            after = None if stream.after is None else stream.after.request
             req = self.engine.add_request(stream.prompt, stream.max_tokens, stream.sampling, stream.stop_ids,
-                                          request_id=stream.id)
+                                          request_id=stream.id, after=after)
         except (RequestError, ValueError) as e:
             self._forget(stream)
             stream._closed = True
@@ -311,7 +331,8 @@ class AsyncEngine:
         if self.metrics and ev.accepted is not None:
             self._count_speculation(ev)
         reason = req.finish_reason if ev.finished else None
-        d = Delta(list(ev.new_tokens), now, ev.finished, reason, REQUEST_FAILED if reason == "error" else None)
+        d = Delta(list(ev.new_tokens), now, ev.finished, reason, REQUEST_FAILED if reason == "error" else None,
+                  ev.logprobs)
         if ev.finished:
             self._close(stream, d)
         else:
@@ -424,8 +445,9 @@ class Replicas:
     def cancel(self, stream: RequestStream) -> None:
         (stream.owner or self.replicas[0]).cancel(stream)
 
-    async def submit(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> RequestStream:
-        """To the least-loaded replica (ties: the lowest index). Raises as AsyncEngine.submit."""
+    async def submit(self, prompt: list[int], max_tokens: int, samplings: Sequence[SamplingParams],
+                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> list[RequestStream]:
+        """To the least-loaded replica (ties: the lowest index), every choice to the same one (they share the
+        prompt's pages). Raises as AsyncEngine.submit."""
         replica = min(self.replicas, key=lambda r: r.in_flight)
-        return await replica.submit(prompt, max_tokens, sampling, stop_ids, request_id)
+        return await replica.submit(prompt, max_tokens, samplings, stop_ids, request_id)

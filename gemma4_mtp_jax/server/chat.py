@@ -151,15 +151,19 @@ class TextTokenizer:
             return None
         return ChatTemplate(source, self.special_tokens, origin)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`, the text of a special token included (`<end_of_turn>` is the control token: a
-        completions prompt is raw model input). The tokenizer's special tokens (BOS) are added unless the text
-        already starts with the BOS token (as a rendered chat template does)."""
-        add_special = not (self.bos_token and text.startswith(self.bos_token))
+        completions prompt is raw model input). With `special`, the tokenizer's special tokens (BOS) are added
+        unless the text already starts with the BOS token (as a rendered chat template does)."""
+        add_special = special and not (self.bos_token and text.startswith(self.bos_token))
         return self.tokenizer.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token: int) -> str | None:
+        """The vocabulary's piece for `token` (`▁the`, `<0xE2>`), None for an id it doesn't have."""
+        return self.tokenizer.id_to_token(token)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         if self.chat_template is None:

@@ -9,11 +9,13 @@ leading-space handling) give the same text as decoding everything at once.
 `StopStringMatcher` never lets text past a stop string out, and holds back the tail of the text that could still
 become the start of a stop string until the next piece decides it.
 
-`TextStream` combines both: tokens in, (text, stopped) out.
+`TextStream` combines both: tokens in, (text, stopped) out, and where each token's text starts, so that per-token
+data (logprobs) goes out with the text it belongs to and stops where the text stops.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Iterable, Protocol, Sequence
 
 REPLACEMENT = "\ufffd"
@@ -89,7 +91,11 @@ class StopStringMatcher:
 
 
 class TextStream:
-    """Tokens in, text out, stopping at stop strings. `num_tokens` counts the tokens consumed (for usage)."""
+    """Tokens in, text out, stopping at stop strings. `num_tokens` counts the tokens consumed (for usage).
+
+    `offsets[i]`: where token i's text starts in the text (a token that ends inside a character: where that
+    character starts); `emitted`: the characters returned so far. A token whose text has begun to be returned is
+    `shown`."""
 
     def __init__(self, tokenizer: _Tokenizer | None, prompt_ids: Sequence[int] = (), stop: Iterable[str] = ()):
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
@@ -97,6 +103,10 @@ class TextStream:
         self.stopped = False
         self.num_tokens = 0
         self.token_ids: list[int] = []
+        self.offsets: list[int] = []
+        self.emitted = 0
+        self._decoded = 0  # characters the detokenizer gave (the stop-string matcher may hold some back)
+        self._skipped_tail = 0  # consumed tokens at the end that were `skip_text`
 
     def push(self, tokens: Iterable[int], skip_text: Iterable[int] = ()) -> str:
         """Feed tokens (until a stop string is reached); `skip_text`: ids counted but not decoded (the EOS)."""
@@ -107,15 +117,32 @@ class TextStream:
                 break
             self.num_tokens += 1
             self.token_ids.append(int(t))
+            self.offsets.append(self._decoded)
+            self._skipped_tail = self._skipped_tail + 1 if t in skip else 0
             if self._detok is None or t in skip:
                 continue
-            text, self.stopped = self._stop.push(self._detok.push(t))
-            out.append(text)
+            piece = self._detok.push(t)
+            self._decoded += len(piece)
+            out.append(self._emit(*self._stop.push(piece)))
         return "".join(out)
+
+    def _emit(self, text: str, stopped: bool) -> str:
+        self.stopped = stopped
+        self.emitted += len(text)
+        return text
 
     def finish(self) -> str:
         """The text still held back, once generation has ended without a stop string."""
         if self.stopped or self._detok is None:
             return ""
-        text, self.stopped = self._stop.push(self._detok.flush())
-        return text + ("" if self.stopped else self._stop.flush())
+        piece = self._detok.flush()
+        self._decoded += len(piece)
+        text = self._emit(*self._stop.push(piece))
+        return text + ("" if self.stopped else self._emit(self._stop.flush(), False))
+
+    def shown(self, final: bool = False) -> int:
+        """How many of the tokens consumed belong to the text returned so far: those whose text has begun to be
+        returned; once generation ended (`final`) without a stop string, all but the skipped ones at the end."""
+        if self._detok is None or (final and not self.stopped):
+            return self.num_tokens - self._skipped_tail
+        return bisect.bisect_left(self.offsets, self.emitted)

@@ -1,7 +1,8 @@
-"""A generation request once accepted: the engine's deltas for it become detokenized text, usage and metrics, sent
-as one JSON answer or as server-sent events by a raw ASGI callable that watches the connection while it runs: when
-the client goes away (mid-stream, or while waiting for a non-streamed answer) the request is cancelled in the engine
-and its KV pages are freed at once."""
+"""A generation request once accepted: the engine's deltas for each of its choices become detokenized text,
+logprobs, usage and metrics, sent as one JSON answer or as server-sent events (the choices' chunks interleaved as
+they come, each with its index) by a raw ASGI callable that watches the connection while it runs: when the client
+goes away (mid-stream, or while waiting for a non-streamed answer) every choice is cancelled in the engine and its
+KV pages are freed at once."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from gemma4_mtp_jax.engine.request import TokenLogprob
 from gemma4_mtp_jax.server.async_engine import REQUEST_FAILED, Delta, RequestStream
 from gemma4_mtp_jax.server.detokenize import TextStream
 from gemma4_mtp_jax.server.errors import APIError, json_bytes
+from gemma4_mtp_jax.server.logprobs import TokenEntry, chat_logprobs, completion_logprobs
 from gemma4_mtp_jax.server.protocol import GenerationParams
 
 log = logging.getLogger("gemma4_mtp_jax.server")
@@ -25,32 +28,37 @@ CLIENT_CLOSED = 499  # nginx's status for a client that went away before its ans
 
 @dataclasses.dataclass
 class Output:
+    """A choice's next piece: its text, the token ids consumed, and (when asked) the logprobs of the tokens whose
+    text has begun to show; the last piece carries finish_reason."""
+
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenEntry] | None = None  # None: not asked for
 
 
-class Generation:
-    """One accepted request: engine deltas -> detokenized text outputs, metrics, usage, and clean cancellation."""
+class Choice:
+    """One choice of a generation, one engine request: its deltas -> detokenized text, logprobs, metrics, and clean
+    cancellation."""
 
-    def __init__(self, server: Any, stream: RequestStream, params: GenerationParams, prompt_ids: list[int],
-                 arrival: float, endpoint: str):
+    def __init__(self, server: Any, stream: RequestStream, index: int, params: GenerationParams,
+                 prompt_ids: list[int], arrival: float):
         self.server = server
         self.stream = stream
+        self.index = index
         self.params = params
-        self.prompt_ids = prompt_ids
         self.arrival = arrival
-        self.endpoint = endpoint
-        self.created = int(time.time())
         self.text = TextStream(server.tokenizer, prompt_ids, params.stop)
+        self.logprobs: list[TokenLogprob] = []  # one per token consumed, when the engine sends them
+        self._sent = 0  # the logprobs of the first `_sent` tokens went out
         self.finish_reason: str | None = None
         self._last_token_time: float | None = None
         self.closed = False
 
     @property
-    def usage(self) -> dict[str, int]:
-        n = self.text.num_tokens
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, "total_tokens": len(self.prompt_ids) + n}
+    def cumulative_logprob(self) -> float:
+        """The choice's log-probability: its tokens' logprobs summed (best_of ranks choices by it)."""
+        return sum(lp.logprob for lp in self.logprobs)
 
     def _observe(self, d: Delta, n_new: int) -> None:
         m = self.server.metrics
@@ -64,6 +72,16 @@ class Generation:
             self._last_token_time = d.time
             m.generation_tokens.inc(n_new)
 
+    def _take_logprobs(self, final: bool = False) -> list[TokenEntry] | None:
+        """The logprobs of the tokens that have begun to show since the last call (all the text's at the end)."""
+        if self.params.logprobs is None:
+            return None
+        end = min(self.text.shown(final), len(self.logprobs))
+        t = self.text
+        out = [TokenEntry(t.token_ids[i], t.offsets[i], self.logprobs[i]) for i in range(self._sent, end)]
+        self._sent = max(self._sent, end)
+        return out
+
     async def outputs(self) -> AsyncIterator[Output]:
         """Text as it becomes final; the last output carries finish_reason. Raises APIError if the request failed."""
         try:
@@ -74,12 +92,14 @@ class Generation:
                     skip = (d.tokens[-1],)  # the EOS that ended generation: counted, not shown
                 text = self.text.push(d.tokens, skip_text=skip)
                 new_ids = self.text.token_ids[before:]
+                if d.logprobs is not None:
+                    self.logprobs += d.logprobs[: len(new_ids)]
                 self._observe(d, len(new_ids))
                 if self.text.stopped:  # a stop string: done, whatever the engine would still produce
                     if not d.finished:
                         self.server.engine.cancel(self.stream)
                     self._finish("stop")
-                    yield Output(text, new_ids, "stop")
+                    yield Output(text, new_ids, "stop", self._take_logprobs(final=True))
                     return
                 if d.finished:
                     if d.finish_reason in ("abort", "error"):
@@ -92,10 +112,11 @@ class Generation:
                     text += self.text.finish()
                     reason = "stop" if self.text.stopped else (d.finish_reason or "stop")
                     self._finish(reason)
-                    yield Output(text, new_ids, reason)
+                    yield Output(text, new_ids, reason, self._take_logprobs(final=True))
                     return
-                if text or new_ids:
-                    yield Output(text, new_ids)
+                logprobs = self._take_logprobs()
+                if text or new_ids or logprobs:
+                    yield Output(text, new_ids, None, logprobs)
         except APIError:
             raise
         except Exception:  # this request's detokenizing or bookkeeping: it fails alone, as in the engine
@@ -127,42 +148,127 @@ class Generation:
             self.server.engine.cancel(self.stream)
             self._finish("cancelled")
 
+
+class Generation:
+    """One accepted request: its choices (one engine request each) -> one JSON answer or one event stream, with
+    usage over all of them; a failed choice fails the response, and every choice is cancelled with it."""
+
+    def __init__(self, server: Any, request_id: str, streams: list[RequestStream], params: GenerationParams,
+                 prompt_ids: list[int], arrival: float, endpoint: str):
+        self.server = server
+        self.id = request_id
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.endpoint = endpoint
+        self.created = int(time.time())
+        self.choices = [Choice(server, s, i, params, prompt_ids, arrival) for i, s in enumerate(streams)]
+        self.echo = self._prompt_text() if params.echo else ""
+
+    def _prompt_text(self) -> str:
+        if isinstance(self.params.prompt, str):
+            return self.params.prompt
+        tok = self.server.tokenizer
+        return "" if tok is None else tok.decode(self.prompt_ids)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """The prompt once, and every choice's tokens (those of best_of's choices not returned too)."""
+        n = sum(c.text.num_tokens for c in self.choices)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, "total_tokens": len(self.prompt_ids) + n}
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            c.cancel()
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, Output]]:
+        """(choice index, output) of every choice as they come. The first choice that fails fails them all."""
+        if len(self.choices) == 1:
+            async for out in self.choices[0].outputs():
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, Output | APIError | None]] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for out in c.outputs():
+                    queue.put_nowait((c.index, out))
+            except APIError as e:
+                queue.put_nowait((c.index, e))
+                return
+            queue.put_nowait((c.index, None))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, APIError):
+                    raise item
+                else:
+                    yield i, item
+        finally:  # done, failed, or the consumer went away: the choices still running are cancelled
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     # ------------------------------------------------------------------ response bodies
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.stream.id, "object": obj, "created": self.created, "model": self.server.settings.model_name}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.server.settings.model_name}
+
+    def _logprobs(self, entries: list[TokenEntry] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.params.kind == "chat":
+            return chat_logprobs(entries, self.server.token_pieces)
+        return completion_logprobs(entries, self.server.token_pieces, len(self.echo))
 
     async def full_response(self) -> dict[str, Any]:
-        texts, ids, reason = [], [], None
-        async for out in self.outputs():
-            texts.append(out.text)
-            ids += out.token_ids
-            reason = out.finish_reason or reason
-        text = "".join(texts)
-        if self.params.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": reason}
-            body = self._base("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            body = self._base("text_completion")
-        if self.params.return_token_ids:
-            choice["token_ids"] = ids
+        texts: list[list[str]] = [[] for _ in self.choices]
+        ids: list[list[int]] = [[] for _ in self.choices]
+        logprobs: list[list[TokenEntry] | None] = [None] * len(self.choices)
+        async for i, out in self._outputs():
+            texts[i].append(out.text)
+            ids[i] += out.token_ids
+            if out.logprobs is not None:
+                logprobs[i] = (logprobs[i] or []) + out.logprobs
+        p = self.params
+        ranked = self.choices
+        if p.best_of > p.n:  # the n most likely choices, the likeliest first (as OpenAI and vLLM)
+            ranked = sorted(self.choices, key=lambda c: c.cumulative_logprob, reverse=True)[: p.n]
+        choices = []
+        for index, c in enumerate(ranked):
+            text = self.echo + "".join(texts[c.index])
+            lp = self._logprobs(logprobs[c.index] if p.logprobs is not None else None)
+            if p.kind == "chat":
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if p.return_token_ids:
+                choice["token_ids"] = ids[c.index]
+            choices.append(choice)
+        body = self._base("chat.completion" if p.kind == "chat" else "text_completion")
+        if p.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
-        body.update(choices=[choice], usage=self.usage, system_fingerprint=None)
+        body.update(choices=choices, usage=self.usage, system_fingerprint=None)
         return body
 
-    def _chunk(self, text: str | None, ids: list[int] | None, finish_reason: str | None,
-               role: bool = False) -> bytes:
+    def _chunk(self, index: int, text: str | None, ids: list[int] | None, finish_reason: str | None,
+               role: bool = False, logprobs: list[TokenEntry] | None = None) -> bytes:
         if self.params.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._base("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
             body = self._base("text_completion")
         if self.params.return_token_ids and ids is not None:
             choice["token_ids"] = ids
@@ -175,16 +281,20 @@ class Generation:
         p = self.params
         try:
             if p.kind == "chat":
-                yield self._chunk("", [] if p.return_token_ids else None, None, role=True)
+                for c in self.choices:
+                    yield self._chunk(c.index, "", [] if p.return_token_ids else None, None, role=True)
             if p.return_token_ids:
                 first = self._base("chat.completion.chunk" if p.kind == "chat" else "text_completion")
                 first.update(choices=[], prompt_token_ids=self.prompt_ids)
                 yield b"data: " + json_bytes(first) + b"\n\n"
-            async for out in self.outputs():
-                if out.text or (p.return_token_ids and out.token_ids):
-                    yield self._chunk(out.text, out.token_ids, None)
+            if self.echo:
+                for c in self.choices:
+                    yield self._chunk(c.index, self.echo, None, None)
+            async for i, out in self._outputs():
+                if out.text or (p.return_token_ids and out.token_ids) or out.logprobs:
+                    yield self._chunk(i, out.text, out.token_ids, None, logprobs=out.logprobs)
                 if out.finish_reason is not None:
-                    yield self._chunk("" if p.kind == "completion" else None, [] if p.return_token_ids else None,
+                    yield self._chunk(i, "" if p.kind == "completion" else None, [] if p.return_token_ids else None,
                                       out.finish_reason)
         except APIError as e:
             yield b"data: " + json_bytes(e.body()) + b"\n\n"
@@ -216,7 +326,7 @@ class GenerationResponse:
         if producer.done() and not producer.cancelled() and producer.exception() is not None:
             exc = producer.exception()
             if not isinstance(exc, OSError):
-                log.error("response for %s failed", gen.stream.id, exc_info=exc)
+                log.error("response for %s failed", gen.id, exc_info=exc)
 
     @staticmethod
     async def _wait_disconnect(receive) -> None:

@@ -63,6 +63,7 @@ class Prepared:
     params: GenerationParams
     prompt_ids: list[int]
     max_tokens: int
+    bad_token_ids: tuple[int, ...] = ()  # `bad_words` as the single tokens the engine bans
 
 
 class Preparer:
@@ -79,7 +80,45 @@ class Preparer:
         params = parse_completion(body) if kind == "completion" else parse_chat(body, self.settings.max_messages)
         self._check_model(params.model)
         prompt_ids = self._prompt_ids(params)
-        return Prepared(params, prompt_ids, self._max_tokens(params, len(prompt_ids)))
+        max_tokens = self._max_tokens(params, len(prompt_ids))
+        if params.min_tokens > max_tokens:
+            raise bad_request(f"'min_tokens' ({params.min_tokens}) must be <= the request's max_tokens ({max_tokens})",
+                              "min_tokens")
+        for ids, param in ((params.logit_bias, "logit_bias"), (params.allowed_token_ids or (), "allowed_token_ids"),
+                           (params.stop_token_ids, "stop_token_ids")):
+            self._check_vocabulary(ids, param)
+        bad = self._bad_token_ids(params.bad_words)
+        if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= set(bad):
+            raise bad_request("'bad_words' ban every token of 'allowed_token_ids': none is left to emit", "bad_words")
+        return Prepared(params, prompt_ids, max_tokens, bad)
+
+    def _check_vocabulary(self, ids, param: str) -> None:
+        V = self.settings.vocab_size
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise bad_request(f"'{param}': token id {bad} is outside the vocabulary [0, {V})", param)
+
+    def _bad_token_ids(self, words: list[str]) -> tuple[int, ...]:
+        """`bad_words` -> the token ids to ban: each word as it would start the text and after a space, as vLLM
+        reads them. The engine bans single tokens, so a word must be one token (without the space); its spaced form
+        is banned too when that is one other token."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer (tokenizer.json): 'bad_words' can't be read",
+                              "bad_words")
+        out: dict[int, None] = {}
+        for w in words:
+            word = w.lstrip()
+            ids = self.tokenizer.encode(word, special=False)
+            if len(ids) != 1:
+                raise bad_request(f"'bad_words': {show_json(w)} is {len(ids)} tokens; this server bans single-token "
+                                  f"words only", "bad_words")
+            out[ids[0]] = None
+            spaced = self.tokenizer.encode(" " + word, special=False)
+            if len(spaced) == 1:
+                out[spaced[0]] = None
+        return tuple(out)
 
     def _check_model(self, model: str | None) -> None:
         s = self.settings

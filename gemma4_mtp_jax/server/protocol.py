@@ -1,9 +1,10 @@
 """Request validation for the OpenAI-compatible endpoints: JSON bodies in, `GenerationParams` out, or an APIError.
 
 Every field the server understands is checked for type and range; a parameter the server does not implement is
-refused with a 400 that names it when it asks for a behaviour we can't give (n > 1, logprobs, tools, ...), and
-accepted when it carries its default value (clients often send `"n": 1` or `"logprobs": null`). A field the
-OpenAI API doesn't know is refused too, as OpenAI itself does.
+refused with a 400 that names it when it asks for a behaviour we can't give (tools, suffix, ...), and accepted
+when it carries its default value (clients often send `"tools": []`). A field neither the OpenAI API nor the vLLM
+extensions we follow know is refused too, as OpenAI itself does. What needs the model (token ids within its
+vocabulary, `bad_words` as single tokens, `min_tokens` against the request's max_tokens) is checked by prepare.py.
 
 Numbers are checked against what the engine holds (int32 counts and top_k, float32 temperatures), and no string
 with a lone UTF-16 surrogate gets past `parse_json` (JSON can spell one, "\\ud800"; the tokenizer, the logs and
@@ -18,14 +19,26 @@ import math
 import re
 from typing import Any, Callable
 
-from gemma4_mtp_jax.model.sampling import FLOAT32_MAX, INT32_MAX
+from gemma4_mtp_jax.model.sampling import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 from gemma4_mtp_jax.server.errors import bad_request
+from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 
 MAX_STOP_STRINGS = 16
 # A chat's messages at most, by default (--max-messages): each costs the template a few tokens, so 4096 fill ~20k
 # tokens with turn markers alone; long agent sessions stay well below.
 DEFAULT_MAX_MESSAGES = 4096
 MAX_STOP_CHARS = 256
+# Choices per request (`n`, `best_of`): each is a sequence of the batch, so one request may not take them all.
+MAX_CHOICES = 16
+MAX_ALLOWED_TOKEN_IDS = 16384  # `allowed_token_ids` entries
+MAX_BAD_WORDS = 64
 # Below this, sampling is greedy (as in vLLM): the logits divided by a much smaller temperature overflow float32,
 # and at this one sampling already is argmax but for exact ties.
 MIN_TEMPERATURE = 1e-5
@@ -47,6 +60,19 @@ class GenerationParams:
     include_usage: bool = False
     return_token_ids: bool = False  # extension (as in vLLM): token ids of the prompt and of each choice / chunk
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens whatever the model's EOS (benchmarks)
+    n: int = 1  # choices returned
+    best_of: int = 1  # completions: choices generated (>= n); the n of highest cumulative logprob are returned
+    logprobs: int | None = None  # per token: the chosen token's logprob and this many top ones; None: none
+    echo: bool = False  # completions: the prompt's text before each choice's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (as in vLLM)
+    min_p: float = 0.0  # extension (as in vLLM)
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    min_tokens: int = 0  # extension (as in vLLM): no stop token before this many output tokens
+    allowed_token_ids: list[int] | None = None  # extension (as in vLLM): sample only among these
+    bad_words: list[str] = dataclasses.field(default_factory=list)  # extension (as in vLLM): never these words
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # extension (as in vLLM): stop at these too
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -195,6 +221,97 @@ def _get_stop(body: dict) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def _get_token_ids(body: dict, key: str, limit: int) -> list[int] | None:
+    """An array of token ids (non-negative integers; the vocabulary's bound is prepare.py's), at most `limit`."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad_request(f"'{key}' must be an array of integer token ids", key)
+    if len(v) > limit:
+        raise bad_request(f"'{key}' may hold at most {limit} token ids, got {len(v)}", key)
+    bad = next((t for t in v if not 0 <= t <= INT32_MAX), None)
+    if bad is not None:
+        raise bad_request(f"'{key}' holds {show_json(bad)}, not a token id", key)
+    return list(dict.fromkeys(v))
+
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
+def _get_logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to biases in [-MAX_BIAS, MAX_BIAS] added to the
+    logits."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_request(f"'logit_bias' must be an object of token ids to numbers, got {_type_name(v)}",
+                          "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}", "logit_bias")
+    out = {}
+    for k, bias in v.items():
+        if not _TOKEN_ID_KEY.fullmatch(k) or int(k) > INT32_MAX:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {show_json(k)}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise bad_request(f"'logit_bias' values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got "
+                              f"{show_json(bias)} for token {k}", "logit_bias")
+        out[int(k)] = float(bias)
+    return out
+
+
+def _get_bad_words(body: dict) -> list[str]:
+    v = body.get("bad_words")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+        raise bad_request("'bad_words' must be an array of strings", "bad_words")
+    if len(v) > MAX_BAD_WORDS:
+        raise bad_request(f"'bad_words' may hold at most {MAX_BAD_WORDS} words, got {len(v)}", "bad_words")
+    for w in v:
+        if not w.strip() or len(w) > MAX_STOP_CHARS:
+            raise bad_request(f"'bad_words' entries must be words of 1 to {MAX_STOP_CHARS} characters, got "
+                              f"{show_json(w)}", "bad_words")
+    return list(dict.fromkeys(v))
+
+
+def _get_choices(body: dict, p: GenerationParams) -> None:
+    """`n` and (completions) `best_of`: 1..MAX_CHOICES, best_of >= n; best_of > n picks by the whole choice's
+    logprob, so it can't stream."""
+    p.n = _get_int(body, "n", lo=1, hi=MAX_CHOICES) or 1
+    best_of = _get_int(body, "best_of", lo=1, hi=MAX_CHOICES)
+    p.best_of = p.n if best_of is None else best_of
+    if p.best_of < p.n:
+        raise bad_request(f"'best_of' ({p.best_of}) must be >= 'n' ({p.n})", "best_of")
+    if p.best_of > p.n and p.stream:
+        raise bad_request("'best_of' > 'n' can't stream: the best choices are known only at the end", "best_of")
+
+
+def _get_shaping(body: dict, p: GenerationParams) -> None:
+    """Penalties and logit shaping (the engine applies them inside its programs, at every verified position)."""
+    def penalty(key: str) -> float:
+        v = _get_float(body, key, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        return 0.0 if v is None else v
+
+    p.presence_penalty = penalty("presence_penalty")
+    p.frequency_penalty = penalty("frequency_penalty")
+    rp = _get_float(body, "repetition_penalty", lambda x: 0 < x <= MAX_PENALTY, f"in (0, {MAX_PENALTY:g}]")
+    p.repetition_penalty = 1.0 if rp is None else rp
+    min_p = _get_float(body, "min_p", lambda x: 0 <= x <= 1, "in [0, 1]")
+    p.min_p = 0.0 if min_p is None else min_p
+    p.logit_bias = _get_logit_bias(body)
+    p.min_tokens = _get_int(body, "min_tokens", lo=0) or 0
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise bad_request(f"'min_tokens' ({p.min_tokens}) must be <= 'max_tokens' ({p.max_tokens})", "min_tokens")
+    allowed = _get_token_ids(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)
+    if allowed is not None and not allowed:
+        raise bad_request("'allowed_token_ids' must not be empty", "allowed_token_ids")
+    p.allowed_token_ids = allowed
+    p.bad_words = _get_bad_words(body)
+    p.stop_token_ids = _get_token_ids(body, "stop_token_ids", MAX_STOP_IDS) or []
+
+
 # ------------------------------------------------------------------------------------- parameters we do not offer
 def _is_default(*defaults: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == d and type(v) is type(d) for d in defaults)
@@ -204,23 +321,10 @@ def _empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
 
-_UNSUPPORTED_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_is_default(1), "only n=1 is supported"),
-    "presence_penalty": (_is_default(0, 0.0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": (_is_default(0, 0.0), "frequency_penalty is not supported (only 0)"),
-    "logit_bias": (_empty, "logit_bias is not supported"),
-}
-_UNSUPPORTED_COMPLETION = {
-    **_UNSUPPORTED_COMMON,
-    "logprobs": (lambda v: v is None, "logprobs are not supported"),
-    "echo": (_is_default(False), "echo is not supported"),
-    "best_of": (_is_default(1), "best_of is not supported (only 1)"),
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_is_default(""), "suffix is not supported"),
 }
-_UNSUPPORTED_CHAT = {
-    **_UNSUPPORTED_COMMON,
-    "logprobs": (_is_default(False), "logprobs are not supported"),
-    "top_logprobs": (_is_default(0), "top_logprobs is not supported"),
+_UNSUPPORTED_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tools": (_empty, "tools (function calling) are not supported"),
     "tool_choice": (_is_default("none", "auto"), "tool_choice is not supported"),
     "functions": (_empty, "functions (function calling) are not supported"),
@@ -236,9 +340,11 @@ _UNSUPPORTED_CHAT = {
 _IGNORED = {"user", "metadata", "service_tier"}  # accepted and ignored (they change nothing about the output)
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "return_token_ids", "ignore_eos"}
-_COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_UNSUPPORTED_COMPLETION) | _IGNORED
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_UNSUPPORTED_CHAT) | _IGNORED
+           "return_token_ids", "ignore_eos", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_p", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words", "stop_token_ids"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "logprobs", "echo"} | set(_UNSUPPORTED_COMPLETION) | _IGNORED
+_CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(_UNSUPPORTED_CHAT)
+                | _IGNORED)
 
 
 def _check_fields(body: dict, known: set[str], unsupported: dict) -> None:
@@ -279,10 +385,18 @@ def _common(body: dict, kind: str) -> GenerationParams:
                              f"a number in [0, {FLOAT32_MAX:.4g}]")
     if temperature is not None and temperature < MIN_TEMPERATURE:
         temperature = 0.0
-    return GenerationParams(
+    max_tokens = _get_int(body, "max_tokens", lo=1)
+    if kind == "chat":
+        mct = _get_int(body, "max_completion_tokens", lo=1)
+        if mct is not None:
+            if max_tokens is not None and max_tokens != mct:
+                raise bad_request("give 'max_tokens' or 'max_completion_tokens', not two different values",
+                                  "max_completion_tokens")
+            max_tokens = mct
+    p = GenerationParams(
         kind=kind,
         model=model,
-        max_tokens=_get_int(body, "max_tokens", lo=1),
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=_get_float(body, "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
         top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean "off"
@@ -293,11 +407,19 @@ def _common(body: dict, kind: str) -> GenerationParams:
         return_token_ids=_get_bool(body, "return_token_ids") or False,
         ignore_eos=_get_bool(body, "ignore_eos") or False,
     )
+    _get_choices(body, p)
+    _get_shaping(body, p)
+    return p
 
 
 def parse_completion(body: dict) -> GenerationParams:
     _check_fields(body, _COMPLETION_FIELDS, _UNSUPPORTED_COMPLETION)
     p = _common(body, "completion")
+    p.logprobs = _get_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    p.echo = _get_bool(body, "echo") or False
+    if p.echo and p.logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which this server does not compute "
+                          "yet: ask for one or the other", "echo", "unsupported_parameter")
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
@@ -347,12 +469,12 @@ def _text_content(content: Any, where: str) -> str:
 def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> GenerationParams:
     _check_fields(body, _CHAT_FIELDS, _UNSUPPORTED_CHAT)
     p = _common(body, "chat")
-    mct = _get_int(body, "max_completion_tokens", lo=1)
-    if mct is not None:
-        if p.max_tokens is not None and p.max_tokens != mct:
-            raise bad_request("give 'max_tokens' or 'max_completion_tokens', not two different values",
-                              "max_completion_tokens")
-        p.max_tokens = mct
+    # Chat's logprobs: a switch, and how many top tokens besides the chosen one.
+    top = _get_int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if _get_bool(body, "logprobs"):
+        p.logprobs = top or 0
+    elif top:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     msgs = body.get("messages")
     if msgs is None:
         raise bad_request("'messages' is required", "messages")
