@@ -2,10 +2,14 @@
 no tests): the demo pair's byte-level tokenizer plus Gemma 4's turn, tool, tool-call, tool-response, string-quote,
 channel and think markers as special tokens, and a template of our own that renders a chat the way Gemma 4's does:
 
-    <bos><|turn>system\\n<|think|>\\n{system}<|tool>declaration:NAME{description:<|"|>...<|"|>,parameters:{...}}<tool|><turn|>\\n
+    <bos><|turn>system\\n<|think|>\\n{system}
+        <|tool>declaration:NAME{description:<|"|>...<|"|>,parameters:{...}}<tool|><turn|>\\n
     <|turn>user\\n{text}<turn|>\\n
-    <|turn>model\\n<|tool_call>call:NAME{key:<|"|>v<|"|>}<tool_call|><|tool_response>response:NAME{value:<|"|>...<|"|>}<tool_response|>{answer}<turn|>\\n
+    <|turn>model\\n<|tool_call>call:NAME{key:<|"|>v<|"|>}<tool_call|>
+        <|tool_response>response:NAME{value:<|"|>...<|"|>}<tool_response|>{answer}<turn|>\\n
     <|turn>model\\n<|channel>thought\\n<channel|>      (the generation prompt, thinking off)
+
+(one line per turn; wrapped here)
 
 Thinking is on with `enable_thinking` (the system turn opens with <|think|>); off, the generation prompt holds an
 empty thought channel. A model turn with tool calls stays open for the tool responses that follow it, and the model
@@ -41,7 +45,8 @@ TEMPLATE = r"""
   {%- if enable_thinking %}<|think|>{{ '\n' }}{% endif -%}
   {%- if has_system %}{{ messages[0]['content'] | trim }}{% endif -%}
   {%- for tool in tools or [] -%}
-    <|tool>declaration:{{ tool['function']['name'] }}{{ '{' }}description:{{ value(tool['function']['description'] or '') }}
+    <|tool>declaration:{{ tool['function']['name'] }}{{ '{' }}
+    {{- 'description:' }}{{ value(tool['function']['description'] or '') }}
     {%- if tool['function']['parameters'] %},parameters:{{ value(tool['function']['parameters']) }}{% endif -%}
     {{ '}' }}<tool|>
   {%- endfor -%}
@@ -58,7 +63,9 @@ TEMPLATE = r"""
     {%- if not ns.open %}<|turn>model{{ '\n' }}{% endif -%}
     {%- for c in m['tool_calls'] or [] -%}
       <|tool_call>call:{{ c['function']['name'] }}{{ '{' }}
-      {%- for k, x in c['function']['arguments'] | dictsort -%}{{ k }}:{{ value(x) }}{{ ',' if not loop.last }}{%- endfor -%}
+      {%- for k, x in c['function']['arguments'] | dictsort -%}
+        {{ k }}:{{ value(x) }}{{ ',' if not loop.last }}
+      {%- endfor -%}
       {{ '}' }}<tool_call|>
     {%- endfor -%}
     {{- m['content'] | trim -}}

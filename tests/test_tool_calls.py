@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -19,6 +20,7 @@ from gemma4_mtp_jax.server.errors import APIError
 from gemma4_mtp_jax.server.protocol import parse_chat
 from gemma4_mtp_jax.server.reasoning import ReasoningParser, split_reasoning
 from gemma4_mtp_jax.server.tool_calls import ToolCallParser, merge_events, parse_tool_calls
+from test_server_units import FakeEngine
 
 Q = '<|"|>'  # Gemma 4's string quote
 
@@ -308,8 +310,8 @@ BAD = [
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
                                                          "function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages", "must be a JSON object"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-                                                         "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},
      "messages", "not valid JSON"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]},
      "messages", "must be a string of JSON"),
@@ -375,3 +377,155 @@ def test_demo_template_renders_tool_messages_as_far_as_it_goes(tmp_path_factory)
     p = parse_chat({"messages": ROUND_TRIP, "tools": [WEATHER]})
     text = demo_tok.render_chat(p.messages, p.tools)
     assert "<start_of_turn>tool\nsunny, 21C<end_of_turn>" in text and "get_weather" not in text
+
+
+# ---------------------------------------------------------------------------------------------------------- the server
+class ScriptedEngine(FakeEngine):
+    """FakeEngine answering every request with the token ids of `script`, `per_step` of them per step (a speculative
+    step's 1..k+1), finished at a stop id ("stop") or at max_tokens / the script's end ("length")."""
+
+    def __init__(self, stop_ids):
+        super().__init__(max_num_seqs=2)
+        self.eos_ids = frozenset(stop_ids)
+        self.script: list[int] = []
+        self.per_step = 1
+
+    def step(self):
+        from gemma4_mtp_jax.engine import StepEvent
+
+        time.sleep(0.005)
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            self.running.append(self.waiting.pop(0))
+        events = []
+        for req in list(self.running):
+            n = len(req.output)
+            new = self.script[n:n + self.per_step][: req.max_new_tokens - n]
+            stop = next((j for j, t in enumerate(new) if t in req.stop_ids), None)
+            if stop is not None:
+                new = new[:stop + 1]
+            req.output += new
+            req.num_speculative_tokens = 3
+            req.accepted_per_round.append(len(new) - 1)
+            if stop is not None or len(req.output) >= min(req.max_new_tokens, len(self.script)):
+                req.status, req.finish_reason = "finished", "stop" if stop is not None else "length"
+                self.running.remove(req)
+            events.append(StepEvent(req, new, req.finished, accepted=len(new) - 1))
+        return events
+
+
+@pytest.fixture(scope="module")
+def g4_server(g4_tok):
+    import threading
+
+    import uvicorn
+
+    from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
+    from gemma4_mtp_jax.server.async_engine import AsyncEngine
+    from gemma4_mtp_jax.server.cli import bind_socket
+    from gemma4_mtp_jax.server.metrics import Metrics
+    from test_server_support import wait_healthy
+
+    metrics = Metrics("g4")
+    engine = ScriptedEngine([1, *(g4_tok.tokenizer.token_to_id(t) for t in STOP_TOKENS)])
+    server = OpenAIServer(AsyncEngine(engine, max_queue_len=4, metrics=metrics), g4_tok,
+                          ServerSettings("g4", max_model_len=4096, vocab_size=512, num_speculative_tokens=3), metrics,
+                          engine.eos_ids)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    wait_healthy("127.0.0.1", port, 30)
+    yield engine, port
+    uv.should_exit = True
+    t.join(30)
+
+
+def _model_says(engine, tok: TextTokenizer, text: str, per_step: int, stop: str = "<|tool_response>") -> None:
+    engine.script = tok.tokenizer.encode(text + stop, add_special_tokens=False).ids
+    engine.per_step = per_step
+
+
+def _openai(port):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+CALLS = "I'll look." + _call("get_weather", f"location:{Q}Paris, \"FR\"{Q},days:2,opts:{{metric:true}}") + _call(
+    "get_weather", f"location:{Q}Oslo{Q}")
+EXPECTED_CALLS = [("get_weather", {"location": 'Paris, "FR"', "days": 2, "opts": {"metric": True}}),
+                  ("get_weather", {"location": "Oslo"})]
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 5])
+def test_server_answers_tool_calls_streamed_and_not(g4_server, g4_tok, per_step):
+    from test_server_support import metric_samples, sample
+
+    engine, port = g4_server
+    client = _openai(port)
+    before = metric_samples("127.0.0.1", port)
+    _model_says(engine, g4_tok, CALLS, per_step)
+    r = client.chat.completions.create(model="g4", messages=ROUND_TRIP[:1], tools=[WEATHER])
+    # The prompt is the chat rendered through the template, tools included.
+    parsed = parse_chat({"messages": ROUND_TRIP[:1], "tools": [WEATHER]})
+    assert engine.served[-1].prompt == g4_tok.encode_chat(parsed.messages, parsed.tools)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll look."
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == EXPECTED_CALLS and all(c.type == "function" and c.id for c in choice.message.tool_calls)
+    assert r.usage.completion_tokens == len(engine.script)
+
+    stream = client.chat.completions.create(model="g4", messages=ROUND_TRIP[:1], tools=[WEATHER], stream=True)
+    content, calls, reasons = "", {}, []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.id is not None:
+                assert tc.index not in calls and tc.function.name and tc.type == "function"
+                calls[tc.index] = [tc.function.name, ""]
+            else:
+                assert tc.function.name is None
+            calls[tc.index][1] += tc.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+    assert "<" not in content and content == "I'll look." and reasons == ["tool_calls"]
+    assert [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == EXPECTED_CALLS
+    after = metric_samples("127.0.0.1", port)
+    for name in ("gemma4_tool_call_requests_total", "gemma4_tool_call_responses_total"):
+        assert sample(after, name) - sample(before, name) == 2
+
+
+def test_server_answers_reasoning_and_the_next_turn(g4_server, g4_tok):
+    engine, port = g4_server
+    client = _openai(port)
+    text = "<|channel>thought\nParis is in France; it said sunny.<channel|>It is sunny in Paris."
+    _model_says(engine, g4_tok, text, 3, stop="<turn|>")
+    kwargs = {"enable_thinking": True}
+    r = client.chat.completions.create(model="g4", messages=ROUND_TRIP, tools=[WEATHER],
+                                       extra_body={"chat_template_kwargs": kwargs})
+    prompt = g4_tok.decode(engine.served[-1].prompt, skip_special_tokens=False)
+    assert prompt.startswith("<bos><|turn>system\n<|think|>\n<|tool>declaration:get_weather")
+    assert prompt.endswith('<|tool_response>response:get_weather{value:<|"|>sunny, 21C<|"|>}<tool_response|>')
+    msg = r.choices[0].message
+    assert msg.content == "It is sunny in Paris." and not msg.tool_calls and r.choices[0].finish_reason == "stop"
+    assert msg.model_extra["reasoning_content"] == "Paris is in France; it said sunny."
+    stream = client.chat.completions.create(model="g4", messages=ROUND_TRIP, stream=True,
+                                            extra_body={"chat_template_kwargs": kwargs})
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "It is sunny in Paris."
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == (
+        "Paris is in France; it said sunny.")
+
+
+def test_server_without_tools_leaves_calls_unparsed(g4_server, g4_tok):
+    """No tools (or tool_choice "none"): the output is not parsed for calls and the call markers stay hidden, as
+    every special token is; the reasoning parser still runs."""
+    engine, port = g4_server
+    _model_says(engine, g4_tok, _call("f", f"a:{Q}x{Q}"), 4)
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        r = _openai(port).chat.completions.create(model="g4", messages=USER, **extra)
+        assert r.choices[0].message.content == "call:f{a:x}" and r.choices[0].finish_reason == "stop"
+        assert not r.choices[0].message.tool_calls and r.choices[0].message.model_extra["reasoning_content"] is None
+    assert "declaration" not in g4_tok.decode(engine.served[-1].prompt, skip_special_tokens=False)
