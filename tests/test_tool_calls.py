@@ -529,3 +529,88 @@ def test_server_without_tools_leaves_calls_unparsed(g4_server, g4_tok):
         assert r.choices[0].message.content == "call:f{a:x}" and r.choices[0].finish_reason == "stop"
         assert not r.choices[0].message.tool_calls and r.choices[0].message.model_extra["reasoning_content"] is None
     assert "declaration" not in g4_tok.decode(engine.served[-1].prompt, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------------------- fuzz
+def test_fuzz_outputs_parse_alike_whole_and_streamed():
+    """Any text made of the markers' pieces and syntax characters: the parsers never raise, and a stream split
+    anywhere gives the whole answer."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pieces = st.sampled_from(["<|tool_call>", "<tool_call|>", Q, "call:", "f", "{", "}", "[", "]", ":", ",", " ",
+                              "1", "x", "true", "<|channel>", "<channel|>", "thought\n", "<", "|", "\"", "\\", "é"])
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
+    @given(st.lists(pieces, max_size=40).map("".join), st.lists(st.integers(0, 200), max_size=6))
+    def one(text, cuts):
+        whole = ChatOutputParser(True, True).message(text)
+        p = ChatOutputParser(True, True)
+        cuts = sorted({min(c, len(text)) for c in cuts})
+        deltas, last = [], 0
+        for c in cuts + [len(text)]:
+            deltas += p.push(text[last:c])
+            last = c
+        deltas += p.finish()
+        assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "")
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (whole["reasoning_content"] or "")
+        args: dict[int, str] = {}
+        for d in deltas:
+            for tc in d.get("tool_calls", []):
+                args[tc["index"]] = args.get(tc["index"], "") + tc["function"]["arguments"]
+        assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in whole.get("tool_calls", [])]
+
+    one()
+
+
+def test_fuzz_tool_requests_render_or_400(g4_tok):
+    """Chat bodies with random tools, tool messages, tool calls and template variables: refused with a 400 naming
+    the field, or rendered and tokenized by the Gemma-4-like template (whose own refusals are 400s too)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(max_size=8) | st.sampled_from(["<turn|>", Q, "<|tool_call>", "f", "get_weather", "call_1"])
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+                          lambda c: st.lists(c, max_size=3) | st.dictionaries(text, c, max_size=3), max_leaves=6)
+    schema = st.fixed_dictionaries({}, optional={"type": st.just("object") | values, "properties": values,
+                                                 "required": values})
+    function = st.fixed_dictionaries({"name": st.sampled_from(["f", "get_weather", "bad name", ""]) | values},
+                                     optional={"description": text | values, "parameters": schema | values})
+    tool = st.fixed_dictionaries({"type": st.just("function") | values, "function": function | values})
+    good_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "get_weather", "g-2"])}, optional={"description": text, "parameters": schema})})
+    def mostly(good, bad):  # the valid shape three times out of four
+        return st.one_of(good, good, good, bad)
+
+    arguments = mostly(st.builds(json.dumps, st.dictionaries(text, values, max_size=3)),
+                       st.builds(json.dumps, values) | text)
+    call = st.fixed_dictionaries({"id": text, "type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": mostly(st.sampled_from(["f", "g.h", "get_weather"]), text), "arguments": arguments})})
+    message = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]), "content": text}),
+        st.fixed_dictionaries({"role": st.just("assistant"), "content": mostly(text, st.none())},
+                              optional={"tool_calls": st.lists(call, min_size=1, max_size=2),
+                                        "reasoning_content": text}),
+        st.fixed_dictionaries({"role": st.just("tool"), "content": mostly(text, values),
+                               "tool_call_id": mostly(text, values)}, optional={"name": text}))
+    body = st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3), "tools": mostly(
+        st.lists(good_tool, max_size=3, unique_by=lambda t: t["function"]["name"]),
+        st.lists(tool, max_size=3) | values)}, optional={
+        "tool_choice": mostly(st.sampled_from(["auto", "none"]), values),
+        "parallel_tool_calls": mostly(st.booleans(), values),
+        "chat_template_kwargs": mostly(st.dictionaries(st.sampled_from(["enable_thinking", "x"]), values, max_size=2),
+                                       st.dictionaries(st.sampled_from(["messages"]) | text, values) | values)})
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
+    @given(body)
+    def one(b):
+        try:
+            p = parse_chat(b)
+            ids = g4_tok.encode_chat(p.messages, p.tools, p.chat_template_kwargs)
+        except APIError as e:
+            assert e.status == 400 and e.param in ("messages", "tools", "tool_choice", "parallel_tool_calls",
+                                                   "chat_template_kwargs"), e.message
+            return
+        assert ids and all(isinstance(t, int) for t in ids)
+
+    one()
