@@ -381,12 +381,11 @@ def _literal(text: str) -> str:
 
 
 def partial_marker_suffix(buf: str, start: int, marker: str) -> int:
-    """The length of the longest tail of buf[start:] that is a proper prefix of `marker` (held back: the rest of the
-    marker may come with the next delta)."""
-    for k in range(min(len(marker) - 1, len(buf) - start), 0, -1):
-        if marker.startswith(buf[len(buf) - k:]):
-            return k
-    return 0
+    """The length of the tail of buf[start:] that is a proper prefix of `marker` (held back: the rest of the marker
+    may come with the next delta), 0 if none. Every marker has one '<', its first character, so such a tail starts
+    at the last '<' of the text."""
+    j = buf.rfind("<", max(start, len(buf) - len(marker) + 1))
+    return len(buf) - j if j >= 0 and marker.startswith(buf[j:]) else 0
 
 
 def merge_events(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
