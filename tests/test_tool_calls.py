@@ -220,6 +220,16 @@ def test_reasoning_only_parser_keeps_tool_markup_as_content():
     assert msg == {"role": "assistant", "content": _call("f", "a:1"), "reasoning_content": "hm"}
 
 
+def test_a_parser_failure_leaves_the_text_as_content(monkeypatch):
+    def broken(self, text):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ToolCallParser, "push", broken)
+    p = ChatOutputParser(True, True)
+    assert p.push("<|channel>thought\nhm<channel|>x") == [{"content": "<|channel>thought\nhm<channel|>x"}]
+    assert p.push(_call("f", "")) + p.finish() == [{"content": _call("f", "")}] and p.num_tool_calls == 0
+
+
 # ---------------------------------------------------------------------------------------------------------- selection
 def test_parsers_selected_by_the_tokenizers_markers(g4_tok, tmp_path_factory):
     from test_server_support import session_paths

@@ -12,11 +12,14 @@ A request's output is parsed for tool calls when the model has a tool-call parse
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Union
 
 from gemma4_mtp_jax.server import reasoning, tool_calls
 from gemma4_mtp_jax.server.reasoning import ReasoningParser
 from gemma4_mtp_jax.server.tool_calls import ToolCallDelta, ToolCallParser
+
+log = logging.getLogger(__name__)
 
 PARSER_CHOICES = ("auto", "gemma4", "none")  # the flags' values; "auto": gemma4 when the tokenizer has its markers
 
@@ -101,6 +104,14 @@ class ChatOutputParser:
         return msg
 
     def _events(self, text: str, final: bool) -> list[Event]:
+        try:
+            return self._parse(text, final)
+        except Exception:  # a parser bug fails no request: the rest of the output is content as it stands
+            log.exception("the chat output parsers failed; the rest of this output is plain content")
+            self._reasoning = self._tools = None
+            return [(reasoning.CONTENT, text)] if text else []
+
+    def _parse(self, text: str, final: bool) -> list[Event]:
         if self._reasoning is None:
             pieces = [(reasoning.CONTENT, text)] if text else []
         else:
