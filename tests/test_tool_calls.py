@@ -167,6 +167,29 @@ def test_token_deltas_of_a_speculative_step_parse_like_the_whole(g4_tok, k):
             assert got_content == content and [n for n, _ in _as_pairs(calls)] == [n for n, *_ in expected]
 
 
+def test_split_at_every_byte_of_the_tokens(g4_tok):
+    """The demo tokenizer has a token per byte: cutting the token stream anywhere cuts the text at every byte,
+    inside a multi-byte character too (the detokenizer holds it back until whole)."""
+    parsers = OutputParsers.select(g4_tok)
+    shown = parsers.tool_call_ids | parsers.reasoning_ids
+    text = ("<|channel>thought\nnaïve 🎉<channel|>Voilà: " + _call("uni", f"s:{Q}日本語 🎉 é{Q},n:-1.5")
+            + _call("g", f"k:[{Q}ß{Q}]") + " fin ✓")
+    ids = g4_tok.tokenizer.encode(text, add_special_tokens=False).ids
+    whole = ChatOutputParser(True, True).message(text)
+    assert [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]] == [{"s": "日本語 🎉 é", "n": -1.5},
+                                                                                      {"k": ["ß"]}]
+    for b in range(len(ids) + 1):
+        stream, p = TextStream(g4_tok, [], (), shown), ChatOutputParser(True, True)
+        deltas = p.push(stream.push(ids[:b])) + p.push(stream.push(ids[b:])) + p.push(stream.finish()) + p.finish()
+        assert "".join(d.get("content", "") for d in deltas) == whole["content"]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+        args: dict[int, str] = {}
+        for d in deltas:
+            for tc in d.get("tool_calls", []):
+                args[tc["index"]] = args.get(tc["index"], "") + tc["function"]["arguments"]
+        assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in whole["tool_calls"]]
+
+
 # ---------------------------------------------------------------------------------------------------------- reasoning
 REASONING = [
     ("<|channel>thought\nLet me think: 2+2.<channel|>It is 4.", "Let me think: 2+2.", "It is 4."),
