@@ -25,12 +25,13 @@ THOUGHT_LABEL = "thought\n"
 MARKERS = (CHANNEL_START, CHANNEL_END)
 
 REASONING, CONTENT = "reasoning", "content"
+_LABEL = "label"  # the parser's mode just after <|channel>, while the label may still come
 
 
 class ReasoningParser:
     def __init__(self):
         self._buf = ""
-        self._mode = CONTENT  # CONTENT, REASONING, or "label": just after <|channel>
+        self._mode = CONTENT  # CONTENT, REASONING or _LABEL
         self._out: list[tuple[str, str]] = []
 
     def _emit(self, kind: str, text: str) -> None:
@@ -56,7 +57,7 @@ class ReasoningParser:
     def _run(self, final: bool) -> None:
         buf, i = self._buf, 0
         while i < len(buf):
-            if self._mode == "label":
+            if self._mode == _LABEL:
                 rest = buf[i:]
                 if rest.startswith(THOUGHT_LABEL):
                     i += len(THOUGHT_LABEL)
@@ -76,7 +77,7 @@ class ReasoningParser:
             self._emit(kind, buf[i:j])
             i = j + len(marker)
             if marker == CHANNEL_START and kind == CONTENT:
-                self._mode = "label"
+                self._mode = _LABEL
             elif marker == CHANNEL_END and kind == REASONING:
                 self._mode = CONTENT
         self._buf = buf[i:]
