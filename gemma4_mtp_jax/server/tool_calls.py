@@ -10,7 +10,7 @@ unescaped, numbers, `true`, `false` and `null` are bare, objects and arrays nest
 a separator. The model stops after the last one (`<|tool_response>` is a stop token of Gemma 4).
 
 One parser serves both paths: `ToolCallParser.push` takes text deltas of any size (a speculative step brings several
-tokens, and a test splits the text at every character) and returns what is now certain, in order: content text and
+tokens; a delta may end anywhere, inside a marker too) and returns what is now certain, in order: content text and
 `ToolCallDelta`s. A call's id and name go out once its header `call:NAME{` is read; its arguments go out as a JSON
 text written while the Gemma syntax is read (a transducer, not a re-parse of a growing prefix), so every fragment
 sent is final and their concatenation is the arguments' JSON. `parse_tool_calls` runs the same parser over the whole
