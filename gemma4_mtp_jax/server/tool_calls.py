@@ -406,3 +406,68 @@ def parse_tool_calls(text: str, max_calls: int | None = None) -> tuple[str, list
     """(content, tool_calls) of a whole output."""
     p = ToolCallParser(max_calls)
     return merge_events(p.push(text) + p.finish())
+
+
+# ---------------------------------------------------------------------------------------------------------- grammar
+# Gemma 4's call syntax as a Lark grammar in llguidance's dialect (special tokens written as <|name>), for the
+# grammar engine to force calls: tool_choice "required" (one call or more, to the tools given) and a named function
+# (exactly that one). An optional thought channel may come first. Values follow each top-level parameter's JSON
+# Schema type where it names one (string, with its enum; number; integer; boolean; null; array; object), and are any
+# Gemma value elsewhere; which parameters come, and in which order, is the model's.
+_GRAMMAR_COMMON = r"""
+thought: <|channel> ANY <channel|>
+members: pair ("," pair)*
+pair: key ":" value
+key: KEY | <|"|> ANY <|"|>
+value: string | NUMBER | "true" | "false" | "null" | object | array
+object: "{" members? "}"
+array: "[" (value ("," value)*)? "]"
+string: <|"|> ANY <|"|>
+KEY: /[^:,{}\[\]<>"\s]+/
+ANY: /(?s:.*)/
+NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+INTEGER: /-?(0|[1-9][0-9]*)/
+"""
+_TYPE_RULES = {"string": "string", "number": "NUMBER", "integer": "INTEGER", "boolean": '("true" | "false")',
+               "null": '"null"', "array": "array", "object": "object"}
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # llguidance's Lark reads JSON's escapes in string literals
+
+
+def _typed_value(schema: Any) -> str:
+    """The Lark expression of a parameter's value: by its schema's type (and a string enum), else any value."""
+    if not isinstance(schema, dict):
+        return "value"
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) and e for e in enum):
+        return '<|"|> (' + " | ".join(_lark_literal(e) for e in enum) + ') <|"|>'
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or not all(t in _TYPE_RULES for t in types):
+        return "value"
+    return "(" + " | ".join(_TYPE_RULES[t] for t in types) + ")"
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's) of an output that is only tool calls: to `name` exactly once, or to any of
+    `tools` (the request's validated OpenAI list), once or more (`parallel`) or once."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        f = tool["function"]
+        if name is not None and f["name"] != name:
+            continue
+        props = (f.get("parameters") or {}).get("properties")
+        if isinstance(props, dict) and props and all(isinstance(k, str) and k for k in props):
+            pairs = " | ".join(f"{_lark_literal(k)} \":\" {_typed_value(s)}" for k, s in props.items())
+            rules.append(f"pair{i}: {pairs}")
+            members = f"pair{i} (\",\" pair{i})*"
+        else:
+            members = "members"
+        rules.append(f'call{i}: <|tool_call> "call:" {_lark_literal(f["name"])} "{{" ({members})? "}}" <tool_call|>')
+        calls.append(f"call{i}")
+    if not calls:
+        raise ValueError(f"no tool named {name!r}")
+    start = "start: thought? (" + " | ".join(calls) + ")" + ("+" if parallel and name is None else "")
+    return "\n".join([start, *rules]) + _GRAMMAR_COMMON
