@@ -530,6 +530,28 @@ def test_server_answers_tool_calls_streamed_and_not(g4_server, g4_tok, per_step)
         assert sample(after, name) - sample(before, name) == 2
 
 
+def test_server_call_cut_by_max_tokens(g4_server, g4_tok):
+    """max_tokens ends the output inside a call: finish_reason "length", the call with the arguments read so far
+    (JSON no client parses), the same streamed and not."""
+    engine, port = g4_server
+    client = _openai(port)
+    _model_says(engine, g4_tok, CALLS, 3)
+    n = len(g4_tok.tokenizer.encode("I'll look.<|tool_call>call:get_weather{location:<|\"|>Par",
+                                     add_special_tokens=False).ids)
+    r = client.chat.completions.create(model="g4", messages=USER, tools=[WEATHER], max_tokens=n)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content == "I'll look."
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"location":"Par')]
+    stream = client.chat.completions.create(model="g4", messages=USER, tools=[WEATHER], max_tokens=n, stream=True)
+    args, reasons = "", []
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            args += tc.function.arguments or ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    assert args == '{"location":"Par' and reasons == ["length"]
+
+
 def test_server_answers_reasoning_and_the_next_turn(g4_server, g4_tok):
     engine, port = g4_server
     client = _openai(port)
