@@ -461,7 +461,7 @@ def g4_server(g4_tok):
     metrics = Metrics("g4")
     engine = ScriptedEngine([1, *(g4_tok.tokenizer.token_to_id(t) for t in STOP_TOKENS)])
     server = OpenAIServer(AsyncEngine(engine, max_queue_len=4, metrics=metrics), g4_tok,
-                          ServerSettings("g4", max_model_len=4096, vocab_size=512, num_speculative_tokens=3), metrics,
+                          ServerSettings("g4", max_model_len=32768, vocab_size=512, num_speculative_tokens=3), metrics,
                           engine.eos_ids)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -528,6 +528,23 @@ def test_server_answers_tool_calls_streamed_and_not(g4_server, g4_tok, per_step)
     after = metric_samples("127.0.0.1", port)
     for name in ("gemma4_tool_call_requests_total", "gemma4_tool_call_responses_total"):
         assert sample(after, name) - sample(before, name) == 2
+
+
+def test_server_prepares_a_large_tool_request_in_a_worker(g4_server, g4_tok):
+    """A body over INLINE_BYTES is prepared in a worker process: tools, tool messages and template variables reach
+    the template there too, with the same prompt as on the event loop."""
+    from gemma4_mtp_jax.server.prepare import INLINE_BYTES
+
+    engine, port = g4_server
+    _model_says(engine, g4_tok, _call("get_weather", f"location:{Q}Oslo{Q}"), 2)
+    big = {"type": "function", "function": {"name": "big", "description": "d" * INLINE_BYTES}}
+    body = {"messages": ROUND_TRIP, "tools": [WEATHER, big], "chat_template_kwargs": {"enable_thinking": True}}
+    r = _openai(port).chat.completions.create(model="g4", messages=ROUND_TRIP, tools=body["tools"],
+                                              extra_body={"chat_template_kwargs": body["chat_template_kwargs"]})
+    parsed = parse_chat(body)
+    assert engine.served[-1].prompt == g4_tok.encode_chat(parsed.messages, parsed.tools, parsed.chat_template_kwargs)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"location": "Oslo"}]
 
 
 def test_server_call_cut_by_max_tokens(g4_server, g4_tok):
