@@ -19,7 +19,13 @@ from gemma4_mtp_jax.server.detokenize import TextStream
 from gemma4_mtp_jax.server.errors import APIError
 from gemma4_mtp_jax.server.protocol import parse_chat
 from gemma4_mtp_jax.server.reasoning import ReasoningParser, split_reasoning
-from gemma4_mtp_jax.server.tool_calls import ToolCallParser, merge_events, parse_tool_calls, tool_call_grammar
+from gemma4_mtp_jax.server.tool_calls import (
+    ToolCallParser,
+    forced_tool_calls,
+    merge_events,
+    parse_tool_calls,
+    tool_call_grammar,
+)
 from test_server_units import FakeEngine
 
 Q = '<|"|>'  # Gemma 4's string quote
@@ -689,42 +695,41 @@ def test_fuzz_tool_requests_render_or_400(g4_tok):
 
 
 # ---------------------------------------------------------------------------------------------------------- grammar
-def test_tool_call_grammar_admits_only_calls_the_parser_reads(g4_tok):
-    """The grammar that will force calls (tool_choice "required" / named, through the grammar engine) compiles with
-    llguidance against a tokenizer with Gemma 4's special tokens, admits calls to the tools given with typed
-    parameters, and every output it admits parses into those calls with JSON arguments."""
-    import llguidance
+def test_forced_tool_calls_admit_only_calls_the_parser_reads(g4_tok):
+    """The constraint that will force calls (tool_choice "required" / named) compiles in the grammar engine against a
+    tokenizer with Gemma 4's special tokens, admits calls to the tools given with typed parameters, and every output
+    it admits parses into those calls with JSON arguments."""
+    from gemma4_mtp_jax.engine.grammar import Vocabulary, compile_grammar
 
-    stop = [g4_tok.tokenizer.token_to_id(t) for t in STOP_TOKENS]
-    vocab = llguidance.LLTokenizer(g4_tok.tokenizer.to_str(), n_vocab=512, eos_token=stop)
+    vocab = Vocabulary(g4_tok.tokenizer.to_str(), 512, [g4_tok.tokenizer.token_to_id(t) for t in STOP_TOKENS])
     time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]},
                                          "exact": {"type": ["boolean", "null"]}, "n": {"type": "integer"}}}}}
     free = {"type": "function", "function": {"name": "free"}}
     tools = [WEATHER, time_tool, free]
+    end = g4_tok.tokenizer.token_to_id("<|tool_response>")
 
-    def admits(grammar: str, text: str) -> bool:
-        m = llguidance.LLMatcher(vocab, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
-        assert not m.is_error(), m.get_error()
+    def admits(choice: str, text: str, parallel: bool = True) -> bool:
+        so = forced_tool_calls(tools, choice, parallel)
+        assert so.param == "tool_choice"
+        m = compile_grammar(so.spec, vocab).matcher()
         ids = g4_tok.tokenizer.encode(text, add_special_tokens=False).ids
-        return all(m.consume_token(t) for t in ids) and m.is_accepting()
+        return all(m.accept(t) for t in ids + [end]) and m.is_terminated()
 
-    required, named, single = (tool_call_grammar(tools), tool_call_grammar(tools, "get_time"),
-                               tool_call_grammar(tools, parallel=False))
     good = [
         _call("get_weather", f"location:{Q}Paris <b>, \"x\" {{}}{Q}"),
         "<|channel>thought\nwhich tz? <maybe>\n<channel|>" + _call("get_time", f"tz:{Q}CET{Q},exact:null,n:-3"),
         _call("get_time", "") + _call("free", f"any:{{deep:[1,{Q}x{Q},{{}}]}},k:2.5e3"),
     ]
     for text in good:
-        assert admits(required, text), text
+        assert admits("required", text), text
         content, calls = parse_tool_calls(text.split("<channel|>")[-1])
         assert content == "" and calls and all(isinstance(json.loads(c["function"]["arguments"]), dict)
                                                for c in calls)
-    assert admits(named, good[1]) and not admits(named, good[0]) and not admits(named, good[2])
-    assert admits(single, good[0]) and not admits(single, good[2])
+    assert admits("get_time", good[1]) and not admits("get_time", good[0]) and not admits("get_time", good[2])
+    assert admits("required", good[0], parallel=False) and not admits("required", good[2], parallel=False)
     for text in ["Sure. " + _call("get_time", ""), _call("other", ""), _call("get_time", f"tz:{Q}EST{Q}"),
                  _call("get_time", "n:1.5"), _call("get_weather", "days:2"), _call("get_time", "a b:1"), ""]:
-        assert not admits(required, text), text
+        assert not admits("required", text), text
     with pytest.raises(ValueError):
         tool_call_grammar(tools, "missing")

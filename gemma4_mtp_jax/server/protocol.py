@@ -52,6 +52,7 @@ class GenerationParams:
     prompt: str | list[int] | None = None  # completions: text or token ids
     messages: list[dict[str, Any]] | None = None  # chat: as the template gets them (`_message`), text content
     tools: list[dict[str, Any]] | None = None  # chat: the tools the template renders, output parsed for calls
+    tool_choice: str = "auto"  # "auto", "none", "required", or the name of the function a call must go to
     parallel_tool_calls: bool = True  # false: calls after the model's first are dropped
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # more template variables
     max_tokens: int | None = None  # None: the endpoint's default
@@ -526,16 +527,13 @@ def _get_tools(body: dict) -> list[dict[str, Any]] | None:
 
 
 def _get_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str:
-    """"auto" or "none" (the default: "auto" with tools). "required" and a named function need constrained
-    decoding to be kept, which this server does not have yet: a 400 rather than a call that may not come."""
+    """"auto" (the default), "none", "required", or the name of the function a call must go to."""
     choice = body.get("tool_choice")
     if choice is None:
         return "auto"
-    if choice in ("none", "auto"):
+    if choice in ("none", "auto", "required"):
         return choice
-    if choice == "required":
-        what = "\"required\""
-    elif isinstance(choice, dict):
+    if isinstance(choice, dict):
         f = choice.get("function")
         if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(f, dict) \
                 or set(f) != {"name"} or not isinstance(f["name"], str):
@@ -544,12 +542,9 @@ def _get_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str:
         if not any(t["function"]["name"] == f["name"] for t in tools or []):
             raise bad_request(f"'tool_choice' names the function {show_json(f['name'], 80)}, which is not in "
                               f"'tools'", "tool_choice")
-        what = "a named function"
-    else:
-        raise bad_request(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
-                          f"\"function\": {{\"name\": ...}}}}, got {show_json(choice, 60)}", "tool_choice")
-    raise bad_request(f"'tool_choice' {what} is not supported yet (forcing a call needs constrained decoding); "
-                      f"use \"auto\"", "tool_choice", "unsupported_parameter")
+        return f["name"]
+    raise bad_request(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                      f"\"function\": {{\"name\": ...}}}}, got {show_json(choice, 60)}", "tool_choice")
 
 
 def _get_template_kwargs(body: dict) -> dict[str, Any]:
@@ -696,8 +691,15 @@ def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> Generati
     out = [_message(m, f"messages[{i}]") for i, m in enumerate(msgs)]
     p.messages = out
     tools = _get_tools(body)
-    choice = _get_tool_choice(body, tools)
-    p.tools = tools if choice == "auto" else None  # "none": no tools in the prompt (docs/SERVING.md, "Tools")
+    p.tool_choice = _get_tool_choice(body, tools)
+    if p.tool_choice == "required" and not tools:
+        raise bad_request("'tool_choice' \"required\" needs 'tools'", "tool_choice")
+    if p.tool_choice not in ("auto", "none"):
+        # Forcing a call takes the grammar engine (tool_calls.forced_tool_calls gives the grammar); until the
+        # server passes grammars to the engine, a forced choice is refused rather than not kept.
+        raise bad_request(f"'tool_choice' {show_json(body['tool_choice'], 80)} is not supported yet (forcing a call "
+                          f"needs constrained decoding); use \"auto\"", "tool_choice", "unsupported_parameter")
+    p.tools = tools if p.tool_choice != "none" else None  # "none": no tools in the prompt (SERVING.md, "Tools")
     p.parallel_tool_calls = _get_bool(body, "parallel_tool_calls") is not False
     p.chat_template_kwargs = _get_template_kwargs(body)
     return p

@@ -38,6 +38,9 @@ import secrets
 import string
 from typing import Any, Union
 
+from gemma4_mtp_jax.engine.grammar import GrammarSpec
+from gemma4_mtp_jax.server.structured import StructuredOutput
+
 TOOL_CALL_START = "<|tool_call>"
 TOOL_CALL_END = "<tool_call|>"
 STRING_DELIM = '<|"|>'
@@ -471,3 +474,10 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, para
         raise ValueError(f"no tool named {name!r}")
     start = "start: thought? (" + " | ".join(calls) + ")" + ("+" if parallel and name is None else "")
     return "\n".join([start, *rules]) + _GRAMMAR_COMMON
+
+
+def forced_tool_calls(tools: list[dict[str, Any]], tool_choice: str, parallel: bool = True) -> StructuredOutput:
+    """The output constraint of tool_choice "required" or a named function (GenerationParams.tool_choice), for
+    the grammar engine like a response_format's."""
+    name = None if tool_choice == "required" else tool_choice
+    return StructuredOutput(GrammarSpec("lark", tool_call_grammar(tools, name, parallel)), "tool_choice")
