@@ -553,6 +553,27 @@ def test_server_prepares_a_large_tool_request_in_a_worker(g4_server, g4_tok):
     assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"location": "Oslo"}]
 
 
+def test_server_parses_each_of_n_choices(g4_server, g4_tok):
+    """n > 1: every choice has its own parser; streamed chunks of the choices interleave and each choice's calls
+    come under its own index."""
+    engine, port = g4_server
+    client = _openai(port)
+    _model_says(engine, g4_tok, CALLS, 2)
+    r = client.chat.completions.create(model="g4", messages=USER, tools=[WEATHER], n=2)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll look."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            EXPECTED_CALLS
+    calls: dict[tuple[int, int], list[str]] = {}
+    for chunk in client.chat.completions.create(model="g4", messages=USER, tools=[WEATHER], n=2, stream=True):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                calls.setdefault((ch.index, tc.index), [tc.function.name, ""])[1] += tc.function.arguments or ""
+    assert {k: (v[0], json.loads(v[1])) for k, v in calls.items()} == {
+        (i, j): EXPECTED_CALLS[j] for i in range(2) for j in range(2)}
+
+
 def test_server_call_cut_by_max_tokens(g4_server, g4_tok):
     """max_tokens ends the output inside a call: finish_reason "length", the call with the arguments read so far
     (JSON no client parses), the same streamed and not."""
