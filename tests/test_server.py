@@ -480,7 +480,12 @@ BAD_REQUESTS = [
     ("chat-image-part", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
     ("chat-tool-role", "POST", CH, {**_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
-    ("chat-tools", "POST", CH, {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat-tool-name", "POST", CH, {**_CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400,
+     "tools"),
+    ("chat-tool-choice-required", "POST", CH, {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                               "tool_choice": "required"}, 400, "tool_choice"),
+    ("chat-template-kwargs", "POST", CH, {**_CHAT, "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs"),
     ("chat-logprobs-number", "POST", CH, {**_CHAT, "logprobs": 2}, 400, "logprobs"),
     ("chat-top-logprobs-without-logprobs", "POST", CH, {**_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("chat-n-0", "POST", CH, {**_CHAT, "n": 0}, 400, "n"),

@@ -183,12 +183,13 @@ def fuzz_requests():
                               "return_token_ids", "tools", "tool_choice", "response_format", "logit_bias",
                               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                               "allowed_token_ids", "bad_words", "stop_token_ids", "role", "content", "name", "type",
-                              "text", "include_usage"])
+                              "text", "include_usage", "parallel_tool_calls", "chat_template_kwargs",
+                              "tool_calls", "tool_call_id", "function", "arguments"])
     json_values = st.recursive(scalars, lambda c: st.one_of(st.lists(c, max_size=4),
                                                              st.dictionaries(fields | text, c, max_size=4)),
                                max_leaves=8)
     messages = st.lists(st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "developer"]) | json_values,
+        {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]) | json_values,
          "content": text | json_values}, optional={"name": text | json_values}), max_size=3)
     valid_completion = st.fixed_dictionaries({"prompt": st.sampled_from(["Hi", "abc def", "é🎉"]),
                                               "max_tokens": st.integers(1, 3), "temperature": st.sampled_from([0, 1])})

@@ -39,6 +39,7 @@ from gemma4_mtp_jax.engine import RequestError
 from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.server.async_engine import AsyncEngine, QueueFull, ShuttingDown
 from gemma4_mtp_jax.server.chat import TextTokenizer
+from gemma4_mtp_jax.server.chat_output import OutputParsers
 from gemma4_mtp_jax.server.errors import APIError, bad_request, json_bytes
 from gemma4_mtp_jax.server.generation import CLIENT_CLOSED, Generation, GenerationResponse
 from gemma4_mtp_jax.server.metrics import Metrics
@@ -84,6 +85,7 @@ class OpenAIServer:
         self.eos_ids = frozenset(eos_ids)
         self.preparer = RequestPreparer(settings, tokenizer)
         self.token_pieces = TokenPieces(tokenizer)  # token strings and bytes for logprobs, cached
+        self.output_parsers = OutputParsers.select(tokenizer, settings.tool_call_parser, settings.reasoning_parser)
         metrics.spec_tokens.set(settings.num_speculative_tokens)
         self.routes = Starlette(
             routes=[
@@ -253,6 +255,8 @@ class OpenAIServer:
             log.exception("unexpected error while admitting a request")
             return self._rejected(endpoint, _INTERNAL_ERROR)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
+        if params.tools and self.output_parsers.tool_call_ids is not None:
+            self.metrics.tool_call_requests.inc()
         gen = Generation(self, rid, streams, params, prompt_ids, arrival, endpoint)
         return GenerationResponse(gen)
 

@@ -25,6 +25,9 @@ from gemma4_mtp_jax.server.errors import APIError, bad_request
 log = logging.getLogger(__name__)
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# The variables the server gives every render: a request's chat_template_kwargs may not set them.
+TEMPLATE_GLOBALS = frozenset({"messages", "tools", "add_generation_prompt", "raise_exception", "strftime_now",
+                              *_SPECIAL_KEYS})
 
 
 def _token_text(v: Any) -> str | None:
@@ -99,15 +102,19 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{origin}: the chat template does not parse: {e}") from None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat as text, as Hugging Face renders it: `tools` (None: none) as the template's `tools`, and the
+        request's `chat_template_kwargs` as more variables (protocol.py keeps them off the names set here)."""
         import jinja2
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            return self._template.render(**self.special_tokens, **(template_kwargs or {}), messages=messages,
+                                         tools=tools, add_generation_prompt=add_generation_prompt)
         except TemplateRenderError as e:
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from None
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                RecursionError) as e:
             raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                               "messages") from None
 
@@ -165,24 +172,27 @@ class TextTokenizer:
         """The vocabulary's piece for `token` (`▁the`, `<0xE2>`), None for an id it doesn't have."""
         return self.tokenizer.id_to_token(token)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         if self.chat_template is None:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages",
                            code="no_chat_template")
-        return self.chat_template.render(messages, add_generation_prompt=True)
+        return self.chat_template.render(messages, True, tools, template_kwargs)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the rendered chat, where only the template's special tokens are control tokens: the text of
-        a special token inside a message's content is tokenized as plain text. A chat without such text gets
-        exactly `encode(render_chat(messages))`.
+        a special token inside any string the client sent (contents, tool calls' names and arguments, tool
+        results, the tool list, template variables) is tokenized as plain text. A chat without such text gets
+        exactly `encode(render_chat(messages, tools, template_kwargs))`.
 
         Such text is swapped for a placeholder character before rendering (so every template filter, `trim`
-        included, sees the content as before), and each stretch of the rendered text between two of the template's
+        included, sees the string as before), and each stretch of the rendered text between two of the template's
         special tokens that holds a placeholder is tokenized again with the text put back, special tokens read as
         plain text. The tokenizer splits a text at its added tokens and tokenizes the pieces apart, so the other
         stretches keep their tokens."""
-        escaped, restore = self._escape_special_text(messages)
-        text = self.render_chat(escaped)
+        (messages, tools, template_kwargs), restore = self._escape_special_text((messages, tools, template_kwargs))
+        text = self.render_chat(messages, tools, template_kwargs)
         if not restore:
             return self.encode(text)
         placeholder = re.compile("[" + "".join(map(chr, restore)) + "]")
@@ -211,13 +221,13 @@ class TextTokenizer:
         stretch(len(text), hi)
         return out + ids[hi:]
 
-    def _escape_special_text(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[int, str]]:
-        """The messages with each special token's text in their contents replaced by a placeholder character, and
-        the map back ({} when no content holds any)."""
-        hits = [i for i, m in enumerate(messages) if self._special_text.search(m["content"])]
-        if not hits:
-            return messages, {}
-        taken = set(self._template_chars).union(*(m["content"] for m in messages))
+    def _escape_special_text(self, value: Any) -> tuple[Any, dict[int, str]]:
+        """`value` (JSON-like: dicts, lists, strings, ...) with each special token's text in its strings and keys
+        replaced by a placeholder character, and the map back ({} when no string holds any: `value` as it is)."""
+        strings = list(_strings(value))
+        if not any(self._special_text.search(s) for s in strings):
+            return value, {}
+        taken = set(self._template_chars).union(*strings)
         free = (chr(c) for c in _PLACEHOLDERS if chr(c) not in taken)
         placeholders: dict[str, str] = {}
 
@@ -231,7 +241,27 @@ class TextTokenizer:
                 placeholders[text] = p
             return placeholders[text]
 
-        out = list(messages)
-        for i in hits:
-            out[i] = {**out[i], "content": self._special_text.sub(swap, out[i]["content"])}
-        return out, {ord(p): text for text, p in placeholders.items()}
+        def escape(v: Any) -> Any:
+            if isinstance(v, str):
+                return self._special_text.sub(swap, v)
+            if isinstance(v, dict):
+                return {escape(k): escape(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                return type(v)(escape(x) for x in v)
+            return v
+
+        return escape(value), {ord(p): text for text, p in placeholders.items()}
+
+
+def _strings(value: Any):
+    """Every string in a JSON-like value, keys included (iteratively: a value may nest as deep as JSON allows)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)

@@ -141,6 +141,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
     from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
     from gemma4_mtp_jax.server.chat import TextTokenizer
+    from gemma4_mtp_jax.server.chat_output import OutputParsers
     from gemma4_mtp_jax.server.metrics import Metrics
 
     ap = build_parser()
@@ -198,6 +199,11 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                 log.warning("%s has no chat template: /v1/chat/completions will answer 400", target.path)
         else:
             log.warning("%s has no tokenizer.json: prompts must be token ids, chat is unavailable", target.path)
+        # Before compiling: a parser asked for by name that the tokenizer cannot serve is a configuration error.
+        parsers = OutputParsers.select(tokenizer, args.tool_call_parser, args.reasoning_parser)
+        log.info("chat output parsers: tool calls %s, reasoning %s",
+                 "gemma4" if parsers.tool_call_ids is not None else "off",
+                 "gemma4" if parsers.reasoning_ids is not None else "off")
 
         if config is None:
             config = _engine_config(args, Path(target.path), assistant is not None)
@@ -255,6 +261,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         default_top_k=int(gen.get("top_k") or 0),
         default_top_p=float(gen.get("top_p") or 1.0),
         num_speculative_tokens=engine.k,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         **{k: v for k, v in limits.items() if v is not None},  # flags not given: ServerSettings' defaults
     )
     metrics = Metrics(name)

@@ -26,10 +26,13 @@ class _Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
+    """`hidden_ids`: with skip_special_tokens=False, the special tokens still dropped (the others show as text)."""
+
     def __init__(self, tokenizer: _Tokenizer, prompt_ids: Sequence[int] = (), context: int = 6,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, hidden_ids: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._hidden = hidden_ids
         self._ids: list[int] = list(prompt_ids[-context:]) if context else []
         # ids[_prefix:_read] is text already emitted, kept as left context; ids[_read:] is not yet emitted.
         self._prefix = 0
@@ -37,6 +40,8 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._hidden:
+            ids = [t for t in ids if t not in self._hidden]
         return self._tok.decode(list(ids), skip_special_tokens=self._skip) if ids else ""
 
     def push(self, token: int) -> str:
@@ -95,10 +100,18 @@ class TextStream:
 
     `offsets[i]`: where token i's text starts in the text (a token that ends inside a character: where that
     character starts); `emitted`: the characters returned so far. A token whose text has begun to be returned is
-    `shown`."""
+    `shown`. `shown_special_ids`: special tokens whose text is kept (the markers an output parser reads); every other special
+    token is dropped, as always."""
 
-    def __init__(self, tokenizer: _Tokenizer | None, prompt_ids: Sequence[int] = (), stop: Iterable[str] = ()):
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+    def __init__(self, tokenizer: _Tokenizer | None, prompt_ids: Sequence[int] = (), stop: Iterable[str] = (),
+                 shown_special_ids: frozenset[int] = frozenset()):
+        if tokenizer is None:
+            self._detok = None
+        elif shown_special_ids:
+            self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False,
+                                                 hidden_ids=frozenset(tokenizer.special_ids) - shown_special_ids)
+        else:
+            self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stop = StopStringMatcher(stop)
         self.stopped = False
         self.num_tokens = 0

@@ -167,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections served at once, as uvicorn's --limit-concurrency: a request on a connection "
                         "beyond them gets 503 and the connection is closed. Default: 1024, or twice the requests the "
                         "server holds (--max-num-seqs x --data-parallel-size + --max-queue-len) when that is more")
+    # chat_output.PARSER_CHOICES, written out (`--help` stays quick)
+    s.add_argument("--tool-call-parser", choices=["auto", "gemma4", "none"], default="auto",
+                   help="how chat outputs become tool_calls for requests with tools: gemma4 (Gemma 4's "
+                        "<|tool_call>call:NAME{...}<tool_call|>); auto: gemma4 when the tokenizer has those special "
+                        "tokens; none: the output stays content (default: auto)")
+    s.add_argument("--reasoning-parser", choices=["auto", "gemma4", "none"], default="auto",
+                   help="how chat outputs' thinking becomes reasoning_content: gemma4 (Gemma 4's "
+                        "<|channel>thought ...<channel|>); auto: gemma4 when the tokenizer has those special tokens; "
+                        "none: the thinking stays in content (default: auto)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="log verbosity")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     return ap

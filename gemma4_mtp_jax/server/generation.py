@@ -48,7 +48,10 @@ class Choice:
         self.index = index
         self.params = params
         self.arrival = arrival
-        self.text = TextStream(server.tokenizer, prompt_ids, params.stop)
+        # A chat's output parser (tool calls, reasoning: chat_output.py; None: the text is the content), and the
+        # special tokens whose text it reads.
+        self.output, shown = server.output_parsers.for_request(params)
+        self.text = TextStream(server.tokenizer, prompt_ids, params.stop, shown)
         self.logprobs: list[TokenLogprob] = []  # one per token consumed, when the engine sends them
         self._sent = 0  # the logprobs of the first `_sent` tokens went out
         self.finish_reason: str | None = None
@@ -148,6 +151,14 @@ class Choice:
             self.server.engine.cancel(self.stream)
             self._finish("cancelled")
 
+    def chat_reason(self, reason: str | None) -> str | None:
+        """The finish reason of a chat choice: "tool_calls" when it stopped after calling tools (as OpenAI)."""
+        if self.output is not None and self.output.num_tool_calls:
+            self.server.metrics.tool_call_responses.inc()
+            if reason == "stop":
+                return "tool_calls"
+        return reason
+
 
 class Generation:
     """One accepted request: its choices (one engine request each) -> one JSON answer or one event stream, with
@@ -242,8 +253,9 @@ class Generation:
             text = self.echo + "".join(texts[c.index])
             lp = self._logprobs(logprobs[c.index] if p.logprobs is not None else None)
             if p.kind == "chat":
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                          "finish_reason": c.finish_reason}
+                message = {"role": "assistant", "content": text} if c.output is None else c.output.message(text)
+                choice = {"index": index, "message": message, "logprobs": lp,
+                          "finish_reason": c.chat_reason(c.finish_reason)}
             else:
                 choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
             if p.return_token_ids:
@@ -256,11 +268,14 @@ class Generation:
         return body
 
     def _chunk(self, index: int, text: str | None, ids: list[int] | None, finish_reason: str | None,
-               role: bool = False, logprobs: list[TokenEntry] | None = None) -> bytes:
+               role: bool = False, logprobs: list[TokenEntry] | None = None,
+               fields: dict[str, Any] | None = None) -> bytes:
+        """One SSE event; a chat delta holds `fields` (content, reasoning_content, tool_calls) or `text`."""
         if self.params.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
+            delta.update(fields or {})
             if text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
@@ -277,6 +292,20 @@ class Generation:
             body["usage"] = None
         return b"data: " + json_bytes(body) + b"\n\n"
 
+    def _parsed_chunks(self, c: Choice, out: Output) -> list[bytes]:
+        """A choice's output through its output parser: one chunk per delta (content, reasoning, tool calls in the
+        order written), the output's token ids and logprobs on the first."""
+        deltas = c.output.push(out.text) + (c.output.finish() if out.finish_reason is not None else [])
+        ids = out.token_ids if self.params.return_token_ids and out.token_ids else None
+        logprobs = out.logprobs or None
+        if not deltas and (ids or logprobs):
+            deltas = [{}]
+        chunks = []
+        for d in deltas:
+            chunks.append(self._chunk(c.index, None, ids, None, logprobs=logprobs, fields=d))
+            ids = logprobs = None
+        return chunks
+
     async def sse(self) -> AsyncIterator[bytes]:
         p = self.params
         try:
@@ -291,11 +320,16 @@ class Generation:
                 for c in self.choices:
                     yield self._chunk(c.index, self.echo, None, None)
             async for i, out in self._outputs():
-                if out.text or (p.return_token_ids and out.token_ids) or out.logprobs:
+                c = self.choices[i]
+                if c.output is not None:
+                    for chunk in self._parsed_chunks(c, out):
+                        yield chunk
+                elif out.text or (p.return_token_ids and out.token_ids) or out.logprobs:
                     yield self._chunk(i, out.text, out.token_ids, None, logprobs=out.logprobs)
                 if out.finish_reason is not None:
+                    reason = c.chat_reason(out.finish_reason) if p.kind == "chat" else out.finish_reason
                     yield self._chunk(i, "" if p.kind == "completion" else None, [] if p.return_token_ids else None,
-                                      out.finish_reason)
+                                      reason)
         except APIError as e:
             yield b"data: " + json_bytes(e.body()) + b"\n\n"
         if p.include_usage:

@@ -67,6 +67,10 @@ class Metrics:
         self.accepted_per_round = Histogram(f"{p}_spec_decode_accepted_tokens_per_round", "Draft tokens accepted "
                                             "in one speculative round of one sequence",
                                             buckets=tuple(float(i) for i in range(17)), registry=r)
+        self.tool_call_requests = Counter(f"{p}_tool_call_requests", "Chat requests whose output is parsed for "
+                                          "tool calls (tools given, tool_choice auto)", registry=r)
+        self.tool_call_responses = Counter(f"{p}_tool_call_responses", "Chat choices answered with tool calls",
+                                           registry=r)
         self.engine_steps = Counter(f"{p}_engine_steps", "Engine steps run", registry=r)
         self.engine_errors = Counter(f"{p}_engine_errors", "Engine steps that raised (their requests failed)",
                                      registry=r)

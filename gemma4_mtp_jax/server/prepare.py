@@ -55,6 +55,8 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     num_speculative_tokens: int = 0
+    tool_call_parser: str = "auto"  # --tool-call-parser: auto, gemma4 or none (chat_output.py)
+    reasoning_parser: str = "auto"  # --reasoning-parser
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -127,13 +129,16 @@ class Preparer:
         raise APIError(404, f"The model {show_json(model, 200)} does not exist; this server serves '{s.model_name}'",
                        param="model", code="model_not_found")
 
-    def _tokenize(self, text: str | list[dict[str, str]], param: str) -> list[int]:
-        """Token ids of a completions prompt (param "prompt") or of a chat's messages ("messages")."""
+    def _tokenize(self, p: GenerationParams, param: str) -> list[int]:
+        """Token ids of a completions prompt (param "prompt") or of a chat (messages, tools and template variables:
+        "messages")."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer (tokenizer.json): " + (
                 "send the prompt as token ids" if param == "prompt" else "chat is not available"), param)
         try:
-            return self.tokenizer.encode_chat(text) if param == "messages" else self.tokenizer.encode(text)
+            if param == "messages":
+                return self.tokenizer.encode_chat(p.messages, p.tools, p.chat_template_kwargs)
+            return self.tokenizer.encode(p.prompt)
         except APIError:
             raise
         except Exception as e:  # the tokenizer is a function of the text alone: a text it refuses is the client's
@@ -144,9 +149,9 @@ class Preparer:
     def _prompt_ids(self, p: GenerationParams) -> list[int]:
         L = self.settings.max_model_len
         if p.kind == "chat":
-            ids, where = self._tokenize(p.messages, "messages"), "messages"
+            ids, where = self._tokenize(p, "messages"), "messages"
         elif isinstance(p.prompt, str):
-            ids, where = self._tokenize(p.prompt, "prompt"), "prompt"
+            ids, where = self._tokenize(p, "prompt"), "prompt"
         else:
             ids, where = list(p.prompt), "prompt"
             V = self.settings.vocab_size

@@ -1,9 +1,9 @@
 """Request validation for the OpenAI-compatible endpoints: JSON bodies in, `GenerationParams` out, or an APIError.
 
 Every field the server understands is checked for type and range; a parameter the server does not implement is
-refused with a 400 that names it when it asks for a behaviour we can't give (tools, suffix, ...), and accepted
-when it carries its default value (clients often send `"tools": []`). A field neither the OpenAI API nor the vLLM
-extensions we follow know is refused too, as OpenAI itself does. What needs the model (token ids within its
+refused with a 400 that names it when it asks for a behaviour we can't give (a forced tool call, suffix, ...), and
+accepted when it carries its default value (clients often send `"suffix": ""`). A field neither the OpenAI API nor
+the vLLM extensions we follow know is refused too, as OpenAI itself does. What needs the model (token ids within its
 vocabulary, `bad_words` as single tokens, `min_tokens` against the request's max_tokens) is checked by prepare.py.
 
 Numbers are checked against what the engine holds (int32 counts and top_k, float32 temperatures), and no string
@@ -27,6 +27,7 @@ from gemma4_mtp_jax.model.sampling import (
     MAX_PENALTY,
     MAX_TOP_LOGPROBS,
 )
+from gemma4_mtp_jax.server.chat import TEMPLATE_GLOBALS
 from gemma4_mtp_jax.server.errors import bad_request
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 
@@ -49,7 +50,11 @@ class GenerationParams:
     kind: str  # "completion" | "chat"
     model: str | None
     prompt: str | list[int] | None = None  # completions: text or token ids
-    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}] with text content
+    messages: list[dict[str, Any]] | None = None  # chat: as the template gets them (`_message`), text content
+    tools: list[dict[str, Any]] | None = None  # chat: the tools the template renders, output parsed for calls
+    tool_choice: str = "auto"  # "auto", "none", "required", or the name of the function a call must go to
+    parallel_tool_calls: bool = True  # false: calls after the model's first are dropped
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # more template variables
     max_tokens: int | None = None  # None: the endpoint's default
     temperature: float | None = None  # None: the checkpoint's default
     top_p: float | None = None
@@ -325,11 +330,8 @@ _UNSUPPORTED_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_is_default(""), "suffix is not supported"),
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_empty, "tools (function calling) are not supported"),
-    "tool_choice": (_is_default("none", "auto"), "tool_choice is not supported"),
-    "functions": (_empty, "functions (function calling) are not supported"),
-    "function_call": (_is_default("none", "auto"), "function_call is not supported"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "parallel_tool_calls must be a boolean"),
+    "functions": (_empty, "functions (deprecated) are not supported: use 'tools'"),
+    "function_call": (_is_default("none", "auto"), "function_call (deprecated) is not supported: use 'tool_choice'"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} is "
                                                                         "supported"),
     "store": (_is_default(False), "store is not supported"),
@@ -343,8 +345,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "return_token_ids", "ignore_eos", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_p", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words", "stop_token_ids"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "logprobs", "echo"} | set(_UNSUPPORTED_COMPLETION) | _IGNORED
-_CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(_UNSUPPORTED_CHAT)
-                | _IGNORED)
+_CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                          "parallel_tool_calls", "chat_template_kwargs"} | set(_UNSUPPORTED_CHAT) | _IGNORED)
 
 
 def _check_fields(body: dict, known: set[str], unsupported: dict) -> None:
@@ -442,9 +444,210 @@ def parse_completion(body: dict) -> GenerationParams:
     return p
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_MESSAGE_FIELDS = {"role", "content", "name"}
-_NULLABLE_MESSAGE_FIELDS = {"tool_calls", "function_call", "refusal", "audio"}
+# ---------------------------------------------------------------------------------------------------------- chat
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"}
+_NULLABLE_MESSAGE_FIELDS = {"function_call", "refusal", "audio"}
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # in one assistant message
+MAX_TOOLS_CHARS = 2**20  # the tool list, as JSON
+MAX_JSON_DEPTH = 32  # the nesting of a tool's parameters, a call's arguments, a template variable
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 64 * 2**10
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+_CALLED_NAME = re.compile(r"[a-zA-Z0-9_.-]{1,64}")  # a name in a call sent back (what the model may write)
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _json_depth(v: Any) -> int:
+    """How deep objects and arrays nest in `v` (0 for a scalar); iterative, whatever the depth."""
+    depth, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            depth = max(depth, d)
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return depth
+
+
+def _check_json_value(v: Any, where: str, param: str, max_chars: int | None = None) -> None:
+    if _json_depth(v) > MAX_JSON_DEPTH:
+        raise bad_request(f"'{where}' nests deeper than {MAX_JSON_DEPTH} levels", param)
+    if max_chars is not None and len(json.dumps(v, ensure_ascii=False)) > max_chars:
+        raise bad_request(f"'{where}' is larger than {max_chars} characters as JSON", param)
+
+
+def _check_keys(obj: dict, allowed: set[str], where: str, param: str) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise bad_request(f"'{where}': field {show_json(k, 40)} is not supported (allowed: "
+                              f"{', '.join(sorted(allowed))})", param)
+
+
+def _get_tools(body: dict) -> list[dict[str, Any]] | None:
+    """The OpenAI tool list, checked: each {"type": "function", "function": {"name", "description"?,
+    "parameters"?, "strict"?}} with a unique name of [a-zA-Z0-9_-]{1,64} and parameters a JSON Schema object."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request(f"'tools' must be an array, got {_type_name(tools)}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_request(f"'{where}' must be an object, got {_type_name(tool)}", "tools")
+        _check_keys(tool, {"type", "function"}, where, "tools")
+        if tool.get("type") != "function":
+            raise bad_request(f"'{where}.type' must be \"function\", got {show_json(tool.get('type'), 40)}", "tools")
+        f = tool.get("function")
+        if not isinstance(f, dict):
+            raise bad_request(f"'{where}.function' must be an object, got {_type_name(f)}", "tools")
+        _check_keys(f, {"name", "description", "parameters", "strict"}, f"{where}.function", "tools")
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"'{where}.function.name' must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got "
+                              f"{show_json(name, 80)}", "tools")
+        if name in names:
+            raise bad_request(f"'{where}.function.name': two tools are named {show_json(name)}", "tools")
+        names.add(name)
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise bad_request(f"'{where}.function.description' must be a string", "tools")
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object, got "
+                              f"{_type_name(params)}", "tools")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise bad_request(f"'{where}.function.strict' must be a boolean", "tools")
+        _check_json_value(params, f"{where}.function.parameters", "tools")
+    _check_json_value(tools, "tools", "tools", MAX_TOOLS_CHARS)
+    return tools or None
+
+
+def _get_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str:
+    """"auto" (the default), "none", "required", or the name of the function a call must go to."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict):
+        f = choice.get("function")
+        if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(f, dict) \
+                or set(f) != {"name"} or not isinstance(f["name"], str):
+            raise bad_request("'tool_choice' as an object must be {\"type\": \"function\", \"function\": "
+                              "{\"name\": ...}}", "tool_choice")
+        if not any(t["function"]["name"] == f["name"] for t in tools or []):
+            raise bad_request(f"'tool_choice' names the function {show_json(f['name'], 80)}, which is not in "
+                              f"'tools'", "tool_choice")
+        return f["name"]
+    raise bad_request(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                      f"\"function\": {{\"name\": ...}}}}, got {show_json(choice, 60)}", "tool_choice")
+
+
+def _get_template_kwargs(body: dict) -> dict[str, Any]:
+    """`chat_template_kwargs` (vLLM's extension): more variables for the chat template, e.g. enable_thinking."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise bad_request(f"'chat_template_kwargs' must be an object, got {_type_name(kw)}", "chat_template_kwargs")
+    if len(kw) > MAX_TEMPLATE_KWARGS:
+        raise bad_request(f"'chat_template_kwargs' may hold at most {MAX_TEMPLATE_KWARGS} variables",
+                          "chat_template_kwargs")
+    for k in kw:
+        if not _TEMPLATE_NAME.fullmatch(k):
+            raise bad_request(f"'chat_template_kwargs': {show_json(k, 70)} is not a template variable name (letters, "
+                              f"digits and _, at most 64)", "chat_template_kwargs")
+        if k in TEMPLATE_GLOBALS:
+            raise bad_request(f"'chat_template_kwargs': the server sets {k!r} itself", "chat_template_kwargs")
+    _check_json_value(kw, "chat_template_kwargs", "chat_template_kwargs", MAX_TEMPLATE_KWARGS_CHARS)
+    return kw
+
+
+def _assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls for the template: each {"id", "type", "function": {"name", "arguments"}}
+    with its arguments' JSON text parsed to an object, as Hugging Face's and vLLM's servers pass them."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be an array, got {_type_name(calls)}", "messages")
+    if len(calls) > MAX_TOOL_CALLS:
+        raise bad_request(f"{where}.tool_calls may hold at most {MAX_TOOL_CALLS} calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        w = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise bad_request(f"{w} must be an object, got {_type_name(call)}", "messages")
+        _check_keys(call, {"id", "type", "function", "index"}, w, "messages")
+        if call.get("type", "function") != "function":
+            raise bad_request(f"{w}.type must be \"function\"", "messages")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_request(f"{w}.id must be a string", "messages")
+        f = call.get("function")
+        if not isinstance(f, dict):
+            raise bad_request(f"{w}.function must be an object, got {_type_name(f)}", "messages")
+        _check_keys(f, {"name", "arguments"}, f"{w}.function", "messages")
+        name, args = f.get("name"), f.get("arguments")
+        if not isinstance(name, str) or not _CALLED_NAME.fullmatch(name):
+            raise bad_request(f"{w}.function.name must be 1 to 64 characters of a-z, A-Z, 0-9, _, . and -, got "
+                              f"{show_json(name, 80)}", "messages")
+        if not isinstance(args, str):
+            raise bad_request(f"{w}.function.arguments must be a string of JSON, got {_type_name(args)}", "messages")
+        try:
+            parsed = json.loads(args, parse_constant=_no_constant) if args.strip() else {}
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")  # no lone surrogate from a \\u escape
+        except (ValueError, RecursionError, UnicodeEncodeError) as e:
+            raise bad_request(f"{w}.function.arguments is not valid JSON: {e}", "messages") from None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"{w}.function.arguments must be a JSON object, got {_type_name(parsed)}", "messages")
+        _check_json_value(parsed, f"{w}.function.arguments", "messages")
+        out.append({"id": call_id or "", "type": "function", "function": {"name": name, "arguments": parsed}})
+    return out
+
+
+def _message(m: Any, where: str) -> dict[str, Any]:
+    """A chat message as the template gets it: role (developer -> system), text content ("" for an assistant's
+    message of tool calls alone), and name, tool_calls, tool_call_id, reasoning_content / reasoning when given."""
+    if not isinstance(m, dict):
+        raise bad_request(f"{where} must be an object, got {_type_name(m)}", "messages")
+    for k in m:
+        if k not in _MESSAGE_FIELDS and not (k in _NULLABLE_MESSAGE_FIELDS and _empty(m[k])):
+            raise bad_request(f"{where}: field '{k}' is not supported", "messages")
+    role = m.get("role")
+    if role == "function":
+        raise bad_request(f"{where}: role 'function' (deprecated) is not supported: use 'tool'", "messages")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}, got {show_json(role, 40)}", "messages")
+    msg: dict[str, Any] = {"role": _ROLES[role]}
+    if m.get("name") is not None:
+        if not isinstance(m["name"], str):
+            raise bad_request(f"{where}.name must be a string, got {_type_name(m['name'])}", "messages")
+        msg["name"] = m["name"]
+    if not _empty(m.get("tool_calls")):
+        if role != "assistant":
+            raise bad_request(f"{where}: only assistant messages have tool_calls", "messages")
+        msg["tool_calls"] = _assistant_tool_calls(m["tool_calls"], where)
+    if m.get("content") is None:
+        if "tool_calls" not in msg:
+            raise bad_request(f"{where}.content is required", "messages")
+        msg["content"] = ""
+    else:
+        msg["content"] = _text_content(m["content"], where)
+    call_id = m.get("tool_call_id")
+    if role == "tool":
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id is required (a string) in a tool message", "messages")
+        msg["tool_call_id"] = call_id
+    elif call_id is not None:
+        raise bad_request(f"{where}: only tool messages have a tool_call_id", "messages")
+    for key in ("reasoning_content", "reasoning"):
+        if m.get(key) is not None:
+            if role != "assistant" or not isinstance(m[key], str):
+                raise bad_request(f"{where}.{key} must be a string, in an assistant message", "messages")
+            msg[key] = m[key]
+    return msg
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -485,23 +688,18 @@ def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> Generati
     if len(msgs) > max_messages:
         raise bad_request(f"'messages' may hold at most {max_messages} messages on this server, got {len(msgs)}",
                           "messages", "too_many_messages")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object, got {_type_name(m)}", "messages")
-        for k in m:
-            if k not in _MESSAGE_FIELDS and not (k in _NULLABLE_MESSAGE_FIELDS and _empty(m[k])):
-                raise bad_request(f"{where}: field '{k}' is not supported", "messages")
-        role = m.get("role")
-        if role == "tool" or role == "function":
-            raise bad_request(f"{where}: role '{role}' is not supported (no tool calling)", "messages")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}, got {show_json(role, 40)}", "messages")
-        if not isinstance(m.get("name", ""), str):
-            raise bad_request(f"{where}.name must be a string, got {_type_name(m['name'])}", "messages")
-        if "content" not in m or m["content"] is None:
-            raise bad_request(f"{where}.content is required", "messages")
-        out.append({"role": _ROLES[role], "content": _text_content(m["content"], where)})
+    out = [_message(m, f"messages[{i}]") for i, m in enumerate(msgs)]
     p.messages = out
+    tools = _get_tools(body)
+    p.tool_choice = _get_tool_choice(body, tools)
+    if p.tool_choice == "required" and not tools:
+        raise bad_request("'tool_choice' \"required\" needs 'tools'", "tool_choice")
+    if p.tool_choice not in ("auto", "none"):
+        # Forcing a call takes the grammar engine (tool_calls.forced_tool_calls gives the grammar); until the
+        # server passes grammars to the engine, a forced choice is refused rather than not kept.
+        raise bad_request(f"'tool_choice' {show_json(body['tool_choice'], 80)} is not supported yet (forcing a call "
+                          f"needs constrained decoding); use \"auto\"", "tool_choice", "unsupported_parameter")
+    p.tools = tools if p.tool_choice != "none" else None  # "none": no tools in the prompt (SERVING.md, "Tools")
+    p.parallel_tool_calls = _get_bool(body, "parallel_tool_calls") is not False
+    p.chat_template_kwargs = _get_template_kwargs(body)
     return p
