@@ -4,9 +4,10 @@ parses and validates, and the host's time filling grammar masks per round.
 The same chat prompts (asking for a JSON object) run as B sequences at once through a speculative engine with
 masked rounds (`EngineConfig.structured_outputs`): unconstrained, then under a JSON schema (bounded strings, so
 that a small model's document ends within max_tokens), greedy and sampled. Reported per setting: mean acceptance
-length and the rate at each draft position, the fraction of outputs that parse and validate, output tokens per
-second, and milliseconds of mask filling per round (engine.runner.Runner.mask_seconds). The acceptance and
-validity figures mean something only for a trained pair (the demo pair by default); timings need the GPU.
+length and the rate at each draft position, the fraction of outputs the model ended (not cut by max_tokens) and of
+those the fraction that parse and validate, output tokens per second, and milliseconds of mask filling per round
+(engine.runner.Runner.mask_seconds). The acceptance and validity figures mean something only for a trained pair
+(the demo pair by default); timings need the GPU.
 
     python benchmarks/bench_structured.py [--ckpt demo --assistant demo] [--batch 1 16] [--out structured.json]
 """
@@ -45,8 +46,10 @@ def run(engine: Engine, tokenizer, prompts: list[list[int]], grammar, temperatur
     seconds = time.perf_counter() - t0
     rounds = [n for r in reqs for n in r.accepted_per_round]
     k = engine.k
-    valid = 0
+    valid, stopped = 0, sum(r.finish_reason == "stop" for r in reqs)
     for r in reqs:
+        if r.finish_reason != "stop":  # cut by max_tokens: no grammar makes a truncated document parse
+            continue
         try:
             jsonschema.validate(json.loads(tokenizer.decode([t for t in r.output if t not in engine.eos_ids])),
                                 SCHEMA)
@@ -55,7 +58,8 @@ def run(engine: Engine, tokenizer, prompts: list[list[int]], grammar, temperatur
             pass
     return {"mean_acceptance_length": float(np.mean(rounds) + 1) if rounds else None,
             "rate_per_position": [float(np.mean([n > j for n in rounds])) for j in range(k)] if rounds else [],
-            "valid": valid / len(reqs), "output_tokens_per_s": sum(len(r.output) for r in reqs) / seconds,
+            "stopped": stopped / len(reqs), "valid_of_stopped": valid / max(1, stopped),
+            "output_tokens_per_s": sum(len(r.output) for r in reqs) / seconds,
             "mask_ms_per_round": 1e3 * (engine.runner.mask_seconds - mask0) / max(1, len(rounds) // len(reqs))}
 
 

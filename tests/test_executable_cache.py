@@ -93,16 +93,17 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
     shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
     assert shapes_only(shapes[0].params) and shapes_only(shapes[1].params)
     ahead = compile_ahead(shapes[0], _config(tmp_path / "ahead"), shapes[1])
-    assert len(ahead) == 3 and len(list((tmp_path / "ahead").glob("*.jaxexec"))) == 3
+    # prefill and the speculative round's three variants (greedy, sampled, processed)
+    assert len(ahead) == 4 and len(list((tmp_path / "ahead").glob("*.jaxexec"))) == 4
     assert compile_ahead(shapes[0], _config(None, executable_cache_dir=None), shapes[1]) == {}  # nowhere to keep them
 
     real_jit = CompiledSteps._jit
     monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
     handed = Engine(target, _config(tmp_path / "elsewhere"), assistant=assistant, compiled_ahead=ahead)
-    assert sorted(handed.programs.restored) == sorted(handed.compile_times) and len(handed.compile_times) == 3
+    assert sorted(handed.programs.restored) == sorted(handed.compile_times) and len(handed.compile_times) == 4
     assert _tokens(handed) == want
     found = Engine(target, _config(tmp_path / "ahead"), assistant=assistant)
-    assert sorted(found.programs.restored) == sorted(found.compile_times) and len(found.compile_times) == 3
+    assert sorted(found.programs.restored) == sorted(found.compile_times) and len(found.compile_times) == 4
     assert _tokens(found) == want
 
 
@@ -149,12 +150,12 @@ def test_untuned_programs_compiled_ahead_are_replaced_and_only_tuned_ones_stored
     shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
     config = _config(tmp_path, compile_in_background=True, max_num_seqs=1, min_batch_bucket=1)
     ahead = compile_ahead(shapes[0], config, shapes[1])
-    assert len(ahead) == 3 and list(tmp_path.glob("*.jaxexec")) == []
+    assert len(ahead) == 4 and list(tmp_path.glob("*.jaxexec")) == []
     engine = Engine(target, config, assistant=assistant, compiled_ahead=ahead)
     try:
-        assert len(engine.programs.untuned) == 3
+        assert len(engine.programs.untuned) == 4
         assert engine.programs.wait(300) and engine.programs.untuned == set()
-        assert len(list(tmp_path.glob("*.jaxexec"))) == 3 and all(engine.programs.by_key[k] is not ahead[k] for k in ahead)
+        assert len(list(tmp_path.glob("*.jaxexec"))) == 4 and all(engine.programs.by_key[k] is not ahead[k] for k in ahead)
     finally:
         engine.close()
 

@@ -50,7 +50,7 @@ def srv(paths):
     t0 = time.time()
     s = InProcessServer(server_argv(tdir, adir, cache, "--header-timeout-seconds", str(HEADER_TIMEOUT),
                                     "--body-timeout-seconds", str(BODY_TIMEOUT), "--max-messages", str(MAX_MESSAGES),
-                                    "--max-request-size", "8MiB"))
+                                    "--max-request-size", "8MiB", "--enable-prompt-logprobs"))
     print(f"\n[test_server] server up in {time.time() - t0:.1f}s at {s.url}")
     yield s
     s.close()
@@ -322,6 +322,73 @@ def test_logprobs_are_the_targets_and_go_with_the_tokens(client):
         assert e.top_logprobs[0].logprob == e.logprob and [t.logprob for t in e.top_logprobs] == sorted(
             (t.logprob for t in e.top_logprobs), reverse=True)
         assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-5
+
+
+def test_structured_output_holds_with_speculation(client, srv):
+    """Grammars through the speculative engine's masked rounds (--structured-outputs, on by default): a choice ends
+    as one of the choices, a regex's output matches it, streamed and not; a JSON schema's output parses and
+    validates whenever the model ended it; greedy output under a grammar is the plain engine's under the same
+    grammar token for token (the verify masks every position as a decode step would); a schema that cannot compile
+    is a 400 naming the field."""
+    import json
+    import re
+
+    import jsonschema
+    import openai
+
+    from gemma4_mtp_jax.engine import Engine, EngineConfig
+    from gemma4_mtp_jax.engine.grammar import GrammarSpec
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+
+    def ask(body, **kw):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, extra_body=body, **kw)
+        return r.choices[0]
+
+    for seed in range(3):
+        c = ask({"structured_outputs": {"choice": ["red", "green", "blue"]}}, temperature=1.0, seed=seed)
+        assert c.text in ("red", "green", "blue") and c.finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[a-c]{5}"}, "return_token_ids": True})
+    c = r.choices[0]
+    assert re.fullmatch("[a-c]{5}", c.text), c.text
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=40, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"regex": "[a-c]{5}"}}) if ch.choices)
+    assert streamed == c.text
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    js = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                        max_tokens=100, temperature=0.7, seed=4,
+                                        response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "t", "schema": schema}})
+    if js.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+    # The same grammar, greedy, on a plain engine over the server's target
+    engine = srv.server.engine.engine
+    assert engine.k > 0 and engine.config.structured_outputs
+    plain = Engine(engine.target, EngineConfig(max_num_seqs=2, max_model_len=128, prefill_chunk=64, page_size=16))
+    grammar = srv.server.grammars.compile(GrammarSpec("regex", "[a-c]{5}"))
+    req = plain.add_request(_extra(r, "prompt_token_ids"), 40, SamplingParams(), grammar=grammar.matcher())
+    plain.run()
+    assert req.output == _extra(c, "token_ids")
+    with pytest.raises(openai.BadRequestError) as e:
+        ask({"structured_outputs": {"regex": "(unclosed"}})
+    assert e.value.body["param"] == "structured_outputs"
+
+
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """Completions' echo with logprobs (--enable-prompt-logprobs): the prompt's tokens come first, the first with a
+    null logprob, each later one with its logprob among its top alternatives; then the output's."""
+    r = client.completions.create(model=MODEL, prompt="The cat sat on the mat", max_tokens=3, temperature=0,
+                                  logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3 and c.text.startswith("The cat sat on the mat")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for token, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert chosen <= 0 and top[token] == chosen and len(top) <= 3
+    assert lp.text_offset == sorted(lp.text_offset)
 
 
 def test_penalties_and_logit_shaping_reach_the_engine(client, tok):
@@ -900,10 +967,10 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
     elif where == "engine-take":
         real_take = engine._take
 
-        def take(req, result, now, speculative_round):
+        def take(req, result, now, positions):
             if hit(req):  # the fault strikes inside `_take`, where the engine records a step's tokens
                 req.output = _ExplodingOutput(req.output)
-            return real_take(req, result, now, speculative_round)
+            return real_take(req, result, now, positions)
 
         monkeypatch.setattr(engine, "_take", take)
     elif where == "engine-thread-deliver":
@@ -918,8 +985,8 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
         monkeypatch.setattr(aengine, "_count_speculation", count_speculation)
     else:
         class FaultyText(app_module.TextStream):
-            def __init__(self, tokenizer, prompt_ids=(), stop=()):
-                super().__init__(tokenizer, prompt_ids, stop)
+            def __init__(self, tokenizer, prompt_ids=(), stop=(), *rest):
+                super().__init__(tokenizer, prompt_ids, stop, *rest)
                 self.victim = list(prompt_ids) == victim_ids
 
             def push(self, tokens, skip_text=()):
@@ -1098,6 +1165,7 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
     try:
         server, _ = create_server(argv)
         engine = server.engine.engine
-        assert sorted(engine.programs.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 3
+        # prefill, the speculative round's three variants, and structured output's draft and masked verify
+        assert sorted(engine.programs.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 6
     finally:
         restore()

@@ -207,7 +207,8 @@ class Engine:
         """Queue a request. `after`: another request of the same prompt (n > 1: the choices after the first),
         admitted before this one; this one waits until `after`'s prompt is prefilled, then finds the prompt's
         full pages in the prefix cache (prefilled once, pages shared). `grammar`: a fresh matcher
-        (engine/grammar.py) every output token must satisfy; such a request does not speculate."""
+        (engine/grammar.py) every output token must satisfy; such a request speculates only on an engine with
+        masked rounds (EngineConfig.structured_outputs)."""
         V = self.target.config.vocab_size
         prompt = [int(t) for t in prompt]
         if not prompt:

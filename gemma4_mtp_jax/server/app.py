@@ -46,6 +46,7 @@ from gemma4_mtp_jax.server.metrics import Metrics
 from gemma4_mtp_jax.server.logprobs import TokenPieces
 from gemma4_mtp_jax.server.prepare import Prepared, RequestPreparer, ServerSettings
 from gemma4_mtp_jax.server.protocol import GenerationParams
+from gemma4_mtp_jax.server.structured import compile_structured, grammar_compiler
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 
 log = logging.getLogger("gemma4_mtp_jax.server")
@@ -86,6 +87,9 @@ class OpenAIServer:
         self.preparer = RequestPreparer(settings, tokenizer)
         self.token_pieces = TokenPieces(tokenizer)  # token strings and bytes for logprobs, cached
         self.output_parsers = OutputParsers.select(tokenizer, settings.tool_call_parser, settings.reasoning_parser)
+        # Structured output's grammars for this tokenizer (its vocabulary indexed once, here: it holds the GIL).
+        self.grammars = None if tokenizer is None else grammar_compiler(tokenizer.tokenizer.to_str(),
+                                                                        settings.vocab_size, self.eos_ids)
         metrics.spec_tokens.set(settings.num_speculative_tokens)
         self.routes = Starlette(
             routes=[
@@ -113,6 +117,8 @@ class OpenAIServer:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.engine.stop)
             await loop.run_in_executor(None, self.preparer.close)
+            if self.grammars is not None:
+                self.grammars.shutdown()
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests (503); abort those still running after `grace_s` seconds. Signal-handler safe."""
@@ -197,6 +203,8 @@ class OpenAIServer:
         seed = p.seed if p.seed is not None else secrets.randbits(32)
         # best_of > n ranks the choices by their logprobs: the engine computes them even when not asked for.
         logprobs = 0 if p.logprobs is None and p.best_of > p.n else p.logprobs
+        # echo with logprobs: the prompt's, computed by the first choice's prefill
+        prompt_logprobs = p.logprobs if p.echo and p.logprobs is not None else None
         # protocol.py and prepare.py checked every field against what SamplingParams takes; the server's defaults
         # come from the checkpoint's generation_config, and a bad one there is not the client's fault (500, logged).
         top_k = s.default_top_k if p.top_k is None else p.top_k
@@ -207,7 +215,20 @@ class OpenAIServer:
             logit_bias=tuple(sorted(p.logit_bias.items())), min_tokens=p.min_tokens,
             allowed_token_ids=None if p.allowed_token_ids is None else tuple(sorted(p.allowed_token_ids)),
             bad_token_ids=prepared.bad_token_ids, logprobs=logprobs)
-        return [base] + [dataclasses.replace(base, seed=choice_seed(seed, i)) for i in range(1, p.best_of)]
+        return [dataclasses.replace(base, prompt_logprobs=prompt_logprobs)] + [
+            dataclasses.replace(base, seed=choice_seed(seed, i)) for i in range(1, p.best_of)]
+
+    async def _grammars(self, p: GenerationParams, choices: int) -> list[Any] | None:
+        """Each choice's grammar matcher for a request with structured output (compiled off the event loop, in the
+        compiler's threads, within a time limit: structured.compile_structured), or None."""
+        if p.structured is None:
+            return None
+        if self.grammars is None:
+            raise bad_request(f"'{p.structured.param}' needs the checkpoint's tokenizer, which this server has not",
+                              p.structured.param)
+        compiled = await compile_structured(self.grammars, p.structured)
+        self.metrics.structured_requests.inc()
+        return [compiled.matcher() for _ in range(choices)]
 
     def _stop_ids(self, p: GenerationParams) -> frozenset[int] | None:
         """The token ids that end the request: the model's EOS (unless ignore_eos) and `stop_token_ids`; None: the
@@ -235,9 +256,13 @@ class OpenAIServer:
             prepared = await self.preparer.prepare(await self._read_body(request), kind)
             params, prompt_ids = prepared.params, prepared.prompt_ids
             stop_ids = self._stop_ids(params)
+            if params.echo and params.logprobs is not None and not self.settings.prompt_logprobs:
+                raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs: this server was started "
+                                  "without --enable-prompt-logprobs", "echo", "unsupported_parameter")
             samplings = self._samplings(prepared)
+            grammars = await self._grammars(params, len(samplings))
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-            streams = await self.engine.submit(prompt_ids, prepared.max_tokens, samplings, stop_ids, rid)
+            streams = await self.engine.submit(prompt_ids, prepared.max_tokens, samplings, stop_ids, rid, grammars)
         except APIError as e:
             return self._rejected(endpoint, e)
         except QueueFull as e:

@@ -65,7 +65,8 @@ class RequestStream:
     """The handler's side of one request: `async for delta in stream.deltas()` until the final one."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
-                 sampling: SamplingParams, stop_ids: frozenset[int] | None, after: "RequestStream | None" = None):
+                 sampling: SamplingParams, stop_ids: frozenset[int] | None, after: "RequestStream | None" = None,
+                 grammar: Any = None):
         self.id = request_id
         self.loop = loop
         self.prompt = prompt
@@ -73,6 +74,7 @@ class RequestStream:
         self.sampling = sampling
         self.stop_ids = stop_ids
         self.after = after  # a sibling choice's stream: the engine admits this one once that one's prompt is in
+        self.grammar = grammar  # structured output: its own grammar matcher (engine/grammar.py), or None
         self.arrival = time.perf_counter()
         self.request: Request | None = None  # the engine's Request, once added (engine thread)
         self.owner: AsyncEngine | None = None  # the engine serving it
@@ -167,10 +169,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event loop
     async def submit(self, prompt: list[int], max_tokens: int, samplings: Sequence[SamplingParams],
-                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> list[RequestStream]:
+                     stop_ids: frozenset[int] | None = None, request_id: str | None = None,
+                     grammars: Sequence[Any] | None = None) -> list[RequestStream]:
         """Queue one request per SamplingParams (the choices of one prompt), all or none; returns once the engine
-        took them. Their ids: `request_id`, or `request_id-i` for several. Raises QueueFull, ShuttingDown,
-        RequestError."""
+        took them. Their ids: `request_id`, or `request_id-i` for several. `grammars`: each choice's grammar
+        matcher (structured output). Raises QueueFull, ShuttingDown, RequestError."""
         if self.draining or not self.alive:
             raise ShuttingDown("the server is shutting down" if self.draining else "the engine is not running")
         loop = asyncio.get_running_loop()
@@ -182,7 +185,8 @@ class AsyncEngine:
                 raise QueueFull(self.retry_after(), n)
             for i, sampling in enumerate(samplings):
                 stream = RequestStream(rid if len(samplings) == 1 else f"{rid}-{i}", loop, prompt, max_tokens,
-                                       sampling, stop_ids, after=streams[0] if streams else None)
+                                       sampling, stop_ids, after=streams[0] if streams else None,
+                                       grammar=None if grammars is None else grammars[i])
                 stream.owner = self
                 self._active[stream.id] = stream
                 streams.append(stream)
@@ -254,7 +258,7 @@ class AsyncEngine:
         try:
             after = None if stream.after is None else stream.after.request
             req = self.engine.add_request(stream.prompt, stream.max_tokens, stream.sampling, stream.stop_ids,
-                                          request_id=stream.id, after=after)
+                                          request_id=stream.id, after=after, grammar=stream.grammar)
         except (RequestError, ValueError) as e:
             self._forget(stream)
             stream._closed = True
@@ -446,8 +450,9 @@ class Replicas:
         (stream.owner or self.replicas[0]).cancel(stream)
 
     async def submit(self, prompt: list[int], max_tokens: int, samplings: Sequence[SamplingParams],
-                     stop_ids: frozenset[int] | None = None, request_id: str | None = None) -> list[RequestStream]:
+                     stop_ids: frozenset[int] | None = None, request_id: str | None = None,
+                     grammars: Sequence[Any] | None = None) -> list[RequestStream]:
         """To the least-loaded replica (ties: the lowest index), every choice to the same one (they share the
         prompt's pages). Raises as AsyncEngine.submit."""
         replica = min(self.replicas, key=lambda r: r.in_flight)
-        return await replica.submit(prompt, max_tokens, samplings, stop_ids, request_id)
+        return await replica.submit(prompt, max_tokens, samplings, stop_ids, request_id, grammars)

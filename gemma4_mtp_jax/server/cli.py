@@ -85,7 +85,9 @@ def _engine_config(args: argparse.Namespace, target_dir: Path, speculative: bool
                       enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
                       compile_in_background=args.compile_in_background,
                       tensor_parallel_size=args.tensor_parallel_size, pack_params=args.pack_params,
-                      executable_cache_dir=_executable_cache_dir(args.executable_cache_dir))
+                      executable_cache_dir=_executable_cache_dir(args.executable_cache_dir),
+                      structured_outputs=speculative and args.structured_outputs,
+                      prompt_logprobs=args.enable_prompt_logprobs)
     if speculative:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
     elif args.num_speculative_tokens:
@@ -263,6 +265,7 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         num_speculative_tokens=engine.k,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        prompt_logprobs=config.prompt_logprobs,
         **{k: v for k, v in limits.items() if v is not None},  # flags not given: ServerSettings' defaults
     )
     metrics = Metrics(name)

@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share the K/V of full pages between requests with the same tokens up to that page (a "
                         "chat's earlier turns, a common system prompt); free when unused, since only pages that "
                         "would otherwise sit free stay cached (default: on)")
+    e.add_argument("--structured-outputs", action=argparse.BooleanOptionalAction, default=True,
+                   help="with an assistant, speculate for requests with a grammar (response_format json_schema / "
+                        "json_object, structured_outputs, a forced tool_choice): two more programs per batch bucket, "
+                        "the drafts alone and their verify under the grammar's masks; --no-structured-outputs: such "
+                        "requests are served without drafts (default: on)")
+    e.add_argument("--enable-prompt-logprobs", action="store_true",
+                   help="answer completions' echo with logprobs (each prompt token's logprob, as evaluation "
+                        "harnesses score text): one more program per prefill bucket (default: off; such a request "
+                        "gets 400)")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch each engine step before reading the previous one's tokens, so the device never "
                         "waits for the host between steps (default: on)")

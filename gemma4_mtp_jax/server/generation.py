@@ -233,7 +233,17 @@ class Generation:
             return None
         if self.params.kind == "chat":
             return chat_logprobs(entries, self.server.token_pieces)
-        return completion_logprobs(entries, self.server.token_pieces, len(self.echo))
+        return completion_logprobs(entries, self.server.token_pieces, len(self.echo), self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[tuple[int, int, Any]] | None:
+        """An echoed prompt's (token, where its text starts, logprob), the logprobs from the first choice's engine
+        request (its prefill computed them: SamplingParams.prompt_logprobs), in a whole answer; None otherwise."""
+        req = self.choices[0].stream.request
+        if not (self.echo and self.params.logprobs is not None and not self.params.stream and req is not None):
+            return None
+        text = TextStream(self.server.tokenizer)
+        text.push(self.prompt_ids)
+        return list(zip(self.prompt_ids, text.offsets, [None] + list(req.prompt_logprobs)))
 
     async def full_response(self) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in self.choices]

@@ -76,17 +76,28 @@ def chat_logprobs(entries: list[TokenEntry], pieces: TokenPieces) -> dict[str, A
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenEntry], pieces: TokenPieces, base: int = 0) -> dict[str, Any]:
+def completion_logprobs(entries: list[TokenEntry], pieces: TokenPieces, base: int = 0,
+                        prompt: list[TokenEntry | tuple[int, int, None]] | None = None) -> dict[str, Any]:
     """The completions API's `logprobs` object for these tokens; `text_offset` counts from the start of the choice's
     text, `base` characters of echoed prompt included. `top_logprobs` holds the top tokens and the chosen one (up to
-    logprobs + 1 entries, as OpenAI documents)."""
+    logprobs + 1 entries, as OpenAI documents). `prompt`: an echoed prompt's entries first (its first token has no
+    logprob: null, as OpenAI sends it)."""
+    def top(text: str, lp: TokenLogprob) -> dict[str, float]:
+        out = {pieces(t)[0]: _finite(v) for t, v in lp.top}
+        out.setdefault(text, _finite(lp.logprob))
+        return out
+
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token, offset, lp in prompt or ():
+        text = pieces(token)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        token_logprobs.append(None if lp is None else _finite(lp.logprob))
+        top_logprobs.append(None if lp is None else top(text, lp))
     for e in entries:
         text = pieces(e.token)[0]
         tokens.append(text)
         token_logprobs.append(_finite(e.logprob.logprob))
-        top = {pieces(t)[0]: _finite(lp) for t, lp in e.logprob.top}
-        top.setdefault(text, _finite(e.logprob.logprob))
-        top_logprobs.append(top)
+        top_logprobs.append(top(text, e.logprob))
         offsets.append(base + e.offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

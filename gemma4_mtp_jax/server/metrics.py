@@ -71,6 +71,9 @@ class Metrics:
                                           "tool calls (tools given, tool_choice auto)", registry=r)
         self.tool_call_responses = Counter(f"{p}_tool_call_responses", "Chat choices answered with tool calls",
                                            registry=r)
+        self.structured_requests = Counter(f"{p}_structured_output_requests", "Requests whose output a grammar "
+                                           "constrains (response_format, structured_outputs, a forced tool_choice)",
+                                           registry=r)
         self.engine_steps = Counter(f"{p}_engine_steps", "Engine steps run", registry=r)
         self.engine_errors = Counter(f"{p}_engine_errors", "Engine steps that raised (their requests failed)",
                                      registry=r)

@@ -57,6 +57,7 @@ class ServerSettings:
     num_speculative_tokens: int = 0
     tool_call_parser: str = "auto"  # --tool-call-parser: auto, gemma4 or none (chat_output.py)
     reasoning_parser: str = "auto"  # --reasoning-parser
+    prompt_logprobs: bool = False  # --enable-prompt-logprobs: the engine computes prompt logprobs (echo + logprobs)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 

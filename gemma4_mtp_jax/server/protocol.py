@@ -29,6 +29,8 @@ from gemma4_mtp_jax.model.sampling import (
 )
 from gemma4_mtp_jax.server.chat import TEMPLATE_GLOBALS
 from gemma4_mtp_jax.server.errors import bad_request
+from gemma4_mtp_jax.server.structured import StructuredOutput, parse_structured_output
+from gemma4_mtp_jax.server.tool_calls import forced_tool_calls
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 
 MAX_STOP_STRINGS = 16
@@ -78,6 +80,8 @@ class GenerationParams:
     allowed_token_ids: list[int] | None = None  # extension (as in vLLM): sample only among these
     bad_words: list[str] = dataclasses.field(default_factory=list)  # extension (as in vLLM): never these words
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # extension (as in vLLM): stop at these too
+    # The output's grammar: response_format, vLLM's structured_outputs, or a forced tool_choice (structured.py)
+    structured: StructuredOutput | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -332,8 +336,6 @@ _UNSUPPORTED_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
 _UNSUPPORTED_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_empty, "functions (deprecated) are not supported: use 'tools'"),
     "function_call": (_is_default("none", "auto"), "function_call (deprecated) is not supported: use 'tool_choice'"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only response_format {\"type\": \"text\"} is "
-                                                                        "supported"),
     "store": (_is_default(False), "store is not supported"),
     "audio": (_empty, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
@@ -343,7 +345,8 @@ _IGNORED = {"user", "metadata", "service_tier"}  # accepted and ignored (they ch
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "return_token_ids", "ignore_eos", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "min_p", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words", "stop_token_ids"}
+           "min_p", "logit_bias", "min_tokens", "allowed_token_ids", "bad_words", "stop_token_ids",
+           "response_format", "structured_outputs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "logprobs", "echo"} | set(_UNSUPPORTED_COMPLETION) | _IGNORED
 _CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                           "parallel_tool_calls", "chat_template_kwargs"} | set(_UNSUPPORTED_CHAT) | _IGNORED)
@@ -411,6 +414,10 @@ def _common(body: dict, kind: str) -> GenerationParams:
     )
     _get_choices(body, p)
     _get_shaping(body, p)
+    p.structured = parse_structured_output(body)
+    if p.structured is not None and p.ignore_eos:
+        raise bad_request(f"'ignore_eos' with '{p.structured.param}': a complete output may only end, so it would "
+                          f"repeat the end-of-sequence token up to max_tokens", "ignore_eos")
     return p
 
 
@@ -419,9 +426,9 @@ def parse_completion(body: dict) -> GenerationParams:
     p = _common(body, "completion")
     p.logprobs = _get_int(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     p.echo = _get_bool(body, "echo") or False
-    if p.echo and p.logprobs is not None:
-        raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which this server does not compute "
-                          "yet: ask for one or the other", "echo", "unsupported_parameter")
+    if p.echo and p.logprobs is not None and p.stream:
+        raise bad_request("'echo' with 'logprobs' (the prompt's logprobs) is answered whole, not streamed",
+                          "echo", "unsupported_parameter")
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
     prompt = body["prompt"]
@@ -694,12 +701,11 @@ def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> Generati
     p.tool_choice = _get_tool_choice(body, tools)
     if p.tool_choice == "required" and not tools:
         raise bad_request("'tool_choice' \"required\" needs 'tools'", "tool_choice")
-    if p.tool_choice not in ("auto", "none"):
-        # Forcing a call takes the grammar engine (tool_calls.forced_tool_calls gives the grammar); until the
-        # server passes grammars to the engine, a forced choice is refused rather than not kept.
-        raise bad_request(f"'tool_choice' {show_json(body['tool_choice'], 80)} is not supported yet (forcing a call "
-                          f"needs constrained decoding); use \"auto\"", "tool_choice", "unsupported_parameter")
     p.tools = tools if p.tool_choice != "none" else None  # "none": no tools in the prompt (SERVING.md, "Tools")
     p.parallel_tool_calls = _get_bool(body, "parallel_tool_calls") is not False
+    if p.tool_choice not in ("auto", "none"):  # "required" or a named function: the grammar engine forces the call
+        if p.structured is not None:
+            raise bad_request(f"give a forced 'tool_choice' or '{p.structured.param}', not both", "tool_choice")
+        p.structured = forced_tool_calls(tools, p.tool_choice, p.parallel_tool_calls)
     p.chat_template_kwargs = _get_template_kwargs(body)
     return p
