@@ -193,7 +193,8 @@ def test_donation_check_can_fail(engines):
     engine = engines("e2b")
     steps = engine.steps
     params, _, state, packed = steps._abstract_args(2)
-    plain = jax.jit(functools.partial(steps._decode_fn, sampled=False, processed=False)).lower(params, state, packed).compile()
+    fn = functools.partial(steps._decode_fn, sampled=False, processed=False)
+    plain = jax.jit(fn).lower(params, state, packed).compile()
     assert plain.memory_analysis().alias_size_in_bytes == 0
     from testenv import hlo_outputs_of_their_own
 

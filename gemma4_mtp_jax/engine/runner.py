@@ -16,6 +16,7 @@ import numpy as np
 
 from gemma4_mtp_jax.steps.device_state import (DeviceState, PrefillRows, ProcessingRows, StepInputs, StepRows,
                                                 unpack_logprobs)
+from gemma4_mtp_jax.engine.grammar import RoundMasks
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.request import Request, TokenLogprob
 from gemma4_mtp_jax.model.kv_state import NULL_PAGE
@@ -86,6 +87,7 @@ class Runner:
         self.pad_slot = num_slots  # padding rows use the spare last slot
         self.in_flight: Dispatched | None = None
         self.mask_seconds = 0.0  # host time spent filling grammar masks (structured output), in all
+        self._round_masks: RoundMasks | None = None
 
     def in_flight_members(self) -> frozenset[Request]:
         return frozenset() if self.in_flight is None else self.in_flight.members
@@ -192,11 +194,15 @@ class Runner:
         words = len(rows[0].req.allowed_row)
         B = inputs.rows.slot.shape[0]
         processing = ProcessingRows.stack([row.processing_row() for row in rows], B, (0, k + 1, words))
-        processing.mask[:] = -1
         t0 = time.perf_counter()
-        for r, row in enumerate(rows):
-            if row.req.grammar is not None:
-                row.req.grammar.fill_draft_masks(drafts[r].tolist(), processing.mask[r])
+        with_grammar = [r for r, row in enumerate(rows) if row.req.grammar is not None]
+        masks = np.full((len(with_grammar), k + 1, words), -1, np.int32)
+        if self._round_masks is None:  # llguidance's thread pool, made for the first masked round
+            self._round_masks = RoundMasks()
+        self._round_masks.fill([rows[r].req.grammar for r in with_grammar],
+                               [drafts[r].tolist() for r in with_grammar], masks)
+        processing.mask[:] = -1
+        processing.mask[with_grammar] = masks
         self.mask_seconds += time.perf_counter() - t0
         self.state, packed = programs.verify(self.state, inputs.replace(processing=processing), drafted, q, q_ids)
         return packed

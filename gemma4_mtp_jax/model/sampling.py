@@ -212,10 +212,10 @@ def process_logits(logits: Array, rows: Any, history: Any, stop_ids: Array, posi
     """A request's processing of its logits at T consecutive positions. logits [B, T, V] float32; `rows` a
     ProcessingRows (penalties, bias, min_tokens, prompt_len per row); `history` a device_state.History: counts
     [B, V] int32, the request's output tokens before the first position's input, seen [B, V], its prompt's tokens,
-    and allowed [B, V], the tokens it may emit; stop_ids [B, S] (-1 = none): what min_tokens bans; positions [B, T]: where each
-    position's input token sits (the sampled token goes at position + 1); inputs [B, T]: those input tokens, which
-    are output tokens and count before their position is processed (None: nothing new counts, as for a prompt's
-    last token at the end of a prefill).
+    and allowed [B, V], the tokens it may emit; stop_ids [B, S] (-1 = none): what min_tokens bans; positions [B, T]:
+    where each position's input token sits (the sampled token goes at position + 1); inputs [B, T]: those input
+    tokens, which are output tokens and count before their position is processed (None: nothing new counts, as for
+    a prompt's last token at the end of a prefill).
 
     In vLLM's order: allowed tokens (and at the first M positions the grammar's: `rows.mask`, bitmasks [B, M, W]),
     logit bias, min_tokens, then the repetition penalty (prompt and output tokens) and the frequency and presence

@@ -100,8 +100,8 @@ class TextStream:
 
     `offsets[i]`: where token i's text starts in the text (a token that ends inside a character: where that
     character starts); `emitted`: the characters returned so far. A token whose text has begun to be returned is
-    `shown`. `shown_special_ids`: special tokens whose text is kept (the markers an output parser reads); every other special
-    token is dropped, as always."""
+    `shown`. `shown_special_ids`: special tokens whose text is kept (the markers an output parser reads); every other
+    special token is dropped, as always."""
 
     def __init__(self, tokenizer: _Tokenizer | None, prompt_ids: Sequence[int] = (), stop: Iterable[str] = (),
                  shown_special_ids: frozenset[int] = frozenset()):

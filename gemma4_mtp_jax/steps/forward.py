@@ -94,8 +94,9 @@ def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: His
     """One prompt chunk per row (`inputs.rows`: PrefillRows). Writes its K/V and samples from the logits at
     `last_index` (the row's last real token; only meaningful on a prompt's final chunk), processed with the rows'
     `history` (device_state.prefill_history). Returns (pages, token [B], hidden at last [B, H], the token's logprob
-    columns, and for a `spec.scored` prefill then the chunk's `prompt_logprobs` columns). Prefill always takes the processed sampling path: one row's processing and draw are cheap next to a
-    chunk's forward, and one variant per bucket keeps start-up short."""
+    columns, and for a `spec.scored` prefill then the chunk's `prompt_logprobs` columns). Prefill always takes the
+    processed sampling path: one row's processing and draw are cheap next to a chunk's forward, and one variant per
+    bucket keeps start-up short."""
     rows = inputs.rows
     hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables)
     b = jnp.arange(rows.tokens.shape[0])
