@@ -38,14 +38,16 @@ class Row:
     fresh: bool = False
     token: np.int32 = np.int32(0)
     length: np.int32 = np.int32(-1)
+    # With a grammar: the tokens it allows next, [1, ceil(V/32)] int32 (filled when the row is built, so that a
+    # grammar that fails fails its request alone)
+    mask: np.ndarray | None = None
 
     def processing_row(self, prefill: bool = False) -> dict[str, Any]:
         """Its ProcessingRows values: the allowed-token mask (a prefill's alone), and what its grammar allows next
         (filled now: the tokens before are known)."""
         row = self.req.sampling.processing_row(len(self.req.prompt))
-        if self.req.grammar is not None:
-            row["mask"] = np.empty((1, *self.req.allowed_row.shape), np.int32)
-            self.req.grammar.fill_mask(row["mask"][0])
+        if self.mask is not None:
+            row["mask"] = self.mask
         return {**row, "allowed": self.req.allowed_row} if prefill else row
 
     def step_row(self, masked_rounds: bool = False) -> dict[str, Any]:
@@ -97,6 +99,11 @@ class Runner:
                   np.int32(req.max_new_tokens - len(req.output)))
         if req.decoding and not req.on_device:
             row.fresh, row.token, row.length = True, np.int32(req.output[-1]), np.int32(req.num_tokens - 1)
+        if req.grammar is not None:
+            t0 = time.perf_counter()
+            row.mask = np.empty((1, *req.allowed_row.shape), np.int32)
+            req.grammar.fill_mask(row.mask[0])
+            self.mask_seconds += time.perf_counter() - t0
         return row
 
     def rows(self, reqs: list[Request]) -> tuple[list[Row], list[tuple[Request, Exception]]]:
@@ -175,11 +182,8 @@ class Runner:
         B = bucket(self.programs.buckets()[0], len(rows))
         processing = None
         if processed:
-            t0 = time.perf_counter()
             processing = ProcessingRows.stack([row.processing_row() for row in rows], B,
                                               (0, 1, len(rows[0].req.allowed_row)))
-            if any(row.req.grammar is not None for row in rows):
-                self.mask_seconds += time.perf_counter() - t0
         step_rows = StepRows.stack([row.step_row(masked_rounds) for row in rows], B, slot=self.pad_slot)
         return self._batch(rows, B, step_rows, processing)
 
