@@ -50,7 +50,8 @@ def srv(paths):
     t0 = time.time()
     s = InProcessServer(server_argv(tdir, adir, cache, "--header-timeout-seconds", str(HEADER_TIMEOUT),
                                     "--body-timeout-seconds", str(BODY_TIMEOUT), "--max-messages", str(MAX_MESSAGES),
-                                    "--max-request-size", "8MiB", "--enable-prompt-logprobs"))
+                                    "--max-request-size", "8MiB", "--enable-prompt-logprobs",
+                                    "--structured-outputs"))
     print(f"\n[test_server] server up in {time.time() - t0:.1f}s at {s.url}")
     yield s
     s.close()
@@ -523,7 +524,7 @@ BAD_REQUESTS = [
     ("best-of-below-n", "POST", C, {**_GOOD, "n": 3, "best_of": 2}, 400, "best_of"),
     ("best-of-streamed", "POST", C, {**_GOOD, "best_of": 2, "stream": True}, 400, "best_of"),
     ("logprobs-21", "POST", C, {**_GOOD, "logprobs": 21}, 400, "logprobs"),
-    ("echo-with-logprobs", "POST", C, {**_GOOD, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("echo-with-logprobs-streamed", "POST", C, {**_GOOD, "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),
     ("suffix", "POST", C, {**_GOOD, "suffix": "end"}, 400, "suffix"),
     ("presence-penalty-3", "POST", C, {**_GOOD, "presence_penalty": 3}, 400, "presence_penalty"),
     ("repetition-penalty-0", "POST", C, {**_GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -557,7 +558,12 @@ BAD_REQUESTS = [
     ("chat-top-logprobs-without-logprobs", "POST", CH, {**_CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
     ("chat-n-0", "POST", CH, {**_CHAT, "n": 0}, 400, "n"),
     ("chat-best-of", "POST", CH, {**_CHAT, "best_of": 2}, 400, "best_of"),
-    ("chat-json-mode", "POST", CH, {**_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat-response-format-xml", "POST", CH, {**_CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("chat-json-schema-and-forced-tool", "POST", CH,
+     {**_CHAT, "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, 400, "tool_choice"),
+    ("ignore-eos-with-grammar", "POST", C, {**_GOOD, "ignore_eos": True, "structured_outputs": {"choice": ["a"]}},
+     400, "ignore_eos"),
     ("chat-too-long", "POST", CH, {**_CHAT, "messages": [{"role": "user", "content": "y" * 300}]}, 400, "messages"),
     ("chat-max-tokens-too-long", "POST", CH, {**_CHAT, "max_tokens": MAX_LEN}, 400, "max_tokens"),
     ("chat-conflicting-max", "POST", CH, {**_CHAT, "max_tokens": 3, "max_completion_tokens": 5}, 400,

@@ -414,7 +414,8 @@ class FakeEngine:
     def close(self):
         self.closed = True
 
-    def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None, after=None):
+    def add_request(self, prompt, max_new_tokens, sampling=None, stop_ids=None, request_id=None, after=None,
+                    grammar=None):
         self.stop_ids_asked = stop_ids
         req = self._Request(request_id, list(prompt), max_new_tokens, sampling,
                             self.eos_ids if stop_ids is None else stop_ids)
@@ -888,7 +889,7 @@ _BAD_NEW_FIELDS = [  # (endpoint kind or "both", the fields sent, the param the 
     ("completion", {"n": 3, "best_of": 2}, "best_of"), ("completion", {"best_of": 3, "stream": True}, "best_of"),
     ("completion", {"logprobs": -1}, "logprobs"), ("completion", {"logprobs": 21}, "logprobs"),
     ("completion", {"logprobs": True}, "logprobs"), ("completion", {"echo": "yes"}, "echo"),
-    ("completion", {"echo": True, "logprobs": 1}, "echo"),
+    ("completion", {"echo": True, "logprobs": 1, "stream": True}, "echo"),
     ("chat", {"logprobs": 1}, "logprobs"), ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("chat", {"top_logprobs": -1, "logprobs": True}, "top_logprobs"), ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"top_logprobs": 2, "logprobs": False}, "top_logprobs"), ("chat", {"best_of": 2}, "best_of"),
