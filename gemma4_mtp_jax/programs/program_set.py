@@ -21,6 +21,7 @@ import numpy as np
 
 from gemma4_mtp_jax.steps.device_state import DeviceState, StepInputs
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache, compile_for_cache, program_key
+from gemma4_mtp_jax.kernels.device_budget import on_gpu
 from gemma4_mtp_jax.programs.compiled import (VARIANTS, CompiledSteps, compile_lowered, compiler_options,
                                               quick_compiles)
 
@@ -116,7 +117,9 @@ class ProgramSet:
         until a tuned compile replaces them."""
         steps = self.steps
         progs = sorted(steps.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
-        threads = threads or min(len(progs), os.cpu_count() or 1)
+        # XLA:CPU compiling two programs at once segfaulted in the CPU suite (tests/test_speculative.py, an engine
+        # built while others were alive); the CPU's programs are small and its cores few: one at a time there.
+        threads = threads or (min(len(progs), os.cpu_count() or 1) if on_gpu() else 1)
         times: dict[str, float] = {}
         state_out = (steps.arrays.abstract_state(), 0)  # what most programs return: (state, its output array)
         outs = {p[0]: p[3]() if len(p) > 3 else state_out for p in progs}
