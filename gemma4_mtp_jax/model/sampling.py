@@ -14,6 +14,7 @@ Programs of the "processed" variant (`ProcessingBatch` among their inputs) run i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -104,6 +105,8 @@ class SamplingParams:
 
     def allowed_mask(self, vocab_size: int) -> np.ndarray:
         """The tokens it may emit as a bitmask [ceil(V/32)] int32 (bit j of word i: token 32i+j; bits past V 0)."""
+        if self.allowed_token_ids is None and not self.bad_token_ids:
+            return _every_token(vocab_size)  # most requests: built once per vocabulary, not per request
         allowed = np.zeros((mask_words(vocab_size) * 32,), bool)
         if self.allowed_token_ids is None:
             allowed[:vocab_size] = True
@@ -188,6 +191,16 @@ def filter_logits(logits: Array, top_k: Array, top_p: Array, min_p: Array | None
     # `benchmarks/bench_spec.py --models e2b --batch 16 --sampled`).
     kept = jnp.zeros((B, V), jnp.bool_).at[jnp.arange(B)[:, None], order].set(keep, unique_indices=True)
     return jnp.where(kept, logits, -jnp.inf)
+
+
+@functools.lru_cache(maxsize=4)
+def _every_token(vocab_size: int) -> np.ndarray:
+    """The bitmask of a whole vocabulary (read-only: shared by the requests that restrict nothing)."""
+    allowed = np.zeros((mask_words(vocab_size) * 32,), bool)
+    allowed[:vocab_size] = True
+    mask = pack_bits(allowed)
+    mask.setflags(write=False)
+    return mask
 
 
 def mask_words(vocab_size: int) -> int:
