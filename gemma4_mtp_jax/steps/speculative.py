@@ -233,9 +233,12 @@ def accept(drafts: Array, q: Array, q_ids: Array | None, target_logits: Array, s
         n = jnp.where(spec_on, n, 0)
         rows = jnp.arange(B)
         p_n = p[rows, n]
-        m = jnp.minimum(n, k - 1)
-        q_m = dense_q(q[rows, m], None if q_ids is None else q_ids[rows, m], p.shape[-1])
-        q_n = jnp.where((spec_on & (n < k))[:, None], q_m, 0.0)
+        if k == 0:  # no draft: the token comes from p alone
+            q_n = jnp.zeros_like(p_n)
+        else:
+            m = jnp.minimum(n, k - 1)
+            q_m = dense_q(q[rows, m], None if q_ids is None else q_ids[rows, m], p.shape[-1])
+            q_n = jnp.where((spec_on & (n < k))[:, None], q_m, 0.0)
         residual = jnp.maximum(p_n - q_n, 0.0)
         residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_n)
         bonus = jax.vmap(jax.random.categorical)(_key_for(sampling.seed, positions, 101), jnp.log(residual))
@@ -279,6 +282,9 @@ def draft_round(spec: StepSpec, params_t, params_d, pages, hidden_buf: Array,
     program of its own) when the host must see the drafts before the verify: a grammar's masks at the verified
     positions depend on them."""
     rows = inputs.rows
+    if spec.k == 0:  # a round that only verifies the newest token: a decode step that also keeps h for the next
+        B = rows.token.shape[0]
+        return jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, 1), jnp.float32), None
     P = jnp.where(rows.length >= 0, rows.length, 0)
     return spec.drafter.draft(spec, params_t, params_d, pages, hidden_buf[rows.slot],
                               inputs.replace(rows=rows.replace(length=P)))
