@@ -128,7 +128,11 @@ class CompiledSteps:
     cache_dtype: Any
     attention_impl: str = "auto"
     drafter: Drafter | None = None  # with a drafter, decoding is the speculative step (steps/speculative.py)
-    k: int = 0
+    k: int = 0  # the most drafts a round verifies: the page geometry and the staging buffer are sized for it
+    # The rounds' sizes that have speculative programs, k among them (a round of 0 drafts verifies the newest token
+    # alone: a decode step that keeps the drafter's h); () means k alone. The engine picks one per step
+    # (engine/speculation.py).
+    round_sizes: tuple[int, ...] = ()
     num_slots: int = 1
     # Tensor parallelism: the mesh the programs run on and each parameter's and page's sharding (None: one device,
     # no sharding annotations). Host inputs and outputs are replicated; pages and the hidden buffer come back with
@@ -150,11 +154,14 @@ class CompiledSteps:
     prompt_logprobs: bool = False
     prefill: dict[tuple, Any] = dataclasses.field(default_factory=dict)  # (batch, tokens[, "scored"])
     decode: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, *variant)
-    speculative: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)
+    speculative: dict[tuple[int, bool, bool, int], Any] = dataclasses.field(default_factory=dict)  # (..., k)
     draft: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> the drafts alone (structured)
     verify: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> their verify (structured)
 
     def __post_init__(self):
+        self.round_sizes = tuple(sorted(set(self.round_sizes) | {self.k})) if self.drafter is not None else ()
+        if any(not 0 <= r <= self.k for r in self.round_sizes):
+            raise ValueError(f"round sizes {self.round_sizes} must lie in 0..k = {self.k}")
         self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k)
         self._rep = None if self.placement is None else self.placement.replicated
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
@@ -242,13 +249,13 @@ class CompiledSteps:
         return state, return_in(packed, result)
 
     def _speculative_fn(self, params, params_d, state: DeviceState, packed, *, sampled: bool,
-                        processed: bool) -> tuple[DeviceState, jax.Array]:
+                        processed: bool, k: int) -> tuple[DeviceState, jax.Array]:
         inputs, state = self._unpack(state, packed, processed=processed)
         rows = inputs.rows.resolve(state)
         inputs = inputs.replace(rows=rows)
         history = History.of(state, rows.slot) if processed else None
         pages, hidden, emitted, n, verified, logprobs = speculative_step(
-            self.spec.but(sampled=sampled, processed=processed), self.arrays.pack.unpack(params), params_d,
+            self.spec.but(sampled=sampled, processed=processed, k=k), self.arrays.pack.unpack(params), params_d,
             state.pages, state.hidden, inputs, history)
         state = state.replace(pages=pages, hidden=hidden)
         if processed:
@@ -289,8 +296,10 @@ class CompiledSteps:
         fn = functools.partial(self._decode_fn, sampled=sampled, processed=processed)
         return self._jit(fn, (1, 2)), (params, state, packed)
 
-    def speculative_program(self, batch: int, sampled: bool, processed: bool = False) -> tuple[Any, tuple]:
-        fn = functools.partial(self._speculative_fn, sampled=sampled, processed=processed)
+    def speculative_program(self, batch: int, sampled: bool, processed: bool = False,
+                            k: int | None = None) -> tuple[Any, tuple]:
+        fn = functools.partial(self._speculative_fn, sampled=sampled, processed=processed,
+                               k=self.k if k is None else k)
         return self._jit(fn, (2, 3)), self._abstract_args(batch, processed=processed)
 
     def draft_program(self, batch: int) -> tuple[Any, tuple]:
@@ -321,12 +330,14 @@ class CompiledSteps:
                 tuple(getattr(jax.config, name, None) for name in _TRACE_CONFIG))
 
     def result(self, out: jax.Array, prefill: bool = False, processed: bool = False,
-               scored: int = 0) -> np.ndarray:
+               scored: int = 0, k: int | None = None) -> np.ndarray:
         """A program's packed result on the host (waits for the program): the first columns of the array it
-        returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step (finish_round), then for
-        a prefill or a processed step the emitted tokens' logprob columns (device_state.unpack_logprobs), and for
-        a scored prefill of `scored` tokens the prompt tokens' ones."""
-        positions = 1 if prefill else 1 + (self.k if self.drafter is not None else 0)
+        returned, [B, 4] for a prefill, [B, k+4] for a decode (k = 0) or speculative step of k drafts (finish_round;
+        k None: the engine's k), then for a prefill or a processed step the emitted tokens' logprob columns
+        (device_state.unpack_logprobs), and for a scored prefill of `scored` tokens the prompt tokens' ones."""
+        if k is None:
+            k = self.k if self.drafter is not None else 0
+        positions = 1 if prefill else 1 + k
         per_position = 1 + 2 * top_logprobs_count(self.target.config.vocab_size)
         width = positions + 3
         if prefill or processed:
@@ -365,16 +376,20 @@ class CompiledSteps:
         key = (batch, sampled or processed, processed)
         return self._compiled(self.decode, key, lambda: self.decode_program(*key))
 
-    def compile_speculative(self, batch: int, sampled: bool = False, processed: bool = False) -> Any:
+    def compile_speculative(self, batch: int, sampled: bool = False, processed: bool = False,
+                            k: int | None = None) -> Any:
         """(program_params, draft_params, state, inputs) -> (state, out); as `compile_decode`, for the speculative
-        round (a packed [B, k+4] result, then the logprob columns when `processed`)."""
-        key = (batch, sampled or processed, processed)
+        round of k drafts (None: the engine's k; one of `round_sizes`): a packed [B, k+4] result, then the logprob
+        columns when `processed`."""
+        key = (batch, sampled or processed, processed, self.k if k is None else k)
         return self._compiled(self.speculative, key, lambda: self.speculative_program(*key))
 
-    def programs(self, batch_buckets: list[int], prefill_buckets: list[int]) -> list[tuple]:
-        """Every program the engine runs with these buckets: (name, build, store[, outputs]), where build() gives
-        the jitted function and the abstract arguments to lower it for, store(compiled) keeps the compiled program,
-        and outputs() what it returns as shapes when that is not (state, one array)."""
+    def programs(self, batch_buckets: list[int], prefill_buckets: list[int],
+                 round_sizes: tuple[int, ...] | None = None) -> list[tuple]:
+        """Every program the engine runs with these buckets (and with a drafter, these of `round_sizes`; None:
+        all): (name, build, store[, outputs]), where build() gives the jitted function and the abstract arguments to
+        lower it for, store(compiled) keeps the compiled program, and outputs() what it returns as shapes when that
+        is not (state, one array)."""
         def put(table, key):
             return lambda compiled: table.__setitem__(key, compiled)
 
@@ -393,8 +408,9 @@ class CompiledSteps:
                 progs += [(f"decode[{b}{tag}]", lambda b=b, v=variant: self.decode_program(b, *v),
                            put(self.decode, (b, *variant))) for b in batch_buckets]
             else:
-                progs += [(f"speculative[{b}x{self.k}{tag}]", lambda b=b, v=variant: self.speculative_program(b, *v),
-                           put(self.speculative, (b, *variant))) for b in batch_buckets]
+                sizes = sorted(self.round_sizes if round_sizes is None else round_sizes, reverse=True)
+                progs += [(f"speculative[{b}x{k}{tag}]", lambda b=b, v=variant, k=k: self.speculative_program(b, *v, k),
+                           put(self.speculative, (b, *variant, k))) for b in batch_buckets for k in sizes]
         if self.drafter is not None and self.structured:
             progs += [(f"draft[{b}x{self.k}]", lambda b=b: self.draft_program(b), put(self.draft, b),
                        lambda b=b: self.draft_outputs(b)) for b in batch_buckets]

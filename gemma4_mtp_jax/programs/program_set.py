@@ -59,6 +59,13 @@ class ProgramSet:
             return [self.batch_buckets[0]], [self.prefill_buckets[0]]
         return self.batch_buckets, self.prefill_buckets
 
+    def first_round_sizes(self) -> tuple[int, ...] | None:
+        """The round sizes whose speculative programs `start` compiles for the first buckets (None: all of them):
+        with `background`, the engine's k alone, the others later with the rest."""
+        if self.background and self.steps.drafter is not None:
+            return (self.steps.k,)
+        return None
+
     def quick_start(self) -> bool:
         """Whether the first buckets' programs compile without autotuning (in the background mode, where XLA
         autotunes): they serve until the background thread replaces them, so the engine is ready sooner."""
@@ -69,9 +76,10 @@ class ProgramSet:
         """Compile the first buckets' programs (`given`: some compiled already, by cache key), and in the
         background mode start the thread that compiles the rest."""
         self.times.update(self.compile(*self.first_buckets(), progress, cache=cache, given=given,
-                                       autotune=not self.quick_start()))
+                                       autotune=not self.quick_start(), round_sizes=self.first_round_sizes()))
         rest_batch, rest_prefill = self.batch_buckets[1:], self.prefill_buckets[1:]
-        if self.background and (rest_batch or rest_prefill or self.untuned):
+        more_sizes = self.first_round_sizes() not in (None, self.steps.round_sizes)
+        if self.background and (rest_batch or rest_prefill or self.untuned or more_sizes):
             self._all_compiled = False
             self._warm_up = threading.Thread(target=self._compile_rest, args=(rest_batch, rest_prefill, progress,
                                                                                cache), name="gemma4-compile")
@@ -86,6 +94,11 @@ class ProgramSet:
         t0 = time.perf_counter()
         try:
             times = self.compile(batch, prefill, progress, cache=cache, stop=self._stop)
+            first = self.first_round_sizes()
+            if first is not None and not self._stop.is_set():  # the first bucket's other round sizes
+                others = tuple(r for r in self.steps.round_sizes if r not in first)
+                times.update(self.compile(self.first_buckets()[0], [], progress, cache=cache, stop=self._stop,
+                                          round_sizes=others))
             self.times.update(times)
             if times and not self._stop.is_set():
                 log.info("compiled the last %d programs in the background in %.1fs: every bucket in use",
@@ -93,7 +106,8 @@ class ProgramSet:
             if self.untuned and not self._stop.is_set():
                 # No progress per program: these fill no new bucket (the caller's count of programs stays right).
                 t0, untuned = time.perf_counter(), len(self.untuned)
-                self.times.update(self.compile(*self.first_buckets(), cache=cache, stop=self._stop))
+                self.times.update(self.compile(*self.first_buckets(), cache=cache, stop=self._stop,
+                                               round_sizes=self.first_round_sizes()))
                 log.info("%d of the first programs replaced by their autotuned versions in %.1fs",
                          untuned - len(self.untuned), time.perf_counter() - t0)
         except Exception:
@@ -102,7 +116,7 @@ class ProgramSet:
     def compile(self, batch_buckets: list[int], prefill_buckets: list[int], progress: Progress | None = None,
                 threads: int | None = None, cache: ExecutableCache | None = None,
                 stop: threading.Event | None = None, given: dict[str, Any] | None = None,
-                autotune: bool = True) -> dict[str, float]:
+                autotune: bool = True, round_sizes: tuple[int, ...] | None = None) -> dict[str, float]:
         """Compile these buckets' programs now, so that serving never compiles. Tracing and lowering run one
         program at a time (they hold the GIL: ~3-4 s a program at 31B); each program's XLA compilation starts in a
         thread as soon as it is lowered (XLA releases the GIL), so compilations overlap the lowering of the
@@ -114,9 +128,11 @@ class ProgramSet:
         (another ProgramSet's `by_key` of the same configuration); one found there is taken as it is, like a load.
         `autotune` False: the programs not found are compiled without XLA's GEMM autotuning (`compile_lowered`),
         quicker to compile and slower to run; they are not stored in the cache, and their names go into `untuned`
-        until a tuned compile replaces them."""
+        until a tuned compile replaces them. `round_sizes`: the speculative programs' sizes to compile (None: the
+        steps' every one)."""
         steps = self.steps
-        progs = sorted(steps.programs(batch_buckets, prefill_buckets), key=lambda p: p[0].startswith("prefill"))
+        progs = sorted(steps.programs(batch_buckets, prefill_buckets, round_sizes),
+                       key=lambda p: p[0].startswith("prefill"))
         # XLA:CPU compiling two programs at once segfaulted in the CPU suite (tests/test_speculative.py, an engine
         # built while others were alive); the CPU's programs are small and its cores few: one at a time there.
         threads = threads or (min(len(progs), os.cpu_count() or 1) if on_gpu() else 1)
@@ -212,14 +228,24 @@ class ProgramSet:
         if self._all_compiled:
             return self.batch_buckets, self.prefill_buckets
         steps = self.steps
-        table = steps.decode if steps.drafter is None else steps.speculative
-        batch = [b for b in self.batch_buckets if all((b, *v) in table for v in VARIANTS)
+        batch = [b for b in self.batch_buckets if self._compiled(b, steps.k)
                  and (not (steps.structured and steps.drafter) or (b in steps.draft and b in steps.verify))]
         prefill = [t for t in self.prefill_buckets if (1, t) in steps.prefill
                    and (not steps.prompt_logprobs or (1, t, "scored") in steps.prefill)]
         if len(batch) == len(self.batch_buckets) and len(prefill) == len(self.prefill_buckets):
             self._all_compiled = True  # no more lookups
         return batch, prefill
+
+    def _compiled(self, batch: int, k: int) -> bool:
+        """Whether a batch bucket's step programs of every variant are compiled (with a drafter: its rounds of k)."""
+        steps = self.steps
+        if steps.drafter is None:
+            return all((batch, *v) in steps.decode for v in VARIANTS)
+        return all((batch, *v, k) in steps.speculative for v in VARIANTS)
+
+    def round_sizes(self, batch: int) -> tuple[int, ...]:
+        """The round sizes (drafts per round) whose speculative programs for `batch` rows are compiled now."""
+        return tuple(k for k in self.steps.round_sizes if self._compiled(batch, k))
 
     # ------------------------------------------------------------------ running
     def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False) -> tuple[DeviceState, jax.Array]:
@@ -231,18 +257,19 @@ class ProgramSet:
         return steps.compile_prefill(B, T, scored)(steps.program_params, state, steps.inputs(inputs))
 
     def step(self, state: DeviceState, inputs: StepInputs, sampled: bool,
-             processed: bool = False) -> tuple[DeviceState, jax.Array]:
-        """One decode step, or with a drafter one draft-and-verify round, for `inputs` (StepRows, host arrays, and
-        processing rows when `processed`) of a batch bucket, without waiting: (state, its output; `result(out,
-        processed=processed)` reads the packed result). The variant (compiled.VARIANTS): `sampled`, some row
-        samples (False: every row is greedy); `processed`, some row needs logits processing or logprobs."""
+             processed: bool = False, k: int | None = None) -> tuple[DeviceState, jax.Array]:
+        """One decode step, or with a drafter one draft-and-verify round of `k` drafts (None: the engine's k; one of
+        `round_sizes(B)`), for `inputs` (StepRows, host arrays, and processing rows when `processed`) of a batch
+        bucket, without waiting: (state, its output; `result(out, processed=processed, k=k)` reads the packed
+        result). The variant (compiled.VARIANTS): `sampled`, some row samples (False: every row is greedy);
+        `processed`, some row needs logits processing or logprobs."""
         steps = self.steps
         B = inputs.rows.slot.shape[0]
         packed = steps.inputs(inputs)
         if steps.drafter is None:
             return steps.compile_decode(B, sampled, processed)(steps.program_params, state, packed)
-        return steps.compile_speculative(B, sampled, processed)(steps.program_params, steps.draft_params, state,
-                                                                packed)
+        return steps.compile_speculative(B, sampled, processed, k)(steps.program_params, steps.draft_params, state,
+                                                                   packed)
 
     def draft(self, state: DeviceState, inputs: StepInputs) -> tuple[DeviceState, jax.Array, jax.Array, Any]:
         """A round's drafts alone (a structured engine's grammar batches): (state, the drafts' packed output:
@@ -263,6 +290,7 @@ class ProgramSet:
         B = inputs.rows.slot.shape[0]
         return steps.compile_verify(B)(steps.program_params, state, steps.inputs(inputs), drafted, q, q_ids)
 
-    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False, scored: int = 0) -> np.ndarray:
-        """A program's packed result on the host (waits for the program)."""
-        return self.steps.result(out, prefill, processed, scored)
+    def result(self, out: jax.Array, prefill: bool = False, processed: bool = False, scored: int = 0,
+               k: int | None = None) -> np.ndarray:
+        """A program's packed result on the host (waits for the program; k: a speculative round's drafts)."""
+        return self.steps.result(out, prefill, processed, scored, k)
