@@ -20,6 +20,7 @@ from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
 from gemma4_mtp_jax.engine.config import CACHE_DTYPES
 from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
+from gemma4_mtp_jax.server.flags import SPECULATIVE_K_CHOICES, SPECULATIVE_K_HELP, adaptive
 
 
 @dataclasses.dataclass
@@ -99,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--assistant", default=None,
                     help="MTP assistant checkpoint for speculative decoding (HF dir, Orbax dir, hub id, or 'demo')")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
-                    help="drafts per round with --assistant (default: the assistant's num_assistant_tokens, else 4)")
+                    help="drafts per round with --assistant: every round's with --speculative-k fixed, the most a "
+                         "round drafts with auto (default: the assistant's num_assistant_tokens, else 4)")
+    ap.add_argument("--speculative-k", choices=SPECULATIVE_K_CHOICES, default=None, help=SPECULATIVE_K_HELP)
     ap.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     ap.add_argument("--prompt-ids", action="append", type=_parse_ids, default=[],
                     help="a prompt as comma-separated token ids, e.g. 2,651,1234 (repeat for a batch)")
@@ -158,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         longest = max(len(p) for p in prompts) + args.max_new_tokens
         cfg = EngineConfig(max_num_seqs=len(prompts), max_model_len=args.max_model_len or longest,
                            page_size=args.page_size, num_speculative_tokens=args.num_speculative_tokens,
+                           adaptive_speculation=assistant is not None and adaptive(args.speculative_k,
+                                                                                   args.num_speculative_tokens),
                            cache_dtype=args.kv_cache_dtype,
                            tensor_parallel_size=args.tensor_parallel_size)
         enable_compilation_cache(args.compilation_cache_dir)

@@ -386,6 +386,7 @@ class FakeEngine:
         from types import SimpleNamespace
 
         from gemma4_mtp_jax.engine import Request
+        from gemma4_mtp_jax.engine.speculation import SpeculationPolicy
 
         self._Request = Request
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
@@ -398,6 +399,7 @@ class FakeEngine:
         self.fail = lambda request_id: False
         self.by_seed = False
         self.k = 3
+        self.speculation = SpeculationPolicy(3, adaptive=False)
         self.per_step, self.delay = 3, 0.02
 
     @property
@@ -409,7 +411,7 @@ class FakeEngine:
                 "kv_pages_in_use": {"full_attention": len(self.running)}, "kv_pages_total": {"full_attention": 8},
                 "kv_cache_bytes": 9 * 4096, "preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                 "programs_compiled": self.programs[0], "programs_total": self.programs[1],
-                "programs_untuned": self.untuned}
+                "programs_untuned": self.untuned, "speculative_steps": dict(self.speculation.chosen)}
 
     def close(self):
         self.closed = True
@@ -450,13 +452,15 @@ class FakeEngine:
             n = len(req.output) + (req.sampling.seed if self.by_seed else 0)
             new = [self.tokens[(n + i) % len(self.tokens)] for i in range(self.per_step)][: req.max_new_tokens -
                                                                                           len(req.output)]
+            req.record_round(3, 2)
             req.output += new
-            req.num_speculative_tokens = 3
-            req.accepted_per_round.append(2)
             if len(req.output) >= req.max_new_tokens:
                 req.status, req.finish_reason = "finished", "length"
                 self.running.remove(req)
-            events.append(StepEvent(req, new, req.finished, accepted=2, logprobs=fake_logprobs(req.sampling, new)))
+            events.append(StepEvent(req, new, req.finished, accepted=2, logprobs=fake_logprobs(req.sampling, new),
+                                    drafted=3))
+        if events:
+            self.speculation.chosen[3] = self.speculation.chosen.get(3, 0) + 1
         return events
 
 
@@ -527,6 +531,7 @@ def test_ignore_eos_reaches_the_engine(fake_server):
 
 
 def test_fake_engine_multi_token_chunks_and_speculative_metrics(fake_server):
+    from gemma4_mtp_jax.engine.speculation import SpeculationPolicy
     from test_server_support import metric_samples, request, sample, sse_events, wait_idle
 
     port = fake_server
@@ -557,6 +562,13 @@ def test_fake_engine_multi_token_chunks_and_speculative_metrics(fake_server):
     assert delta("gemma4_spec_decode_accepted_tokens_per_position_total", position="2") == 0
     assert delta("gemma4_spec_decode_accepted_tokens_per_round_count") == 8
     assert delta("gemma4_spec_decode_accepted_tokens_per_round_sum") == 16
+    assert delta("gemma4_spec_decode_draft_tokens_per_position_total", position="2") == 8
+    assert delta("gemma4_spec_decode_draft_tokens_by_output_position_total", output_position="0-127") == 24
+    assert delta("gemma4_spec_decode_accepted_tokens_by_output_position_total", output_position="0-127") == 16
+    assert delta("gemma4_spec_decode_steps_total", drafts="3") == 8
+    assert delta("gemma4_spec_decode_request_acceptance_length_count") == 2  # 2 of 3 accepted in every round
+    assert delta("gemma4_spec_decode_request_acceptance_length_sum") == 6.0
+    assert sample(after, "gemma4_spec_decode_acceptance_estimate", position="1") == SpeculationPolicy.PRIOR
     assert sample(after, "gemma4_num_speculative_tokens") == 3
     assert delta("gemma4_request_finished_total", finish_reason="stop") == 1
 

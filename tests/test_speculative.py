@@ -78,18 +78,19 @@ class TargetGreedyDrafter:
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpts, jax_models):
-    """engines(family, k=0, oracle=False, cache_dtype=None, quantization=None): one Engine per key for the whole
-    module (k=0: no assistant; oracle: drafting with TargetGreedyDrafter; cache_dtype: EngineConfig's, the target's
-    float32 when None; quantization "fp8": the target's weights fp8, its activations float32 as the others'). An fp8
-    cache's engines, plain and speculative, take 2 sequences (one batch bucket to compile)."""
+    """engines(family, k=0, oracle=False, cache_dtype=None, quantization=None, adaptive=False): one Engine per key
+    for the whole module (k=0: no assistant; oracle: drafting with TargetGreedyDrafter; cache_dtype: EngineConfig's,
+    the target's float32 when None; quantization "fp8": the target's weights fp8, its activations float32 as the
+    others'; adaptive: round sizes chosen per step, compiled in the background). An fp8 cache's engines, plain and
+    speculative, take 2 sequences (one batch bucket to compile)."""
     from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.engine import Engine
 
     cache, fp8_targets = {}, {}
 
     def get(family: str, k: int = 0, oracle: bool = False, cache_dtype: str | None = None,
-            quantization: str | None = None):
-        key = (family, k, oracle, cache_dtype, quantization)
+            quantization: str | None = None, adaptive: bool = False):
+        key = (family, k, oracle, cache_dtype, quantization, adaptive)
         if key not in cache:
             p = tiny_ckpts[family]
             if quantization is None:
@@ -103,6 +104,8 @@ def engines(tiny_ckpts, jax_models):
                 cache[key] = Engine(target, _config(**seqs))
             else:
                 assistant = jax_models.assistant(p["assistant"])
+                if adaptive:  # the round sizes chosen per step, compiled behind the first bucket's k
+                    seqs = dict(seqs, adaptive_speculation=True, compile_in_background=True)
                 cfg = _config(num_speculative_tokens=k, **{"max_num_seqs": 2 if k < K else 4, **seqs})
                 cache[key] = Engine(target, cfg, assistant=assistant,
                                     drafter=TargetGreedyDrafter() if oracle else None)
@@ -129,9 +132,11 @@ def greedy_reference(engines, family: str, prompts, max_new: int, cache_dtype: s
 
 
 def _check_round_stats(req, k: int) -> None:
-    """Per-request stats agree with its rounds (k drafts each; mean acceptance length; n+1 tokens per round)."""
+    """Per-request stats agree with its rounds (k drafts each; mean acceptance length; n+1 tokens per round; where
+    in the output each began)."""
     rounds = req.accepted_per_round
-    assert req.num_speculative_tokens == k
+    assert req.drafts_per_round == [k] * len(rounds)
+    assert req.round_starts == [start for start, _ in _round_spans(req)]
     st = req.stats()
     assert st["mean_acceptance_length"] == pytest.approx((sum(rounds) + len(rounds)) / len(rounds))
     # every round emits n+1 tokens; the last may be cut by max_new_tokens / a stop id
@@ -208,6 +213,70 @@ def test_greedy_speculative_equals_plain(family, k, cache_dtype, quantization, e
     assert all(0 <= t < hf_tiny.VOCAB for t in sampled.output) and len(sampled.output) == MAX_NEW
     assert all(n == 0 for n in eng.pages_in_use().values()), eng.pages_in_use()
     assert sorted(eng.kv.free_slots) == list(range(eng.config.max_num_seqs)) and not eng.scheduler.running
+
+
+def test_round_size_chosen_per_step(engines, monkeypatch):
+    """adaptive_speculation (k = 2): the round sizes 0, 1 and 2 compile, the first bucket's k alone before the engine
+    returns and the others in the background, and each is timed once compiled. Whatever size each step takes, greedy
+    outputs are the plain engine's token for token (a 0-draft round keeps the drafter's h for the next round), and
+    a sampled request runs through every size's sampled programs; each request's rounds are recorded with their
+    size and where in the output they began. On its own, the policy drafts where drafts pay, and a batch where no
+    row speculates runs 0-draft rounds."""
+    import itertools
+
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+
+    eng = engines("e2b", 2, adaptive=True)
+    programs, policy = eng.programs, eng.speculation
+    assert programs.first_round_sizes() == (2,) and programs.wait(timeout=900)
+    assert programs.round_sizes(2) == (0, 1, 2)
+    prompts = _prompts(12, [4, 9, 17, 26])
+    want = greedy_reference(engines, "e2b", prompts, MAX_NEW)
+
+    forced, taken = itertools.cycle([2, 0, 1, 0, 0, 2, 1, 2]), []
+    monkeypatch.setattr(policy, "_choose", lambda batch, rows, sizes: taken.append(next(forced)) or taken[-1])
+    reqs = [eng.add_request(p, MAX_NEW) for p in prompts]
+    sampled = eng.add_request(prompts[1], MAX_NEW, SamplingParams(temperature=1.0, seed=3))
+    eng.run()
+    assert [r.output for r in reqs] == want
+    assert set(taken) == {0, 1, 2} and policy.chosen == {k: taken.count(k) for k in (0, 1, 2)}
+    assert set(policy.costs) == {(2, 0), (2, 1), (2, 2)}
+    for r in reqs + [sampled]:
+        assert set(r.drafts_per_round) == {1, 2} and len(r.output) == MAX_NEW
+        assert r.round_starts == sorted(set(r.round_starts)) and r.round_starts[0] >= 1
+        st = r.stats()
+        assert st["drafted_per_position"] == [len(r.drafts_per_round), r.drafts_per_round.count(2)]
+        assert st["acceptance_by_output_position"]["0-127"]["rounds"] == len(r.drafts_per_round)
+
+    # A 0-draft round keeps the drafter's h: after two, a slot holds the target's hidden at the position of the
+    # token the second one verified, as a prefill up to there leaves it (steps read one at a time here).
+    from gemma4_mtp_jax import target_forward
+
+    monkeypatch.setattr(policy, "_choose", lambda batch, rows, sizes: 0)
+    monkeypatch.setattr(eng.config, "async_scheduling", False)
+    req = eng.add_request(prompts[2], MAX_NEW)
+    while len(req.output) < 3:
+        eng.step()
+    assert req.drafts_per_round == []
+    tokens = np.asarray([prompts[2] + req.output[:2]], np.int32)
+    want_h = np.asarray(target_forward(eng.target, tokens).hidden[0, -1])
+    assert_close("h after 0-draft rounds", eng.state.hidden[eng.kv.seq(req).slot], want_h)
+    eng.cancel(req)
+    eng.run()
+    monkeypatch.undo()
+
+    # Made-up costs where a 2-draft round costs 10 % more than a 0-draft one: the tiny pair's drafts pay.
+    policy.costs, policy.chosen = {(2, 0): 1.0, (2, 1): 1.05, (2, 2): 1.1}, {}
+    reqs = [eng.add_request(p, MAX_NEW) for p in prompts[:2]]
+    eng.run()
+    assert [r.output for r in reqs] == want[:2]
+    assert policy.chosen.get(2, 0) > 0.8 * sum(policy.chosen.values()), policy.chosen
+    assert not np.allclose(policy.overall_rates(), policy.PRIOR)
+    policy.chosen = {}
+    reqs = [eng.add_request(p, MAX_NEW, speculative=False) for p in prompts[2:]]
+    eng.run()
+    assert [r.output for r in reqs] == want[2:] and policy.chosen == {0: policy.chosen[0]}
+    assert all(r.drafts_per_round == [] for r in reqs)
 
 
 def test_preempted_speculative_sequences_resume_exactly(engines, tiny_ckpts, jax_models):
@@ -541,6 +610,7 @@ MC_ROWS = 20000
 P_MIN = 1e-4
 # name: (vocabulary, k, candidates per draft step (None: q dense over the vocabulary), temperature, top-k, top-p)
 MC_CASES = {
+    "V12-k0": (12, 0, None, 1.0, 0, 1.0),  # a round of no draft: the token from p alone
     "V12-k1": (12, 1, None, 1.0, 0, 1.0),
     "V16-k2-sparse6": (16, 2, 6, 1.0, 0, 1.0),
     "V24-k2-filtered": (24, 2, None, 0.7, 8, 0.9),
@@ -729,7 +799,9 @@ def _round_law_pvalues(case: _MCCase, emitted, n) -> dict[str, float]:
     walk((), 1.0, 0)
     rows = np.arange(R)
     # each row's outcome probability: an observed outcome of probability 0 fails outright
-    prob = np.where(n < k, res[np.minimum(n, k - 1), emitted[rows, n]], p[k, emitted[rows, n]])
+    prob = p[k, emitted[rows, n]]
+    if k > 0:
+        prob = np.where(n < k, res[np.minimum(n, k - 1), emitted[rows, n]], prob)
     for j in range(k):
         prob = prob * np.where(j < n, acc[j, np.maximum(emitted[:, j], 0)], 1.0)
     counts = dict.fromkeys(cells, 0)

@@ -441,13 +441,12 @@ class ScriptedEngine(FakeEngine):
             stop = next((j for j, t in enumerate(new) if t in req.stop_ids), None)
             if stop is not None:
                 new = new[:stop + 1]
+            req.record_round(3, len(new) - 1)
             req.output += new
-            req.num_speculative_tokens = 3
-            req.accepted_per_round.append(len(new) - 1)
             if stop is not None or len(req.output) >= min(req.max_new_tokens, len(self.script)):
                 req.status, req.finish_reason = "finished", "stop" if stop is not None else "length"
                 self.running.remove(req)
-            events.append(StepEvent(req, new, req.finished, accepted=len(new) - 1))
+            events.append(StepEvent(req, new, req.finished, accepted=len(new) - 1, drafted=3))
         return events
 
 

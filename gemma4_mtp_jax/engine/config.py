@@ -55,6 +55,11 @@ class EngineConfig:
     compile_in_background: bool = False
     # Drafts per round when an assistant is given (k); None: the assistant's num_assistant_tokens, else 4.
     num_speculative_tokens: int | None = None
+    # With an assistant: choose each step's drafts per round (engine/speculation.py) among 0, the powers of two
+    # below k and k, from the acceptance measured per draft position and each program's measured time, so that
+    # speculating never costs more than it gives; k is then the most a round drafts. The extra round sizes'
+    # programs compile with the buckets after the first (in the background with compile_in_background).
+    adaptive_speculation: bool = False
     # Share the K/V of full pages between requests whose tokens up to that page are equal (allocator.py). Free
     # while the pool has room: cached pages are only the ones that would otherwise sit free.
     enable_prefix_caching: bool = True

@@ -36,8 +36,9 @@ from gemma4_mtp_jax.engine.config import EngineConfig
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.memory import out_of_memory_explained, pool_sizes
 from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent, TokenLogprob
-from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner
+from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner, bucket
 from gemma4_mtp_jax.engine.scheduler import Scheduler
+from gemma4_mtp_jax.engine.speculation import SpeculationPolicy, round_sizes
 from gemma4_mtp_jax.programs.executable_cache import ExecutableCache
 from gemma4_mtp_jax.kernels.attention_inputs import quantized
 from gemma4_mtp_jax.kernels.device_budget import check_fp8_support, target_device
@@ -114,6 +115,9 @@ class Engine:
         if assistant is not None:
             check_pair(tc, assistant.config)
         self.k = _speculative_tokens(cfg, assistant)
+        if cfg.adaptive_speculation and assistant is None:
+            raise ValueError("adaptive_speculation needs an assistant")
+        self.speculation = SpeculationPolicy(self.k, cfg.adaptive_speculation)
         self.cache_dtype = cfg.kv_cache_dtype(target.dtype)
         if quantized(self.cache_dtype):
             check_fp8_support(devices if devices is not None else [target_device()],
@@ -133,6 +137,7 @@ class Engine:
         with explained("placing the weights"):
             self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
                                        k=self.k, num_slots=cfg.max_num_seqs,
+                                       round_sizes=round_sizes(self.k) if cfg.adaptive_speculation else (),
                                        placement=_placement(target, cfg.tensor_parallel_size, devices),
                                        pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
                                        max_prefill_tokens=max(cfg.prefill_buckets()),
@@ -148,9 +153,39 @@ class Engine:
         self.runner = Runner(self.programs, self.kv, state, cfg.max_num_seqs, cfg.prefill_chunk)
         self.eos_ids = _eos_ids(target)
         self._ids = itertools.count()
+        # Adaptive speculation: what the programs compiled and untuned were when round sizes were last timed, and
+        # the round sizes timed in their untuned form (timed again once tuned).
+        self._timed_mark: tuple | None = None
+        self._timed_untuned: set[tuple[int, int]] = set()
         if cfg.compile_at_start:
             with explained("compiling the step programs (XLA's autotuner runs them)"):
                 self.programs.start(progress, ExecutableCache.open(cfg.executable_cache_dir), compiled_ahead)
+            self._time_round_sizes([])
+
+    def _time_round_sizes(self, events: list[StepEvent]) -> None:
+        """With adaptive speculation, time each batch bucket's compiled round sizes not timed yet
+        (SpeculationPolicy.costs): at start-up, and between steps as the background compiles more or replaces
+        untuned programs by tuned ones. The step in flight is read first (its events go to `events`), or it would be
+        timed too."""
+        programs = self.programs
+        if not self.speculation.adaptive or self.runner.state is None:
+            return
+        mark = (programs.ready()[0], frozenset(programs.untuned))
+        if mark == self._timed_mark:
+            return
+        self._timed_mark = mark
+        costs = self.speculation.costs
+
+        def untuned(b: int, r: int) -> bool:
+            return f"speculative[{b}x{r}]" in programs.untuned
+
+        todo = [(b, r) for b in programs.buckets()[0] for r in programs.round_sizes(b)
+                if (b, r) not in costs or ((b, r) in self._timed_untuned and not untuned(b, r))]
+        if todo and self.runner.in_flight is not None:
+            events += self._update(self.runner.in_flight)
+        for b, r in todo:
+            costs[b, r] = self.runner.time_round(b, r)
+            (self._timed_untuned.add if untuned(b, r) else self._timed_untuned.discard)((b, r))
 
     def _plan_layout(self, devices: Sequence[jax.Device] | None) -> KVLayout:
         """The KV layout: page geometry from the config and k, pools as given or planned (`memory.pool_sizes`)."""
@@ -184,14 +219,16 @@ class Engine:
         group, the pools' bytes, preemptions and prefix-cache tokens looked up and found so far, the programs
         compiled of those the buckets need, and those serving in their quick form, compiled without XLA's
         autotuning until the background swaps in their tuned versions (every program is in its final form, and the
-        engine at its steady speed, once all are compiled and none is untuned)."""
+        engine at its steady speed, once all are compiled and none is untuned); the speculative steps run, by drafts
+        per round (SpeculationPolicy.chosen)."""
         kv, scheduler = self.kv, self.scheduler
         compiled, total = self.programs.ready()
         return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                 "kv_pages_in_use": kv.pages_in_use(), "kv_pages_total": kv.pages_total(),
                 "kv_cache_bytes": self.kv_cache_bytes(), "preemptions": scheduler.num_preemptions,
                 "prefix_cache_queries": kv.queries, "prefix_cache_hits": kv.hits,
-                "programs_compiled": compiled, "programs_total": total, "programs_untuned": len(self.programs.untuned)}
+                "programs_compiled": compiled, "programs_total": total, "programs_untuned": len(self.programs.untuned),
+                "speculative_steps": dict(self.speculation.chosen)}
 
     def close(self) -> None:
         """Stop compiling in the background: no further program starts, the ones compiling finish (waited for)."""
@@ -292,6 +329,7 @@ class Engine:
             # for the next token depends on the tokens before it.
             events += self._update(runner.in_flight)
             decoding = scheduler.decoding()
+        self._time_round_sizes(events)
         decoding = scheduler.grow(decoding, runner.in_flight_members(), events)
         scheduler.admit(self.programs.buckets()[0][-1], events)
         return decoding
@@ -313,12 +351,21 @@ class Engine:
             if packed is not None:
                 req.decoding = True
                 if not resumed:
-                    events.append(self._take(req, packed, time.perf_counter(), positions=1))
+                    events.append(self._take(req, packed, time.perf_counter()))
         rows = self._rows(decoding, events)
         previous, self.runner.in_flight = self.runner.in_flight, None
         if rows:
-            self.runner.dispatch(rows)
+            self.runner.dispatch(rows, self._round_size(rows))
         return previous
+
+    def _round_size(self, rows: list[Row]) -> int:
+        """The drafts this step's speculative round proposes (speculation.SpeculationPolicy; 0 without a drafter)."""
+        if self.assistant is None:
+            return 0
+        masked = self.steps.structured
+        batch = bucket(self.programs.buckets()[0], len(rows))
+        return self.speculation.choose(batch, [r.req.position_acceptance if r.req.speculates(masked) else None
+                                               for r in rows], self.programs.round_sizes(batch))
 
     def _rows(self, reqs: list[Request], events: list[StepEvent]) -> list[Row]:
         rows, failed = self.runner.rows(reqs)
@@ -332,15 +379,18 @@ class Engine:
         for req, row_result in self.runner.collect(dispatched):
             if req.status != "running":
                 continue
-            events.append(self._take(req, row_result, now, positions=self.k + 1))
+            events.append(self._take(req, row_result, now, dispatched.k))
             if not req.finished:
                 self.kv.register(req)
+        self.speculation.record_step([(ev.drafted, ev.accepted) for ev in events if ev.accepted is not None])
         return events
 
-    def _take(self, req: Request, result: np.ndarray, now: float, positions: int) -> StepEvent:
-        """`req`'s new tokens from its row of a packed result (`positions` emitted tokens, n accepted, tokens kept,
-        finish reason, then for a prefill or a processed step the tokens' logprobs: device_state.finish_round): the
-        device decided where its output ends; the host only records it. A speculative round has k+1 positions."""
+    def _take(self, req: Request, result: np.ndarray, now: float, k: int | None = None) -> StepEvent:
+        """`req`'s new tokens from its row of a packed result (k+1 emitted tokens, n accepted, tokens kept, finish
+        reason, then for a prefill or a processed step the tokens' logprobs: device_state.finish_round): the device
+        decided where its output ends; the host only records it. k: a speculative round's drafts (None: a prefill's
+        or a decode step's result, one token)."""
+        positions = 1 + (k or 0)
         try:
             n, keep, reason = (int(x) for x in result[positions:positions + 3])
             kept = [int(t) for t in result[:keep]]
@@ -352,20 +402,19 @@ class Engine:
                 columns = unpack_logprobs(result[positions + 3:], positions)
                 logprobs = TokenLogprob.rows(*columns, req.sampling.logprobs, keep)
                 req.logprobs += logprobs
+            accepted = None
+            if k and req.speculates(self.steps.structured):
+                req.record_round(k, n)
+                accepted = n
             req.output += kept
             req.token_times += [now] * len(kept)
             if req.first_token_at is None and kept:
                 req.first_token_at = now
-            accepted = None
-            if positions > 1 and req.speculative:
-                req.num_speculative_tokens = self.k
-                req.accepted_per_round.append(n)
-                accepted = n
             if reason:
                 self.scheduler.finish(req, _FINISH_REASONS[reason])
         except Exception as e:
             return self.scheduler.fail(req, "taking its new tokens", e)
-        return StepEvent(req, kept, req.finished, accepted, logprobs)
+        return StepEvent(req, kept, req.finished, accepted, logprobs, drafted=k if accepted is not None else 0)
 
 
 def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | None = None,
@@ -384,5 +433,6 @@ def compile_ahead(target: Target, config: EngineConfig, assistant: Assistant | N
         # (kv_state.SHAPES_ONLY_SCALE), so the engine compiles its own.
         return {}
     programs = Engine(target, dataclasses.replace(config, compile_at_start=False), assistant=assistant).programs
-    programs.compile(*programs.first_buckets(), progress, cache=cache, stop=stop, autotune=not programs.quick_start())
+    programs.compile(*programs.first_buckets(), progress, cache=cache, stop=stop, autotune=not programs.quick_start(),
+                     round_sizes=programs.first_round_sizes())
     return programs.by_key

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gemma4_mtp_jax.engine.speculation import PositionAcceptance, output_position_bucket
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 from gemma4_mtp_jax.model.sampling import SamplingParams
 
@@ -49,10 +50,14 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
-    # Speculative decoding: drafts per round (k), and the drafts accepted in each of the request's rounds; the
-    # other counts derive from these.
-    num_speculative_tokens: int = 0
+    # Speculative decoding, one entry per round the request speculated in: the drafts it proposed (the engine may
+    # choose the round's size per step), those accepted, and how long the output was when it began; the other
+    # counts derive from these (`record_round`).
+    drafts_per_round: list[int] = dataclasses.field(default_factory=list)
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
+    round_starts: list[int] = dataclasses.field(default_factory=list)
+    # Its rounds by draft position, what the engine's choice of round size reads as this request's acceptance.
+    position_acceptance: PositionAcceptance = dataclasses.field(default_factory=lambda: PositionAcceptance.zeros(0))
     num_preemptions: int = 0
     prefilled: int = 0  # K/V positions written (or found in the prefix cache) since (re)admission
     decoding: bool = False  # prefill complete: the sequence is in the decode batch
@@ -65,9 +70,25 @@ class Request:
         """Whether its steps need the processed programs (sampling.SamplingParams.processed, or a grammar)."""
         return self.sampling.processed or self.grammar is not None
 
+    def speculates(self, masked_rounds: bool) -> bool:
+        """Whether its rows draft: it asked to, and a grammar it has masks every verified position (`masked_rounds`:
+        the engine verifies grammar batches under their masks; otherwise only the first position's is known)."""
+        return self.speculative and (self.grammar is None or masked_rounds)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """One speculative round of `drafted` drafts, `accepted` of them accepted, before its tokens are taken."""
+        if len(self.position_acceptance.reached) < drafted:  # grown to the largest round so far
+            self.position_acceptance = PositionAcceptance.zeros(drafted)
+            for k, n in zip(self.drafts_per_round, self.accepted_per_round):
+                self.position_acceptance.record(k, n)
+        self.position_acceptance.record(drafted, accepted)
+        self.drafts_per_round.append(drafted)
+        self.accepted_per_round.append(accepted)
+        self.round_starts.append(len(self.output))
+
     @property
     def num_drafted(self) -> int:
-        return self.num_speculative_tokens * len(self.accepted_per_round)
+        return sum(self.drafts_per_round)
 
     @property
     def num_accepted(self) -> int:
@@ -76,7 +97,24 @@ class Request:
     @property
     def accepted_per_position(self) -> list[int]:
         """Rounds that accepted at least j+1 drafts, for each draft position j."""
-        return [sum(n > j for n in self.accepted_per_round) for j in range(self.num_speculative_tokens)]
+        k = max(self.drafts_per_round, default=0)
+        return [sum(n > j for n in self.accepted_per_round) for j in range(k)]
+
+    @property
+    def drafted_per_position(self) -> list[int]:
+        """Rounds that drafted at least j+1 tokens, for each draft position j."""
+        k = max(self.drafts_per_round, default=0)
+        return [sum(d > j for d in self.drafts_per_round) for j in range(k)]
+
+    def acceptance_by_output_position(self) -> dict[str, dict[str, float]]:
+        """Its rounds grouped by where in the output they began (speculation.OUTPUT_POSITION_BUCKETS): rounds,
+        drafted, accepted, and mean acceptance length (tokens a round emitted) per group."""
+        groups: dict[str, list[int]] = {}
+        for start, d, n in zip(self.round_starts, self.drafts_per_round, self.accepted_per_round):
+            g = groups.setdefault(output_position_bucket(start), [0, 0, 0])
+            g[0], g[1], g[2] = g[0] + 1, g[1] + d, g[2] + n
+        return {label: {"rounds": r, "drafted": d, "accepted": n, "mean_acceptance_length": (n + r) / r}
+                for label, (r, d, n) in groups.items()}
 
     @functools.cached_property
     def stop_row(self) -> np.ndarray:
@@ -121,7 +159,12 @@ class Request:
                 "rounds": len(self.accepted_per_round),
                 "mean_acceptance_length":
                     (self.num_accepted + len(self.accepted_per_round)) / len(self.accepted_per_round),
-                "accepted_per_position": list(self.accepted_per_position),
+                "drafted_per_position": self.drafted_per_position,
+                "accepted_per_position": self.accepted_per_position,
+                "acceptance_per_position": [a / d for a, d in zip(self.accepted_per_position,
+                                                                  self.drafted_per_position)],
+                "acceptance_by_output_position": self.acceptance_by_output_position(),
+                "drafts_per_round": list(self.drafts_per_round),
                 "accepted_per_round": list(self.accepted_per_round),
             }),
         }
@@ -151,3 +194,4 @@ class StepEvent:
     finished: bool
     accepted: int | None = None  # drafts accepted in this step's speculative round (None: no round)
     logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for logprobs
+    drafted: int = 0  # drafts that round proposed

@@ -56,18 +56,19 @@ class Row:
         its first position only."""
         return dict(slot=self.slot, fresh=self.fresh, token=self.token, length=self.length,
                     remaining=self.remaining, stop_ids=self.stop_ids,
-                    speculate=self.req.speculative and (self.req.grammar is None or masked_rounds))
+                    speculate=self.req.speculates(masked_rounds))
 
 
 class Dispatched(NamedTuple):
     """A decode or speculative step dispatched and not read yet: its requests by row, the same as a set (asked once
-    per decoding sequence per step), the program's output on the device, and whether it was the processed variant
-    (its result then holds logprobs)."""
+    per decoding sequence per step), the program's output on the device, whether it was the processed variant
+    (its result then holds logprobs), and a speculative round's drafts per row (0 for a decode step)."""
 
     requests: list[Request]
     members: frozenset[Request]
     packed: jax.Array
     processed: bool = False
+    k: int = 0
 
 
 def bucket(buckets: list[int], n: int) -> int:
@@ -187,6 +188,24 @@ class Runner:
         step_rows = StepRows.stack([row.step_row(masked_rounds) for row in rows], B, slot=self.pad_slot)
         return self._batch(rows, B, step_rows, processing)
 
+    def _padding(self, batch: int) -> StepInputs:
+        """A step's inputs of `batch` padding rows: they read the null page and the spare slot and write nothing."""
+        tables = {g: np.full((batch, width), NULL_PAGE, np.int32) for g, width in self.kv.layout.pages_per_seq}
+        return StepInputs(StepRows.stack([], batch, slot=self.pad_slot), tables, SamplingBatch.from_rows([], batch),
+                          None)
+
+    def time_round(self, batch: int, k: int, repeats: int = 5) -> float:
+        """Median seconds of the greedy speculative round of k drafts for a bucket of `batch` rows, after one run
+        not timed; run on padding rows, which change nothing (no step may be in flight: it would be timed too)."""
+        assert self.in_flight is None, "time_round with a step in flight"
+        inputs, times = self._padding(batch), []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            self.state, packed = self.programs.step(self.state, inputs, False, False, k)
+            self.programs.result(packed, k=k)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
     def _masked_round(self, rows: list[Row]) -> jax.Array:
         """A speculative round for a batch with a grammar, in two programs: the drafts, read here; each grammar's
         masks at the k+1 verified positions, walked through its row's drafts (a draft it forbids is rejected by
@@ -211,25 +230,29 @@ class Runner:
         self.state, packed = programs.verify(self.state, inputs.replace(processing=processing), drafted, q, q_ids)
         return packed
 
-    def dispatch(self, rows: list[Row]) -> Dispatched:
-        """One decode step, or with a drafter one draft-and-verify round, for `rows`, without waiting; it becomes
-        the step in flight. A batch with a grammar on an engine with masked rounds runs `_masked_round`."""
+    def dispatch(self, rows: list[Row], k: int = 0) -> Dispatched:
+        """One decode step, or with a drafter one draft-and-verify round of `k` drafts (a round size compiled for
+        the batch's bucket), for `rows`, without waiting; it becomes the step in flight. A batch with a grammar on an
+        engine with masked rounds runs `_masked_round` (of the engine's k) unless k is 0."""
         processed = any(row.req.processed for row in rows)
         sampled = processed or any_sampled([row.sampling for row in rows])
         steps = self.programs.steps
-        if steps.structured and steps.drafter is not None and any(row.req.grammar is not None for row in rows):
-            processed, packed = True, self._masked_round(rows)
+        if steps.drafter is None:
+            k = 0
+        if k and steps.structured and any(row.req.grammar is not None for row in rows):
+            processed, packed, k = True, self._masked_round(rows), steps.k
         else:
             self.state, packed = self.programs.step(self.state, self.step_inputs(rows, processed), sampled,
-                                                    processed)
+                                                    processed, k if steps.drafter is not None else None)
         for row in rows:
             row.req.on_device = True
         reqs = [row.req for row in rows]
-        self.in_flight = Dispatched(reqs, frozenset(reqs), packed, processed)
+        self.in_flight = Dispatched(reqs, frozenset(reqs), packed, processed, k)
         return self.in_flight
 
     def collect(self, dispatched: Dispatched) -> list[tuple[Request, np.ndarray]]:
         """Read a dispatched step (the one host read of a step): each row's request and its packed result row."""
         if self.in_flight is dispatched:
             self.in_flight = None
-        return list(zip(dispatched.requests, self.programs.result(dispatched.packed, processed=dispatched.processed)))
+        return list(zip(dispatched.requests, self.programs.result(dispatched.packed, processed=dispatched.processed,
+                                                                  k=dispatched.k)))

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from gemma4_mtp_jax.engine import Engine, Request, RequestError, StepEvent
 from gemma4_mtp_jax.engine.request import TokenLogprob
+from gemma4_mtp_jax.engine.speculation import output_position_bucket
 from gemma4_mtp_jax.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -293,6 +294,9 @@ class AsyncEngine:
         if delta.finish_reason in ("stop", "length"):
             lat = delta.time - stream.arrival
             self._latency_ema = lat if self._latency_ema is None else 0.8 * self._latency_ema + 0.2 * lat
+        rounds = stream.request.accepted_per_round if stream.request is not None else None
+        if self.metrics and rounds:
+            self.metrics.request_acceptance_length.observe((sum(rounds) + len(rounds)) / len(rounds))
 
     def _forget(self, stream: RequestStream) -> None:
         with self._lock:
@@ -343,13 +347,18 @@ class AsyncEngine:
             stream._post(stream._queue.put_nowait, d)
 
     def _count_speculation(self, ev: StepEvent) -> None:
-        """The step's speculative round of one sequence (k drafts, `ev.accepted` of them accepted) into the
-        metrics."""
-        m, accepted = self.metrics, ev.accepted
-        m.draft_tokens.inc(self.engine.k)
+        """The step's speculative round of one sequence (`ev.drafted` drafts, `ev.accepted` of them accepted) into
+        the metrics."""
+        m, accepted, drafted = self.metrics, ev.accepted, ev.drafted
+        m.draft_tokens.inc(drafted)
         m.accepted_tokens.inc(accepted)
+        for j in range(drafted):
+            m.drafted_per_position.labels(position=str(j)).inc()
         for j in range(accepted):
             m.accepted_per_position.labels(position=str(j)).inc()
+        where = output_position_bucket(ev.request.round_starts[-1])
+        m.drafted_by_output_position.labels(output_position=where).inc(drafted)
+        m.accepted_by_output_position.labels(output_position=where).inc(accepted)
         m.accepted_per_round.observe(accepted)
 
     def _publish(self) -> None:
@@ -358,6 +367,7 @@ class AsyncEngine:
         snap = {**self.engine.stats(), "in_flight": len(self._active)}
         grown = {key: snap[key] - self.snapshot[key] for key in ("preemptions", "prefix_cache_queries",
                                                                  "prefix_cache_hits")}
+        previous = self.snapshot.get("speculative_steps", {})
         self.snapshot = snap
         m = self.metrics
         if m:
@@ -366,6 +376,11 @@ class AsyncEngine:
                                  ("prefix_cache_hits", m.prefix_cache_hits)):
                 if grown[key] > 0:
                     counter.inc(grown[key])
+            for size, n in snap["speculative_steps"].items():
+                if n > previous.get(size, 0):
+                    m.speculative_steps.labels(drafts=str(size)).inc(n - previous.get(size, 0))
+            for j, a in enumerate(self.engine.speculation.overall_rates() if self.engine.k else ()):
+                m.acceptance_estimate.labels(position=str(j)).set(a)
             if self.publish_gauges is not None:
                 self.publish_gauges(snap)
             else:

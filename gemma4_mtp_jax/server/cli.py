@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gemma4_mtp_jax.server.flags import (API_KEY_ENV, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_MODEL_LEN_CAP,
-                                         build_parser, check_args, max_connections)
+                                         adaptive, build_parser, check_args, max_connections)
 
 log = logging.getLogger("gemma4_mtp_jax.serve")
 
@@ -90,8 +90,9 @@ def _engine_config(args: argparse.Namespace, target_dir: Path, speculative: bool
                       prompt_logprobs=args.enable_prompt_logprobs)
     if speculative:
         cfg_kwargs["num_speculative_tokens"] = args.num_speculative_tokens  # None: the assistant's own
-    elif args.num_speculative_tokens:
-        log.warning("--num-speculative-tokens has no effect without --assistant")
+        cfg_kwargs["adaptive_speculation"] = adaptive(args.speculative_k, args.num_speculative_tokens)
+    elif args.num_speculative_tokens or args.speculative_k:
+        log.warning("--num-speculative-tokens and --speculative-k have no effect without --assistant")
     config = EngineConfig(**cfg_kwargs)
     log.info("engine: max_num_seqs=%d max_model_len=%d page_size=%d batch buckets %s, prefill buckets %s",
              config.max_num_seqs, config.max_model_len, config.page_size, config.batch_buckets(),
@@ -247,7 +248,10 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
                  config.executable_cache_dir,
                  sum(len(e.programs.restored) for e in engines), sum(len(e.compile_times) for e in engines),
                  " or compiled ahead of the weights" if ahead is not None else "")
-    if engine.k:
+    if engine.k and config.adaptive_speculation:
+        log.info("speculative decoding: on, drafts per round chosen each step among %s",
+                 ", ".join(map(str, engine.steps.round_sizes)))
+    elif engine.k:
         log.info("speculative decoding: on, %d draft tokens per round", engine.k)
 
     gen = target.generation_config or {}

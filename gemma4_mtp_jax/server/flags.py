@@ -9,6 +9,18 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 API_KEY_ENV = "GEMMA4_MTP_JAX_API_KEY"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default; JAX alone would allow 0.75
 
+# The command lines' --speculative-k (serve, generate).
+SPECULATIVE_K_CHOICES = ("auto", "fixed")
+SPECULATIVE_K_HELP = ("auto: each step's drafts per round chosen among 0, 1, 2, 4, ... up to K from the acceptance "
+                      "measured per draft position and each round size's measured step time, so that speculation "
+                      "never costs more than it gives (k = 0 where drafts are not accepted); fixed: K drafts every "
+                      "round. Default: auto, or fixed when --num-speculative-tokens is given")
+
+
+def adaptive(speculative_k: str | None, num_speculative_tokens: int | None) -> bool:
+    """--speculative-k as EngineConfig.adaptive_speculation: auto unless a fixed K was asked for."""
+    return (speculative_k or ("fixed" if num_speculative_tokens is not None else "auto")) == "auto"
+
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" where the help text doesn't already explain the default."""
@@ -56,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MTP assistant (drafter) checkpoint: directory, Orbax directory or hub id; 'none' to serve "
                         "the target alone. Default: the demo assistant with --ckpt demo, none otherwise")
     m.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="draft tokens per speculative round (default: the assistant's num_assistant_tokens, or 4)")
+                   help="draft tokens per speculative round: with --speculative-k fixed, every round's; with auto, "
+                        "the most a round drafts (default: the assistant's num_assistant_tokens, or 4)")
+    m.add_argument("--speculative-k", choices=SPECULATIVE_K_CHOICES, default=None, help=SPECULATIVE_K_HELP)
     m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="parameter dtype; auto: the checkpoint's")
     m.add_argument("--quantization", choices=["none", "fp8"], default=None,

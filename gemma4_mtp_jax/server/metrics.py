@@ -64,6 +64,28 @@ class Metrics:
         self.accepted_per_position = Counter(f"{p}_spec_decode_accepted_tokens_per_position", "Draft tokens "
                                              "accepted, by draft position (0 = first draft of a round)",
                                              ["position"], registry=r)
+        self.drafted_per_position = Counter(f"{p}_spec_decode_draft_tokens_per_position", "Draft tokens "
+                                            "proposed, by draft position (acceptance rate at a position: accepted "
+                                            "/ proposed there)", ["position"], registry=r)
+        self.drafted_by_output_position = Counter(f"{p}_spec_decode_draft_tokens_by_output_position", "Draft "
+                                                  "tokens proposed, by where in its output the round began",
+                                                  ["output_position"], registry=r)
+        self.accepted_by_output_position = Counter(f"{p}_spec_decode_accepted_tokens_by_output_position", "Draft "
+                                                   "tokens accepted, by where in its output the round began (does "
+                                                   "acceptance decay over long outputs?)", ["output_position"],
+                                                   registry=r)
+        self.request_acceptance_length = Histogram(f"{p}_spec_decode_request_acceptance_length", "Each finished "
+                                                   "request's mean acceptance length (tokens per speculative round: "
+                                                   "drafts accepted + 1)",
+                                                   buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0,
+                                                            6.0, 8.0, 17.0), registry=r)
+        self.speculative_steps = Counter(f"{p}_spec_decode_steps", "Speculative steps, by the drafts per round "
+                                         "the engine chose for the step (0: the newest token verified alone)",
+                                         ["drafts"], registry=r)
+        self.acceptance_estimate = Gauge(f"{p}_spec_decode_acceptance_estimate", "The engine's running estimate "
+                                         "of the chance a draft is accepted once the drafts before it were, by "
+                                         "draft position (what --speculative-k auto chooses from)", ["position"],
+                                         registry=r)
         self.accepted_per_round = Histogram(f"{p}_spec_decode_accepted_tokens_per_round", "Draft tokens accepted "
                                             "in one speculative round of one sequence",
                                             buckets=tuple(float(i) for i in range(17)), registry=r)
@@ -77,8 +99,8 @@ class Metrics:
         self.engine_steps = Counter(f"{p}_engine_steps", "Engine steps run", registry=r)
         self.engine_errors = Counter(f"{p}_engine_errors", "Engine steps that raised (their requests failed)",
                                      registry=r)
-        self.spec_tokens = Gauge(f"{p}_num_speculative_tokens", "Draft tokens per round (0: no speculative "
-                                 "decoding)", registry=r)
+        self.spec_tokens = Gauge(f"{p}_num_speculative_tokens", "Draft tokens per round, the most with "
+                                 "--speculative-k auto (0: no speculative decoding)", registry=r)
         info = Gauge(f"{p}_model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 
