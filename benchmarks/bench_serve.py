@@ -21,7 +21,7 @@ then a spec-vs-plain speedup table.
         [--concurrency 1,8,32 | --request-rate 2,8,inf] [--requests-per-level N] [--max-tokens 128]
         [--dataset chat [--prompts-json FILE] | --dataset random --input-len 256 --output-len 128 --range-ratio 0.25
          [--random-prefix-len 2048] [--random-weights e2b]] [--long-prompt-len 4096 --long-prompt-interval 1]
-        [--ignore-eos] [--out results.json] [--port 8011] [--server-arg=--flag ...]
+        [--temperature 0.8] [--ignore-eos] [--out results.json] [--port 8011] [--server-arg=--flag ...]
 
 Why the pieces are as they are:
 - The client is a small asyncio HTTP/1.1 reader from the standard library (one connection per request), so the
@@ -537,7 +537,21 @@ def _rate_list(text: str) -> list[float]:
     return values
 
 
+def sampled(workload: Workload, temperature: float) -> Workload:
+    """The workload at `temperature`, each request seeded by its index (so both modes draw with the same seeds)."""
+    if temperature <= 0:
+        return workload
+    bodies = [{**b, "temperature": temperature, "seed": i} for i, b in enumerate(workload.bodies)]
+    return dataclasses.replace(workload, bodies=bodies, description=f"{workload.description}, T = {temperature}")
+
+
 def make_workload(args: argparse.Namespace) -> Workload:
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+    return sampled(_make_workload(args), args.temperature)
+
+
+def _make_workload(args: argparse.Namespace) -> Workload:
     if args.dataset == "chat":
         if args.max_tokens < 1:
             raise ValueError("--max-tokens must be >= 1")
@@ -781,6 +795,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "what the running streams suffer while long prompts prefill (default: 0, off)")
     ap.add_argument("--long-prompt-interval", type=float, default=1.0, metavar="S",
                     help="seconds between long-prompt requests (default: 1)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request, each seeded by its index (default: 0, greedy)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request generates its max_tokens whatever EOS the model emits (random weights)")
     ap.add_argument("--seed", type=int, default=0, help="random prompts and Poisson arrivals (default: 0)")
