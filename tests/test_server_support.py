@@ -13,8 +13,10 @@ from typing import Any, Callable
 # Small engine for the CPU tests: batch buckets 1, 2, 4; prefill buckets 16, 32, 64.
 # Test servers leave out structured output's masked rounds (two programs per batch bucket to compile); the module
 # that tests them turns them on.
+# A fixed k: the round sizes chosen per step (the server's default) would compile 4 times the speculative programs;
+# the engine's tests cover them.
 ENGINE_ARGS = ["--max-num-seqs", "4", "--max-model-len", "128", "--prefill-chunk", "64", "--page-size", "16",
-               "--no-structured-outputs"]
+               "--no-structured-outputs", "--speculative-k", "fixed"]
 MODEL = "gemma4-demo"
 
 

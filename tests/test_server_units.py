@@ -282,6 +282,24 @@ def test_kv_cache_dtype_flag(tmp_path):
     assert build_parser().parse_args(["--executable-cache-dir", "/x"]).executable_cache_dir == "/x"
 
 
+def test_speculative_k_flag(tmp_path):
+    """With an assistant the drafts per round are chosen per step by default; --num-speculative-tokens alone fixes
+    them, unless --speculative-k auto makes N the largest round; no assistant, no speculation."""
+    from gemma4_mtp_jax.server.cli import _engine_config
+    from gemma4_mtp_jax.server.flags import build_parser
+
+    def config(*argv, speculative=True):
+        return _engine_config(build_parser().parse_args([*argv, "--max-model-len", "64"]), tmp_path, speculative)
+
+    assert config().adaptive_speculation and config().num_speculative_tokens is None
+    fixed = config("--num-speculative-tokens", "3")
+    assert not fixed.adaptive_speculation and fixed.num_speculative_tokens == 3
+    auto = config("--num-speculative-tokens", "6", "--speculative-k", "auto")
+    assert auto.adaptive_speculation and auto.num_speculative_tokens == 6
+    assert not config("--speculative-k", "fixed").adaptive_speculation
+    assert not config(speculative=False).adaptive_speculation
+
+
 def test_the_executable_cache_is_on_unless_turned_off(monkeypatch, tmp_path):
     """The server keeps its compiled programs under the user's cache directory unless given another or 'none'."""
     from gemma4_mtp_jax.server.cli import _executable_cache_dir
