@@ -2,8 +2,8 @@
 Gemma4UnifiedAssistantForCausalLM) served by one speculative engine: greedy speculative output equals transformers'
 plain greedy generate under continuous batching, every round's accepted count equals transformers' own drafting
 loop, the prefix cache changes neither, sampled rounds are exact where they can be checked exactly (top-k 1) and
-reproducible, and the processed programs (penalties, logprobs) give the non-speculative tokens and transformers'
-logprobs.
+reproducible, the processed programs (penalties, logprobs) give the non-speculative tokens and transformers'
+logprobs; and, without an engine, the paged forward over an fp8 K/V cache stays near the float32 cache's.
 
 The model functions of this family are tested with the others' (test_parity_target.py, test_parity_assistant.py:
 parametrized over hf_tiny.FAMILIES); tensor parallelism in test_tensor_parallel.py. Here one engine (2 slots, one
@@ -229,3 +229,61 @@ def test_processed_requests_and_logprobs(engine, tiny_ckpts):
         assert [t for t, _ in lp.top] == np.argsort(-want[j], kind="stable")[:4].tolist(), j
     assert spec[1].output != logged.output, "the repetition penalty changed nothing: the test would prove little"
     assert all(n == 0 for n in engine.pages_in_use().values())
+
+
+def _chunked_paged_logits(target, cache_dtype, tokens: list[int], chunk: int = 8) -> np.ndarray:
+    """The target's logits at every position of `tokens` but the first chunk, computed by the programs' paged
+    forward over a one-sequence cache in `cache_dtype` (a float8 one with the static scales of `kv_cache_scales`),
+    `chunk` tokens a forward: each forward writes its chunk's K/V, then reads every page before it back."""
+    from gemma4_mtp_jax.model.kv_state import init_pages, kv_cache_scales, make_layout
+    from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits
+
+    cfg = target.config
+    layout = make_layout(cfg, page_size=4, max_model_len=len(tokens), num_pages={"sliding_attention": 64,
+                                                                                 "full_attention": 64},
+                         prefill_chunk=chunk, scales=kv_cache_scales(cfg, target.params, cache_dtype))
+    spec = StepSpec(target, layout)
+
+    @jax.jit
+    def forward(params, pages, toks, positions, tables):
+        h, pages = forward_paged(spec, params, pages, toks, positions, tables)
+        return lm_logits(target, params, h), pages
+
+    pages = init_pages(cfg, layout, cache_dtype)
+    tables = {g: np.arange(1, w + 1, dtype=np.int32)[None] for g, w in layout.pages_per_seq}  # page 0: the null page
+    rows = []
+    for s in range(0, len(tokens), chunk):
+        toks = np.asarray([tokens[s:s + chunk]], np.int32)
+        positions = np.arange(s, s + toks.shape[1], dtype=np.int32)[None]
+        logits, pages = forward(target.params, pages, toks, positions, tables)
+        if s:
+            rows.append(np.asarray(logits[0], np.float32))
+    return np.concatenate(rows)
+
+
+# Measured on `_prompts(123, [48])`: KL 0.024 nats, top-1 0.875 (the other families, in test_speculative.py: KL
+# 0.05-0.11, top-1 0.56-0.82; the bounds below are theirs).
+FP8_KL, FP8_TOP1 = 0.2, 0.5
+
+
+def test_fp8_kv_cache_keeps_the_target_logits(tiny_ckpts, jax_models):
+    """The 12B family's K/V in a float8 cache, each owning layer's K and V scaled by a power of two from its weights
+    (its k_eq_v full layer's V is its un-normed K projection, v-normed, bounded as any V; the scales are far from
+    1.0): 40 positions of logits, the sliding rings wrapping, stay within KL FP8_KL and top-1 FP8_TOP1 of the
+    float32 cache's, and those are transformers' logits (<= 1e-4): the programs' paged forward of this family."""
+    import jax.numpy as jnp
+
+    from gemma4_mtp_jax.model.kv_state import kv_cache_scales
+    from testenv import kl_and_top1
+
+    target = jax_models.target(tiny_ckpts[FAMILY]["target"])
+    scales = kv_cache_scales(target.config, target.params, jnp.float8_e4m3fn)
+    assert set(scales) == set(range(target.config.num_layers)), scales  # every layer owns its K/V
+    assert all(2.0**-8 <= s <= 2.0**-4 for pair in scales.values() for s in pair), scales
+    tokens = _prompts(123, [48])[0]
+    exact = _chunked_paged_logits(target, jnp.float32, tokens)
+    hf_tiny.assert_close("paged float32 logits vs transformers", exact,
+                         _hf_logits(str(tiny_ckpts[FAMILY]["target"]), tuple(tokens))[8:], 1e-4)
+    kl, top1 = kl_and_top1(exact, _chunked_paged_logits(target, jnp.float8_e4m3fn, tokens))
+    print(f"fp8 KV cache vs float32: KL {kl:.4f} nats, top-1 {top1:.3f}")
+    assert kl <= FP8_KL and top1 >= FP8_TOP1, f"KL {kl:.4g}, top-1 {top1:.3f}"
