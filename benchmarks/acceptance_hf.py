@@ -114,23 +114,29 @@ def parse_list(flag: str, text: str, kind: type) -> list:
 
 def load_pair(target_dir: Path, assistant_dir: Path, dtype: torch.dtype):
     """Target via AutoModelForCausalLM (Gemma4ForCausalLM for a `gemma4_text` config), assistant via
-    Gemma4AssistantForCausalLM: transformers picks its Gemma 4 drafting path from the assistant's class name."""
-    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+    Gemma4AssistantForCausalLM (Gemma4UnifiedAssistantForCausalLM for the 12B's `gemma4_unified_assistant`):
+    transformers picks its Gemma 4 drafting path from the assistant's class name."""
+    import json
+
+    import transformers
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     for flag, d in (("--target", target_dir), ("--assistant", assistant_dir)):
         if not (d / "config.json").is_file():
             raise SystemExit(f"{flag} {d}: no config.json there (expected a Hugging Face checkpoint directory)")
+    unified = json.loads((assistant_dir / "config.json").read_text()).get("model_type") == "gemma4_unified_assistant"
+    assistant_cls = "Gemma4UnifiedAssistantForCausalLM" if unified else "Gemma4AssistantForCausalLM"
     hf_logging.disable_progress_bar()
     try:
         target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).eval()
     except Exception as e:  # the message of from_pretrained alone does not say which flag was at fault
         raise SystemExit(f"--target {target_dir}: transformers could not load it ({type(e).__name__}: {e})")
     try:
-        assistant = Gemma4AssistantForCausalLM.from_pretrained(str(assistant_dir), dtype=dtype).eval()
+        assistant = getattr(transformers, assistant_cls).from_pretrained(str(assistant_dir), dtype=dtype).eval()
     except Exception as e:
         raise SystemExit(f"--assistant {assistant_dir}: transformers could not load it as "
-                         f"Gemma4AssistantForCausalLM ({type(e).__name__}: {e})")
+                         f"{assistant_cls} ({type(e).__name__}: {e})")
     if not type(target).__name__.startswith("Gemma4"):
         raise SystemExit(f"--target {target_dir}: loaded as {type(target).__name__}; transformers drafts with a "
                          "Gemma 4 assistant only for a Gemma 4 (or Gemma 3n) target")

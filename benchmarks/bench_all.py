@@ -155,7 +155,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["e2b", "e4b", "26b", "31b"], choices=sorted(TARGETS))
+    ap.add_argument("--models", nargs="+", default=["e2b", "e4b", "12b", "26b", "31b"], choices=sorted(TARGETS))
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 2, 16, 64])
     ap.add_argument("--k", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--context", type=int, default=4096)

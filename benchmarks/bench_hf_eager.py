@@ -39,16 +39,20 @@ JSON_NAMES = {"transformers": "bench_hf_eager.json", "ours": "bench_ours_generat
 
 
 def build(config: dict, device: str, dtype):
-    """A Gemma4ForCausalLM of this HF text config, its weights drawn at random directly in `dtype` on `device`."""
+    """A Gemma4ForCausalLM of this HF text config (Gemma4UnifiedForCausalLM for the 12B's `gemma4_unified_text`), its
+    weights drawn at random directly in `dtype` on `device`."""
     import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    import transformers
 
-    cfg = Gemma4TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    unified = config.get("model_type") == "gemma4_unified_text"
+    config_cls, model_cls = (("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM") if unified
+                             else ("Gemma4TextConfig", "Gemma4ForCausalLM"))
+    cfg = getattr(transformers, config_cls)(**{k: v for k, v in config.items() if k != "model_type"})
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # never a float32 copy: 31B would not fit twice
     try:
         with torch.device(device):
-            model = Gemma4ForCausalLM(cfg).eval()
+            model = getattr(transformers, model_cls)(cfg).eval()
     finally:
         torch.set_default_dtype(previous)
     model.generation_config.eos_token_id = None

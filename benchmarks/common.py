@@ -25,7 +25,8 @@ from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benc
 
 _S, _F = "sliding_attention", "full_attention"
 
-# Text configs of the released checkpoints (gemma4_architecture.md §6), as HF config.json dicts.
+# Text configs of the released checkpoints (gemma4_architecture.md §6; the 12B's from google/gemma-4-12B-it's
+# config.json, a `gemma4_unified` checkpoint), as HF config.json dicts.
 TARGETS: dict[str, dict] = {
     "e2b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=1536, intermediate_size=6144,
                 num_hidden_layers=35, layer_types=([_S] * 4 + [_F]) * 7, num_attention_heads=8,
@@ -47,19 +48,27 @@ TARGETS: dict[str, dict] = {
                 num_key_value_heads=16, num_global_key_value_heads=4, attention_k_eq_v=True, head_dim=256,
                 global_head_dim=512, sliding_window=1024, hidden_size_per_layer_input=0,
                 final_logit_softcapping=30.0),
+    "12b": dict(model_type="gemma4_unified_text", vocab_size=262144, hidden_size=3840, intermediate_size=15360,
+                num_hidden_layers=48, layer_types=([_S] * 5 + [_F]) * 8, num_attention_heads=16,
+                num_key_value_heads=8, num_global_key_value_heads=1, attention_k_eq_v=True, head_dim=256,
+                global_head_dim=512, sliding_window=1024, final_logit_softcapping=30.0),
 }
 
 
 def _assistant(backbone: str, hidden: int, inter: int, heads: int, kv: int, gkv: int | None, k_eq_v: bool,
                window: int, centroids: bool) -> dict:
-    text = dict(model_type="gemma4_text", vocab_size=262144, hidden_size=hidden, intermediate_size=inter,
+    """The released assistant of `backbone`, of its target's architecture (the 12B's: gemma4_unified_assistant)."""
+    text_type = TARGETS[backbone]["model_type"]
+    text = dict(model_type=text_type, vocab_size=262144, hidden_size=hidden, intermediate_size=inter,
                 num_hidden_layers=4, layer_types=[_S, _S, _S, _F], num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=256, global_head_dim=512, attention_k_eq_v=k_eq_v,
-                sliding_window=window, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                num_kv_shared_layers=4, final_logit_softcapping=None)
+                sliding_window=window, num_kv_shared_layers=4, final_logit_softcapping=None)
+    if text_type == "gemma4_text":  # the unified text config has no per-layer-input fields
+        text.update(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
     if gkv is not None:
         text["num_global_key_value_heads"] = gkv
-    return dict(model_type="gemma4_assistant", backbone_hidden_size=TARGETS[backbone]["hidden_size"],
+    assistant_type = "gemma4_unified_assistant" if text_type == "gemma4_unified_text" else "gemma4_assistant"
+    return dict(model_type=assistant_type, backbone_hidden_size=TARGETS[backbone]["hidden_size"],
                 use_ordered_embeddings=centroids, num_centroids=2048, centroid_intermediate_top_k=32,
                 text_config=text)
 
@@ -69,6 +78,8 @@ ASSISTANTS: dict[str, dict] = {
     "e4b": _assistant("e4b", 256, 2048, 4, 2, None, False, 512, True),
     "26b": _assistant("26b", 1024, 8192, 16, 8, 2, True, 1024, False),
     "31b": _assistant("31b", 1024, 8192, 32, 16, 4, True, 1024, False),
+    # google/gemma-4-12B-it-assistant: a dense head, 423 M parameters
+    "12b": _assistant("12b", 1024, 8192, 16, 8, 1, True, 1024, False),
 }
 
 

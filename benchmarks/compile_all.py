@@ -1,11 +1,11 @@
-"""Compile every program the engine builds at the server's default flags, for the demo pair and the four real
+"""Compile every program the engine builds at the server's default flags, for the demo pair and the five real
 Gemma 4 shapes, plain and speculative; report the program count and compile times per family.
 
 The real shapes need no weights: programs are compiled ahead of time from the parameters' shapes, so the
 families compile in minutes on one GPU (the KV pools are planned as the engine plans them, not allocated). The
 persistent compilation cache stays off: every figure is a cold compile.
 
-    python benchmarks/compile_all.py                      # demo e2b e4b 26b 31b, on the GPU
+    python benchmarks/compile_all.py                      # demo e2b e4b 12b 26b 31b, on the GPU
     python benchmarks/compile_all.py --families demo      # any subset; runs on the CPU too
     python benchmarks/compile_all.py --families e2b --engines speculative --executable-cache-dir DIR  # twice
 
@@ -33,7 +33,7 @@ from gemma4_mtp_jax.engine import Engine, EngineConfig  # noqa: E402
 from gemma4_mtp_jax.server.cli import _max_position_embeddings  # noqa: E402
 from gemma4_mtp_jax.server.flags import DEFAULT_MAX_MODEL_LEN_CAP, build_parser  # noqa: E402
 
-FAMILIES = ["demo", "e2b", "e4b", "26b", "31b"]
+FAMILIES = ["demo", "e2b", "e4b", "12b", "26b", "31b"]
 REAL_MAX_POSITIONS = 131072  # every released Gemma 4 text config allows at least this; the server caps it
 
 

@@ -33,8 +33,10 @@ __all__ = [
     "resolve_source",
 ]
 
-TARGET_MODEL_TYPES = ("gemma4", "gemma4_text")
-ASSISTANT_MODEL_TYPES = ("gemma4_assistant",)
+# The model config's lists (gemma4_mtp_jax/model/config.py), spelled out so that `--help` imports no JAX; a test
+# keeps them equal. Gemma 4 and Gemma 4 unified (12B).
+TARGET_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 DTYPES = ("bfloat16", "float32")
 QUANTIZATIONS = ("none", "fp8")
 

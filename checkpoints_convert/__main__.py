@@ -11,8 +11,8 @@ import sys
 from checkpoints_convert import DTYPES, QUANTIZATIONS, ConvertError, convert
 
 EPILOG = """\
-The model kind comes from config.json's model_type: gemma4 / gemma4_text -> target,
-gemma4_assistant -> MTP assistant (drafter). The output directory receives params/ (Orbax),
+The model kind comes from config.json's model_type: gemma4 / gemma4_text / gemma4_unified /
+gemma4_unified_text -> target, gemma4_assistant / gemma4_unified_assistant -> MTP assistant (drafter). The output directory receives params/ (Orbax),
 gemma4_mtp_jax.json (metadata), config.json, generation_config.json and the tokenizer files;
 pass it to gemma4_mtp_jax.load_target / load_assistant or to `python -m gemma4_mtp_jax.serve --ckpt`.
 
@@ -20,6 +20,7 @@ examples:
   python -m checkpoints_convert --hf ~/models/gemma-4-E2B-it --out ckpt/e2b
   python -m checkpoints_convert --hf google/gemma-4-E2B-it-assistant --out ckpt/e2b-assistant --dtype bfloat16
   python -m checkpoints_convert --hf google/gemma-4-31B-it --out ckpt/31b-fp8 --dtype bfloat16 --quantize fp8
+  python -m checkpoints_convert --hf google/gemma-4-12B-it --out ckpt/12b --dtype bfloat16
 """
 
 

@@ -201,7 +201,8 @@ def _load_params(kind: str, d: Path, cfg: Any, abstract: Any, dt: Any, load_form
 
 def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, load_format: str = "auto",
                 on_host: bool = False, quantization: str | None = None) -> Target:
-    """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`), a converted Orbax directory, or a hub id.
+    """Load a Gemma 4 target from a HF directory (`gemma4` or `gemma4_text`; the unified 12B's `gemma4_unified` or
+    `gemma4_unified_text`: the text weights of a multimodal checkpoint), a converted Orbax directory, or a hub id.
 
     dtype: "float32" | "bfloat16" | None (None: the checkpoint's own dtype). load_format "dummy": only config.json
     is read, the weights are random (timing real shapes without the checkpoint). on_host: keep the safetensors
@@ -219,7 +220,8 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, l
 
 def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
                    load_format: str = "auto", on_host: bool = False, quantization: str | None = None) -> Assistant:
-    """Load a Gemma 4 assistant (`gemma4_assistant`) from a HF directory, a converted Orbax directory, or a hub id
+    """Load a Gemma 4 assistant (`gemma4_assistant`, `gemma4_unified_assistant`) from a HF directory, a converted
+    Orbax directory, or a hub id
     (load_format, on_host and quantization as `load_target`'s)."""
     d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "assistant", quantization)
     params = _load_params("assistant", d, cfg, abstract, dt, load_format, on_host)

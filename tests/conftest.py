@@ -44,8 +44,9 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict:
-    """{family: {"target": Path, "assistant": Path[, "target_multimodal" | "target_sharded": Path]}} for the tiny
-    random transformers-built checkpoints of hf_tiny.py (families "e2b", "a26b", "b31b"); built once per session."""
+    """{family: {"target": Path, "assistant": Path[, "target_multimodal" | "target_sharded" | "target_text": Path]}}
+    for the tiny random transformers-built checkpoints of hf_tiny.py (families "e2b", "a26b", "b31b" and the
+    unified "u12b"); built once per session."""
     import hf_tiny  # torch + transformers: imported only by the tests that need them
 
     root = tmp_path_factory.mktemp("hf_tiny")

@@ -7,11 +7,16 @@ Families (all float32, vocab 512, sliding window 8, deterministic):
   * "a26b": MoE block beside the dense MLP, attention_k_eq_v with fewer full-layer KV heads; dense-head assistant.
   * "b31b": dense (no MoE, no PLE), attention_k_eq_v, 6 heads / 3 KV heads sliding, 1 KV head full, 7 layers whose last
             layer is forced to full by the config; dense-head assistant.
+  * "u12b": the unified architecture of the 12B (`gemma4_unified`): dense, attention_k_eq_v with one full-layer KV
+            head, the default 5:1 layer pattern; saved as the released 12B is, a Gemma4UnifiedForConditionalGeneration
+            (text weights under `model.language_model.`, the encoder-free vision / audio embedders beside them);
+            dense-head `gemma4_unified_assistant`.
 Extra layouts (built by `build_all`):
   * e2b "target_multimodal": text weights under `model.language_model.`, a `model_type: "gemma4"` config.json with
     `text_config` in the released style (`global_head_dim`/`num_global_key_value_heads`, no `per_layer_config`), fake
     vision/audio tensors and stale k_proj/v_proj/k_norm tensors for the KV-shared layers (a loader must skip them).
   * a26b "target_sharded": `model.safetensors.index.json` + 2 shards.
+  * u12b "target_text": the same weights saved by Gemma4UnifiedForCausalLM (`gemma4_unified_text`, names `model.`).
 
 `write_compressed_tensors_fp8` copies a checkpoint into compressed-tensors' FP8-dynamic layout (fp8 Linear weights
 with their scales), the layout of the fp8 Gemma 4 checkpoints users download.
@@ -35,13 +40,14 @@ import torch
 VOCAB = 512
 SLIDING_WINDOW = 8
 NUM_ASSISTANT_TOKENS = 4
-FAMILIES = ("e2b", "a26b", "b31b")
+FAMILIES = ("e2b", "a26b", "b31b", "u12b")
 # token ids the e2b assistant's generation_config suppresses (transformers itself ignores them while drafting)
 E2B_SUPPRESS_TOKENS = [3, 4, 5, 300]
 # residual-branch scale of the target in `align_for_acceptance_`; chosen so that greedy assisted decoding mixes rounds
 # with 0, partial and full acceptance (see `acceptance_report`)
-ALIGN_ALPHA = {"e2b": 0.5, "a26b": 1.0, "b31b": 0.3}
-SEEDS = {"e2b": 1234, "a26b": 2345, "b31b": 3456}
+ALIGN_ALPHA = {"e2b": 0.5, "a26b": 1.0, "b31b": 0.3, "u12b": 0.3}
+SEEDS = {"e2b": 1234, "a26b": 2345, "b31b": 3456, "u12b": 4567}
+UNIFIED = ("u12b",)  # families of the unified architecture (transformers' Gemma4Unified* classes)
 
 _S, _F = "sliding_attention", "full_attention"
 
@@ -49,11 +55,58 @@ _S, _F = "sliding_attention", "full_attention"
 # ----------------------------------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------------------------------
+def _unified_configs():
+    """(Gemma4UnifiedConfig of the multimodal target, Gemma4UnifiedAssistantConfig) of "u12b": the 12B's features
+    (dense, k_eq_v, 1 full-layer KV head, [S x 5, F] layers, softcap 30) at tiny sizes; embedders of tiny inputs
+    (2x2 patches pooled 2x2: 48 pixel values a soft token; 8 audio samples a token)."""
+    from transformers import (Gemma4UnifiedAssistantConfig, Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig,
+                              Gemma4UnifiedTextConfig, Gemma4UnifiedVisionConfig)
+
+    common = dict(vocab_size=VOCAB, sliding_window=SLIDING_WINDOW, eos_token_id=None)
+    text = Gemma4UnifiedTextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,  # layer_types left to the config: [S, S, S, S, S, F], the 12B's pattern
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        head_dim=8,
+        global_head_dim=16,
+        final_logit_softcapping=30.0,
+        **common,
+    )
+    vision = Gemma4UnifiedVisionConfig(patch_size=2, pooling_kernel_size=2, mm_embed_dim=16, mm_posemb_size=8,
+                                       output_proj_dims=16)
+    target = Gemma4UnifiedConfig(text_config=text, vision_config=vision,
+                                 audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=8))
+    draft_text = Gemma4UnifiedTextConfig(
+        hidden_size=24,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        layer_types=[_S, _S, _S, _F],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        head_dim=8,
+        global_head_dim=16,
+        **common,
+    )
+    assistant = Gemma4UnifiedAssistantConfig(
+        text_config=draft_text, backbone_hidden_size=32, use_ordered_embeddings=False, eos_token_id=None
+    )
+    return target, assistant
+
+
 def make_configs(family: str):
-    """(target Gemma4TextConfig, Gemma4AssistantConfig) for one family."""
+    """(target config, assistant config) for one family: Gemma4TextConfig and Gemma4AssistantConfig, or for the
+    unified families Gemma4UnifiedConfig (multimodal) and Gemma4UnifiedAssistantConfig."""
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
     common = dict(vocab_size=VOCAB, sliding_window=SLIDING_WINDOW, eos_token_id=None)
+    if family in UNIFIED:
+        return _unified_configs()
     if family == "e2b":
         target = Gemma4TextConfig(
             hidden_size=64,
@@ -214,7 +267,7 @@ def align_for_acceptance_(target, assistant, alpha_t: float, alpha_a: float = 0.
             ):
                 p.mul_(a)
     E = target.get_input_embeddings().weight  # [V, Hb]
-    Hb, Ha = E.shape[1], assistant.config.text_config.hidden_size
+    Hb, Ha = E.shape[1], assistant.config.get_text_config().hidden_size
     M = torch.linalg.qr(torch.randn(Hb, Ha, generator=g))[0].T  # [Ha, Hb], orthonormal rows
     pre = assistant.pre_projection.weight  # [Ha, 2*Hb]: first half multiplies the token embedding
     pre[:, :Hb] = M
@@ -231,11 +284,16 @@ def align_for_acceptance_(target, assistant, alpha_t: float, alpha_a: float = 0.
 def make_models(family: str, align: bool = True, std: float = 0.2):
     """Fresh (target, assistant) torch models with the family's deterministic random weights; `align=False` skips
     the acceptance alignment (the target then generates varied text instead of mostly repeating tokens)."""
-    from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+    from transformers import (Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4UnifiedAssistantForCausalLM,
+                              Gemma4UnifiedForConditionalGeneration)
 
     tcfg, acfg = make_configs(family)
-    target = Gemma4ForCausalLM(tcfg).eval()
-    assistant = Gemma4AssistantForCausalLM(acfg).eval()
+    if family in UNIFIED:  # the released 12B is the multimodal model; its text weights are what we serve
+        target = Gemma4UnifiedForConditionalGeneration(tcfg).eval()
+        assistant = Gemma4UnifiedAssistantForCausalLM(acfg).eval()
+    else:
+        target = Gemma4ForCausalLM(tcfg).eval()
+        assistant = Gemma4AssistantForCausalLM(acfg).eval()
     seed = SEEDS[family]
     randomize_(target, seed, std=std)
     randomize_(assistant, seed + 1, std=std)
@@ -416,6 +474,22 @@ def build_sharded_target(family: str, out_dir: Path) -> Path:
     return Path(out_dir)
 
 
+def build_unified_text_target(family: str, out_dir: Path) -> Path:
+    """The unified family's target weights saved by Gemma4UnifiedForCausalLM (config `gemma4_unified_text`, text
+    weights under `model.`, no embedders): the text-only layout of the same model."""
+    from transformers import Gemma4UnifiedForCausalLM
+
+    multimodal, _ = make_models(family)
+    text = Gemma4UnifiedForCausalLM(multimodal.config.get_text_config()).eval()
+    prefix = "model.language_model."
+    state = {"model." + k[len(prefix):]: v for k, v in multimodal.state_dict().items() if k.startswith(prefix)}
+    missing, unexpected = text.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    text.tie_weights()
+    _quiet_save(text, Path(out_dir))
+    return Path(out_dir)
+
+
 def build_all(root: Path) -> dict:
     """Build every family under root/<family>/. Returns {family: {"target", "assistant"[, extra layouts]}}."""
     root = Path(root)
@@ -425,6 +499,7 @@ def build_all(root: Path) -> dict:
         out[fam]["target_plain"] = build_plain_target(fam, root / fam / "target_plain")
     out["e2b"]["target_multimodal"] = build_multimodal_target("e2b", root / "e2b" / "target_multimodal")
     out["a26b"]["target_sharded"] = build_sharded_target("a26b", root / "a26b" / "target_sharded")
+    out["u12b"]["target_text"] = build_unified_text_target("u12b", root / "u12b" / "target_text")
     return out
 
 
@@ -443,18 +518,27 @@ def _quiet_load(cls, path: str):
             hf_logging.enable_progress_bar()
 
 
+def _model_type(directory) -> str:
+    return json.loads((Path(directory) / "config.json").read_text())["model_type"]
+
+
 @functools.lru_cache(maxsize=None)
 def load_hf_target(target_dir: str):
-    from transformers import Gemma4ForCausalLM
+    """transformers' model of the checkpoint's own class (the unified multimodal one for a `gemma4_unified` target,
+    which is how the released 12B runs text)."""
+    import transformers
 
-    return _quiet_load(Gemma4ForCausalLM, target_dir)
+    cls = {"gemma4_unified": "Gemma4UnifiedForConditionalGeneration", "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
+    return _quiet_load(getattr(transformers, cls.get(_model_type(target_dir), "Gemma4ForCausalLM")), target_dir)
 
 
 @functools.lru_cache(maxsize=None)
 def load_hf_assistant(assistant_dir: str):
-    from transformers import Gemma4AssistantForCausalLM
+    import transformers
 
-    return _quiet_load(Gemma4AssistantForCausalLM, assistant_dir)
+    unified = _model_type(assistant_dir) == "gemma4_unified_assistant"
+    return _quiet_load(getattr(transformers, "Gemma4UnifiedAssistantForCausalLM" if unified
+                               else "Gemma4AssistantForCausalLM"), assistant_dir)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -120,6 +120,71 @@ def test_assistant_config_and_pair_checks():
         parse_assistant_config(bad)
 
 
+# The released 12B's text config (google/gemma-4-12B-it, `gemma4_unified`) at its own sizes, the fields it carries
+# that the unified architecture has no use for included (per-layer-input and MoE fields, off).
+UNIFIED_12B = dict(model_type="gemma4_unified_text", vocab_size=262144, hidden_size=3840, intermediate_size=15360,
+                   num_hidden_layers=48, layer_types=([_S] * 5 + [_F]) * 8, num_attention_heads=16,
+                   num_key_value_heads=8, num_global_key_value_heads=1, attention_k_eq_v=True, head_dim=256,
+                   global_head_dim=512, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                   vocab_size_per_layer_input=262144, enable_moe_block=False, num_experts=None,
+                   num_kv_shared_layers=0, use_double_wide_mlp=False)
+
+
+def test_unified_configs_parse_with_their_own_defaults_and_pair_only_with_each_other():
+    """`gemma4_unified` (the 12B) wraps a `gemma4_unified_text` model: no PLE, no MoE (a config turning either on is
+    refused), transformers' unified defaults (sliding window 1024 where the field is absent), a wrapper holding
+    its own architecture's text model only; its `gemma4_unified_assistant` drafts for it and not for a Gemma 4
+    target of the same geometry, nor a Gemma 4 assistant for it."""
+    text = {k: v for k, v in UNIFIED_12B.items() if k != "sliding_window"}
+    cfg = parse_target_config({"model_type": "gemma4_unified", "text_config": text})
+    assert cfg.model_type == "gemma4_unified_text" and cfg.sliding_window == 1024
+    assert cfg.hidden_size_per_layer_input == 0 and not cfg.enable_moe_block and cfg.num_experts == 0
+    assert cfg.store_layers == {_S: 46, _F: 47}
+    assert {(lc.layer_type, lc.head_dim, lc.num_kv_heads, lc.k_eq_v) for lc in cfg.layers} == {
+        (_S, 256, 8, False), (_F, 512, 1, True)}
+    assert parse_target_config(dict(UNIFIED_12B, sliding_window=1024)).layers == cfg.layers
+    assert parse_target_config(_cfg()).sliding_window == 8 and parse_target_config(
+        {k: v for k, v in _cfg().items() if k != "sliding_window"}).sliding_window == 512  # Gemma 4's default
+    for change, field in ((dict(hidden_size_per_layer_input=256), "hidden_size_per_layer_input"),
+                          (dict(enable_moe_block=True, num_experts=4), "enable_moe_block")):
+        with pytest.raises(ConfigError, match=field):
+            parse_target_config(dict(UNIFIED_12B, **change))
+    with pytest.raises(ConfigError, match="gemma4_unified_text"):
+        parse_target_config({"model_type": "gemma4_unified", "text_config": _cfg()})  # a gemma4_text inside
+    with pytest.raises(ConfigError, match="gemma4_text"):
+        parse_target_config({"model_type": "gemma4", "text_config": UNIFIED_12B})
+
+    draft_text = dict(model_type="gemma4_unified_text", vocab_size=262144, hidden_size=1024, intermediate_size=8192,
+                      num_hidden_layers=4, layer_types=[_S, _S, _S, _F], num_attention_heads=16,
+                      num_key_value_heads=8, num_global_key_value_heads=1, attention_k_eq_v=True, head_dim=256,
+                      global_head_dim=512, sliding_window=1024)
+    unified_assistant = dict(model_type="gemma4_unified_assistant", backbone_hidden_size=3840,
+                             use_ordered_embeddings=False, text_config=draft_text)
+    a = parse_assistant_config(unified_assistant)
+    assert a.text.model_type == "gemma4_unified_text" and all(lc.kv_mode == "reuse" for lc in a.text.layers)
+    check_pair(cfg, a)
+    no_type = dict(unified_assistant, text_config={k: v for k, v in draft_text.items() if k != "model_type"})
+    assert parse_assistant_config(no_type).text == a.text  # transformers' default sub-config is the unified one
+    same_geometry = parse_target_config(dict(UNIFIED_12B, model_type="gemma4_text", sliding_window=1024))
+    with pytest.raises(ConfigError, match="gemma4_unified_assistant"):
+        check_pair(same_geometry, a)
+    gemma4_assistant = parse_assistant_config(dict(unified_assistant, model_type="gemma4_assistant",
+                                                   text_config=dict(draft_text, model_type="gemma4_text")))
+    with pytest.raises(ConfigError, match="gemma4_assistant"):
+        check_pair(cfg, gemma4_assistant)
+    with pytest.raises(ConfigError, match="gemma4_unified_text"):
+        parse_assistant_config(dict(unified_assistant, text_config=dict(draft_text, model_type="gemma4_text")))
+
+
+def test_converter_knows_the_model_types_the_loaders_do():
+    """checkpoints_convert spells the model types out (its --help imports no JAX): the loaders' lists."""
+    import checkpoints_convert
+    from gemma4_mtp_jax.model import config
+
+    assert set(checkpoints_convert.TARGET_MODEL_TYPES) == set(config.TARGET_MODEL_TYPES)
+    assert set(checkpoints_convert.ASSISTANT_MODEL_TYPES) == set(config.ASSISTANT_MODEL_TYPES)
+
+
 # -------------------------------------------------------------------------------------------------- bad checkpoints
 def _copy_with(src, dst, edit, torch: bool = False):
     """A copy of checkpoint `src` at `dst` with `edit` applied to its tensors: numpy arrays, or torch tensors (for

@@ -93,14 +93,15 @@ def _run_child(tiny_ckpts, sizes: dict[str, list[int]], modes: dict[str, list[st
 
 
 def test_tensor_parallel_equals_one_device(tiny_ckpts):
-    """TP = 2 for a26b and b31b, TP = 4 for e2b (the only tiny checkpoint whose heads 4 divides), in one process
+    """TP = 2 for a26b, b31b and u12b (the unified 12B: its sliding pages split by KV head, its one full-layer KV
+    head replicated), TP = 4 for e2b (the only tiny checkpoint whose heads 4 divides), in one process
     with four CPU devices, greedy and sampled rows: speculative for every family (its prefill and verify run the
     target's forward, its rounds the drafter over the split pages), plain decode for e2b. (Each engine costs ~20 s
     of the CPU suite, so e2b at TP = 2 is left to the other families.) On a machine with two or three GPUs, e2b
     runs at TP = 2 on them instead."""
     e2b = 4 if _gpus() in (0, 1) or _gpus() >= 4 else 2
-    sizes = {"e2b": [1, e2b], "a26b": [1, 2], "b31b": [1, 2]}
-    modes = {"e2b": ["plain", "spec"], "a26b": ["spec"], "b31b": ["spec"]}
+    sizes = {"e2b": [1, e2b], "a26b": [1, 2], "b31b": [1, 2], "u12b": [1, 2]}
+    modes = {"e2b": ["plain", "spec"], "a26b": ["spec"], "b31b": ["spec"], "u12b": ["spec"]}
     got = _run_child(tiny_ckpts, sizes, modes, devices=e2b)
     runs = got["runs"]
     for family, family_sizes in sizes.items():

@@ -278,7 +278,7 @@ def test_trained_centroid_head(trained):
 # ----------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", hf_tiny.FAMILIES)
 def test_default_architecture_written_and_read_by_transformers(family, tiny_ckpts, tmp_path):
-    """The default assistant for each tiny target (centroid head for the PLE target e2b, dense for a26b and b31b,
+    """The default assistant for each tiny target (centroid head for the PLE target e2b, dense for the others,
     whose full layers have other K/V geometry) is accepted by our config checks and, initialised and written,
     loads in transformers with the same first draft step as ours."""
     import gemma4_mtp_jax as g

@@ -1,10 +1,15 @@
 """Gemma 4 configs, read from Hugging Face `config.json`.
 
-Three `model_type`s are accepted: `gemma4` (multimodal wrapper; the text model sits in `text_config`),
-`gemma4_text` and `gemma4_assistant`. Full-attention layers may override head dim and KV heads in two
-serialised forms: the released one (`global_head_dim`, `num_global_key_value_heads`) and the form
-transformers >= 5.15 writes (`per_layer_config`, keyed by layer index). Everything the model needs per layer
-is derived here once, so the model code never re-derives it.
+Two architectures, each a target (multimodal wrapper or text model) and an assistant:
+  * Gemma 4 (E2B, E4B, 26B-A4B, 31B): `gemma4` (multimodal wrapper; the text model sits in `text_config`),
+    `gemma4_text`, `gemma4_assistant`;
+  * Gemma 4 "unified" (12B, encoder-free multimodal): `gemma4_unified`, `gemma4_unified_text`,
+    `gemma4_unified_assistant`. Its text model is Gemma 4's without per-layer embeddings and without the MoE block
+    (transformers' `Gemma4UnifiedTextConfig` has neither field), with other defaults (sliding window 1024).
+Full-attention layers may override head dim and KV heads in two serialised forms: the released one
+(`global_head_dim`, `num_global_key_value_heads`) and the form transformers >= 5.15 writes (`per_layer_config`,
+keyed by layer index). Everything the model needs per layer is derived here once, so the model code never
+re-derives it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,18 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 LayerType = Literal["sliding_attention", "full_attention"]
 LAYER_TYPES: tuple[str, str] = (SLIDING, FULL)
+
+# model_type of the text model -> (its multimodal wrapper's, its assistant's). The architecture a config names
+# decides its defaults and which fields exist; the model code itself is one for both.
+GEMMA4_TEXT, UNIFIED_TEXT = "gemma4_text", "gemma4_unified_text"
+FAMILIES: dict[str, tuple[str, str]] = {
+    GEMMA4_TEXT: ("gemma4", "gemma4_assistant"),
+    UNIFIED_TEXT: ("gemma4_unified", "gemma4_unified_assistant"),
+}
+TARGET_MODEL_TYPES: tuple[str, ...] = tuple(t for text, (wrapper, _) in FAMILIES.items() for t in (wrapper, text))
+ASSISTANT_MODEL_TYPES: tuple[str, ...] = tuple(a for _, a in FAMILIES.values())
+# transformers' per-architecture defaults of the fields a config.json may leave out
+_DEFAULT_SLIDING_WINDOW = {GEMMA4_TEXT: 512, UNIFIED_TEXT: 1024}
 
 _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -78,6 +95,7 @@ class TextConfig:
     pad_token_id: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    model_type: str = GEMMA4_TEXT  # the architecture (FAMILIES): gemma4_text or gemma4_unified_text
 
     @property
     def store_layers(self) -> dict[str, int]:
@@ -174,9 +192,19 @@ def _full_layer_overrides(d: dict, layer_types: tuple[str, ...], where: str) -> 
 
 
 def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: bool = False) -> TextConfig:
-    mt = d.get("model_type", "gemma4_text")
-    if mt != "gemma4_text":
-        raise ConfigError(f"{where}: text model_type must be 'gemma4_text', got '{mt}'")
+    mt = d.get("model_type", GEMMA4_TEXT)
+    if mt not in FAMILIES:
+        raise ConfigError(f"{where}: text model_type must be one of {sorted(FAMILIES)}, got '{mt}'")
+    unified = mt == UNIFIED_TEXT
+    if unified:
+        # The unified architecture has no per-layer embeddings and no MoE block: transformers' unified model never
+        # reads these fields (released 12B configs still carry them, off). One that turns either on describes
+        # weights that model would not have, so refuse it rather than load a different model silently.
+        for key, on in (("hidden_size_per_layer_input", bool(d.get("hidden_size_per_layer_input"))),
+                        ("enable_moe_block", bool(d.get("enable_moe_block")))):
+            if on:
+                raise ConfigError(f"{where}: {key}={d[key]!r}: the gemma4_unified architecture has no "
+                                  f"{'per-layer embeddings' if key.startswith('hidden') else 'MoE block'}")
     if d.get("use_bidirectional_attention") == "all":
         raise ConfigError(f"{where}: use_bidirectional_attention='all' (non-causal text model) is not supported")
     act = d.get("hidden_activation", "gelu_pytorch_tanh")
@@ -209,9 +237,9 @@ def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: 
     if not 0 <= n_shared <= L:
         raise ConfigError(f"{where}: num_kv_shared_layers={n_shared} is outside 0..num_hidden_layers={L}")
     k_eq_v = bool(d.get("attention_k_eq_v", False))
-    moe = bool(d.get("enable_moe_block", False))
+    moe = bool(d.get("enable_moe_block", False)) and not unified
     double_wide = bool(d.get("use_double_wide_mlp", False))
-    P = int(d.get("hidden_size_per_layer_input") or 0)
+    P = 0 if unified else int(d.get("hidden_size_per_layer_input") or 0)
     V = int(_field(d, "vocab_size", where))
 
     overrides = _full_layer_overrides(d, layer_types, where)
@@ -280,7 +308,7 @@ def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: 
         layer_types=layer_types,
         layers=tuple(layers),
         rope=_rope(d, where),
-        sliding_window=int(_field(d, "sliding_window", where, 512)),
+        sliding_window=int(_field(d, "sliding_window", where, _DEFAULT_SLIDING_WINDOW[mt])),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         final_logit_softcapping=d.get("final_logit_softcapping"),
         hidden_size_per_layer_input=P,
@@ -288,36 +316,47 @@ def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: 
         num_kv_shared_layers=n_shared,
         attention_k_eq_v=k_eq_v,
         enable_moe_block=moe,
-        num_experts=int(d.get("num_experts") or 0),
-        top_k_experts=int(d.get("top_k_experts") or 0),
-        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        num_experts=0 if unified else int(d.get("num_experts") or 0),
+        top_k_experts=0 if unified else int(d.get("top_k_experts") or 0),
+        moe_intermediate_size=0 if unified else int(d.get("moe_intermediate_size") or 0),
         pad_token_id=d.get("pad_token_id"),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_int_list(d.get("eos_token_id")),
+        model_type=mt,
     )
 
 
 def parse_target_config(d: dict, where: str = "config.json") -> TextConfig:
     mt = d.get("model_type")
-    if mt == "gemma4":
-        if "text_config" not in d or not isinstance(d["text_config"], dict):
-            raise ConfigError(f"{where}: model_type 'gemma4' needs a 'text_config' object")
-        tc = dict(d["text_config"])
-        tc.setdefault("model_type", "gemma4_text")
-        return parse_text_config(tc, f"{where}: text_config")
-    if mt == "gemma4_text":
-        return parse_text_config(d, where)
-    raise ConfigError(f"{where}: model_type '{mt}' is not a Gemma 4 target (expected 'gemma4' or 'gemma4_text')")
+    for text, (wrapper, _) in FAMILIES.items():
+        if mt == wrapper:
+            if "text_config" not in d or not isinstance(d["text_config"], dict):
+                raise ConfigError(f"{where}: model_type '{wrapper}' needs a 'text_config' object")
+            tc = dict(d["text_config"])
+            tc.setdefault("model_type", text)
+            if tc["model_type"] != text:  # a wrapper holds its own architecture's text model
+                raise ConfigError(f"{where}: text_config.model_type must be '{text}' in a '{wrapper}' config, "
+                                  f"got '{tc['model_type']}'")
+            return parse_text_config(tc, f"{where}: text_config")
+        if mt == text:
+            return parse_text_config(d, where)
+    raise ConfigError(f"{where}: model_type '{mt}' is not a Gemma 4 target (expected one of "
+                      f"{', '.join(repr(t) for t in TARGET_MODEL_TYPES)})")
 
 
 def parse_assistant_config(d: dict, where: str = "config.json") -> AssistantConfig:
     mt = d.get("model_type")
-    if mt != "gemma4_assistant":
-        raise ConfigError(f"{where}: model_type '{mt}' is not a Gemma 4 assistant (expected 'gemma4_assistant')")
+    texts = {assistant: text for text, (_, assistant) in FAMILIES.items()}
+    if mt not in texts:
+        raise ConfigError(f"{where}: model_type '{mt}' is not a Gemma 4 assistant (expected one of "
+                          f"{', '.join(repr(a) for a in ASSISTANT_MODEL_TYPES)})")
     if not isinstance(d.get("text_config"), dict):
         raise ConfigError(f"{where}: 'text_config' is missing")
     tc = dict(d["text_config"])
-    tc.setdefault("model_type", "gemma4_text")
+    tc.setdefault("model_type", texts[mt])  # transformers' sub-config default for this assistant
+    if tc["model_type"] != texts[mt]:
+        raise ConfigError(f"{where}: text_config.model_type must be '{texts[mt]}' in a '{mt}' config, "
+                          f"got '{tc['model_type']}'")
     text = parse_text_config(tc, f"{where}: text_config", all_layers_reuse=True)
     for field, ok in (
         ("hidden_size_per_layer_input", text.hidden_size_per_layer_input == 0),
@@ -346,7 +385,12 @@ def parse_assistant_config(d: dict, where: str = "config.json") -> AssistantConf
 
 
 def check_pair(target: TextConfig, assistant: AssistantConfig) -> None:
-    """The assistant attends to the target's store-layer K/V: geometry and sizes must agree."""
+    """The assistant attends to the target's store-layer K/V: geometry and sizes must agree, and it was trained
+    with a target of its own architecture (a unified assistant drafts for the unified 12B only)."""
+    if assistant.text.model_type != target.model_type:
+        wants = FAMILIES[assistant.text.model_type][0]
+        raise ConfigError(f"a '{FAMILIES[assistant.text.model_type][1]}' drafts for a '{wants}' target, "
+                          f"not a '{FAMILIES[target.model_type][0]}' one")
     if assistant.backbone_hidden_size != target.hidden_size:
         raise ConfigError(
             f"assistant backbone_hidden_size={assistant.backbone_hidden_size} "

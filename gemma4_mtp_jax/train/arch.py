@@ -19,6 +19,7 @@ import numpy as np
 
 from gemma4_mtp_jax.api import abstract_assistant_params
 from gemma4_mtp_jax.model.config import (
+    FAMILIES,
     FULL,
     SLIDING,
     AssistantConfig,
@@ -39,9 +40,11 @@ def default_assistant_config(target_json: dict, target: TextConfig) -> dict:
     4 Q-only layers [S, S, S, F] reading the target's store layers (so K/V geometry, window and RoPE are the
     target's); hidden 256 with half the target's heads for PLE targets (E2B/E4B), else hidden 1024 with the target's
     heads (26B-A4B, 31B), never more than half the target's hidden size; FFN 8x hidden; the centroid head for PLE
-    targets (V/128 clusters, top 32, scaled down for small vocabularies).
+    targets (V/128 clusters, top 32, scaled down for small vocabularies). The assistant is of the target's own
+    architecture: `gemma4_unified_assistant` for the unified 12B (as the released one), else `gemma4_assistant`.
     """
-    text_json = (target_json.get("text_config", target_json) if target_json.get("model_type") == "gemma4"
+    wrapper, assistant_type = FAMILIES[target.model_type]
+    text_json = (target_json.get("text_config", target_json) if target_json.get("model_type") == wrapper
                  else target_json)
     ple = target.hidden_size_per_layer_input > 0
     hidden = min(256 if ple else 1024, max(8, target.hidden_size // 2))
@@ -54,7 +57,7 @@ def default_assistant_config(target_json: dict, target: TextConfig) -> dict:
     centroids = min(2048, max(1, V // 32))
     ordered = ple and V % centroids == 0 and centroids > 1
     text = {
-        "model_type": "gemma4_text",
+        "model_type": target.model_type,
         "vocab_size": V,
         "hidden_size": hidden,
         "intermediate_size": 8 * hidden,
@@ -84,8 +87,9 @@ def default_assistant_config(target_json: dict, target: TextConfig) -> dict:
     if text_json.get("rope_parameters"):
         text["rope_parameters"] = copy.deepcopy(text_json["rope_parameters"])
     return {
-        "architectures": ["Gemma4AssistantForCausalLM"],
-        "model_type": "gemma4_assistant",
+        "architectures": ["Gemma4UnifiedAssistantForCausalLM" if target.model_type != "gemma4_text"
+                          else "Gemma4AssistantForCausalLM"],
+        "model_type": assistant_type,
         "backbone_hidden_size": target.hidden_size,
         "use_ordered_embeddings": ordered,
         "num_centroids": centroids,

@@ -27,8 +27,12 @@ from gemma4_mtp_jax.model.config import AssistantConfig, TextConfig
 from gemma4_mtp_jax.weights.quantize import FP8, as_param, checkpoint_scale, is_scale, scale_path
 from gemma4_mtp_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
-# Multimodal checkpoints (Gemma4ForConditionalGeneration) carry towers the text model never reads.
-_MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+# Multimodal checkpoints carry what the text model never reads: Gemma4ForConditionalGeneration its vision and audio
+# towers and their embedders; the unified 12B (Gemma4UnifiedForConditionalGeneration, encoder-free) its embedders
+# alone, stored under transformers' checkpoint names (`model.vision_embedder.patch_*` / `pos_*` and
+# `model.embed_vision.embedding_projection`, which transformers renames into `embed_vision.` when it loads them).
+_MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                        "model.vision_embedder.")
 _KV_PROJ = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 
