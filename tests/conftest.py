@@ -42,6 +42,22 @@ def pytest_configure(config):
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled_programs_freed():
+    """Each module's compiled programs are freed when it ends: JAX's caches keep every program a jitted function
+    compiled (module-level functions live as long as the process), and on the CPU each XLA program is ~450 memory
+    mappings (one code, read-only and data mapping per kernel). Kept across the suite they passed Linux's limit of
+    65530 mappings per process, and XLA:CPU then crashed compiling the next program (a segmentation fault in
+    tests/test_speculative.py, which alone reaches ~45000)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict:
     """{family: {"target": Path, "assistant": Path[, "target_multimodal" | "target_sharded" | "target_text": Path]}}

@@ -82,7 +82,9 @@ def engines(tiny_ckpts, jax_models):
     for the whole module (k=0: no assistant; oracle: drafting with TargetGreedyDrafter; cache_dtype: EngineConfig's,
     the target's float32 when None; quantization "fp8": the target's weights fp8, its activations float32 as the
     others'; adaptive: round sizes chosen per step, compiled in the background). An fp8 cache's engines, plain and
-    speculative, take 2 sequences (one batch bucket to compile)."""
+    speculative, take 2 sequences (one batch bucket to compile). `engines.drop(...)` (the same arguments) frees an
+    engine no later test takes: the module's engines together come near the process's limit of memory mappings
+    (conftest.compiled_programs_freed)."""
     from gemma4_mtp_jax.api import load_target
     from gemma4_mtp_jax.engine import Engine
 
@@ -111,6 +113,14 @@ def engines(tiny_ckpts, jax_models):
                                     drafter=TargetGreedyDrafter() if oracle else None)
         return cache[key]
 
+    def drop(family: str, k: int = 0, oracle: bool = False, cache_dtype: str | None = None,
+             quantization: str | None = None, adaptive: bool = False) -> None:
+        import gc
+
+        if cache.pop((family, k, oracle, cache_dtype, quantization, adaptive), None) is not None:
+            gc.collect()
+
+    get.drop = drop
     return get
 
 
@@ -213,6 +223,10 @@ def test_greedy_speculative_equals_plain(family, k, cache_dtype, quantization, e
     assert all(0 <= t < hf_tiny.VOCAB for t in sampled.output) and len(sampled.output) == MAX_NEW
     assert all(n == 0 for n in eng.pages_in_use().values()), eng.pages_in_use()
     assert sorted(eng.kv.free_slots) == list(range(eng.config.max_num_seqs)) and not eng.scheduler.running
+    if k < K or quantization is not None:  # taken by no later test
+        engines.drop(family, k, cache_dtype=cache_dtype, quantization=quantization)
+    if cache_dtype is not None or quantization is not None:  # the plain reference of that cache or those weights
+        engines.drop(family, cache_dtype=cache_dtype, quantization=quantization)
 
 
 def test_round_size_chosen_per_step(engines, monkeypatch):
@@ -277,6 +291,7 @@ def test_round_size_chosen_per_step(engines, monkeypatch):
     eng.run()
     assert [r.output for r in reqs] == want[2:] and policy.chosen == {0: policy.chosen[0]}
     assert all(r.drafts_per_round == [] for r in reqs)
+    engines.drop("e2b", 2, adaptive=True)
 
 
 def test_preempted_speculative_sequences_resume_exactly(engines, tiny_ckpts, jax_models):
