@@ -76,16 +76,10 @@ def test_no_compilation_after_startup(engines):
     """A mixed workload (lengths, batch sizes, greedy and sampled, joins and leaves) after start-up compiles nothing."""
     from gemma4_mtp_jax.model.sampling import SamplingParams
 
+    from testenv import compilations
+
     engine = engines("e2b")
-    compiles = []
-    listening = [True]
-
-    def on_event(event, duration, **kw):
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compilations() as compiles:
         prompts = _prompts(2, [3, 9, 17, 30, 6, 11])
         reqs = []
         for i, p in enumerate(prompts[:3]):
@@ -95,8 +89,6 @@ def test_no_compilation_after_startup(engines):
         for i, p in enumerate(prompts[3:]):  # join while others run
             reqs.append(engine.add_request(p, 7, SamplingParams(temperature=0.5, top_k=5, top_p=0.9, seed=i)))
         engine.run()
-    finally:
-        listening[0] = False
     assert all(r.finished for r in reqs)
     assert compiles == [], f"{len(compiles)} compilations after start-up"
 

@@ -178,19 +178,13 @@ def test_greedy_speculative_equals_plain(family, k, cache_dtype, quantization, e
     plain engine's with the same weights, activations float32 in both); the rounds mix 0, partial and full
     acceptance; stats are consistent; nothing compiles while serving; every page and slot comes back."""
     from gemma4_mtp_jax.model.sampling import SamplingParams
+    from testenv import compilations
 
     eng = engines(family, k, cache_dtype=cache_dtype, quantization=quantization)
     prompts = _prompts(10, LENGTHS)
     off = _prompts(11, [11])[0]
     want = greedy_reference(engines, family, prompts + [off], MAX_NEW, cache_dtype, quantization)
-    compiles, listening = [], [True]
-
-    def on_event(event, duration, **kw):
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with compilations() as compiles:
         reqs = [eng.add_request(p, MAX_NEW) for p in prompts]
         reqs.insert(3, eng.add_request(off, MAX_NEW, speculative=False))
         sampled = eng.add_request(prompts[4], MAX_NEW, SamplingParams(temperature=1.0, seed=5))
@@ -200,8 +194,6 @@ def test_greedy_speculative_equals_plain(family, k, cache_dtype, quantization, e
             hits = eng.kv.hits
             repeats.append(eng.add_request(prompts[7], MAX_NEW))
             eng.run()
-    finally:
-        listening[0] = False
     assert compiles == [], f"the speculative engine compiled {len(compiles)} programs while serving"
     assert [r.output for r in repeats] == [want[7]] * 2
     assert eng.kv.hits - hits == 7 * eng.config.page_size, eng.kv.hits - hits

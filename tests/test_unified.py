@@ -111,22 +111,15 @@ def _served(engine, tiny_ckpts):
     """The greedy workload, served once for the module: the LENGTHS prompts and a speculative=False request (2
     slots: requests wait, join and leave), compilations counted while serving. Returns (prompts, requests,
     the non-speculative request, compilations)."""
+    from testenv import compilations
+
     if "run" not in _SERVED:
         prompts = _prompts(120, LENGTHS)
         off = _prompts(121, [11])[0]
-        compiles, listening = [], [True]
-
-        def on_event(event, duration, **kw):
-            if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-                compiles.append(duration)
-
-        jax.monitoring.register_event_duration_secs_listener(on_event)
-        try:
+        with compilations() as compiles:
             reqs = [engine.add_request(q, MAX_NEW) for q in prompts]
             plain = engine.add_request(off, MAX_NEW, speculative=False)
             engine.run()
-        finally:
-            listening[0] = False
         _SERVED["run"] = (prompts, reqs, plain, compiles)
     return _SERVED["run"]
 

@@ -1,12 +1,31 @@
 """Where the suite runs: kernels compile on the GPU and run in interpret mode elsewhere (conftest.py sets the
 platform before this is imported). And what tests read from compiled programs."""
 
+import contextlib
 import re
+from typing import Iterator
 
 import jax
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
+
+
+@contextlib.contextmanager
+def compilations() -> Iterator[list[float]]:
+    """The XLA compilations inside the block, as their durations (a test of "nothing compiles while serving"). JAX
+    keeps a listener for the process's life: this one stops recording when the block ends."""
+    seen, listening = [], [True]
+
+    def on_event(event: str, duration: float, **kw) -> None:
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield seen
+    finally:
+        listening[0] = False
 
 
 def hlo_parameter_users(text: str, shape: str) -> list[str]:
