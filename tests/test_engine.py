@@ -433,7 +433,7 @@ def test_compile_all_compiles_each_program_as_soon_as_it_is_lowered(engines, mon
     steps = programs.steps
     events, lowered, stored = [], threading.Event(), {}
 
-    def fake_programs(batch_buckets, prefill_buckets):
+    def fake_programs(batch_buckets, prefill_buckets, round_sizes=None):
         names = [f"prefill[1x{t}]" for t in prefill_buckets] + [f"decode[{b}]" for b in batch_buckets]
 
         class Jitted:
@@ -479,7 +479,7 @@ def test_compile_all_lowers_nothing_once_stopped(engines, monkeypatch):
             stop.set()
             return self.name
 
-    monkeypatch.setattr(steps, "programs", lambda batch, prefill: [
+    monkeypatch.setattr(steps, "programs", lambda batch, prefill, round_sizes=None: [
         (n, lambda n=n: (Jitted(n), ()), lambda c: None) for n in ("decode[4]", "decode[2]", "prefill[1x8]")])
     monkeypatch.setattr(step_mod, "compile_lowered", lambda low, autotune: f"compiled {low}")
     times = programs.compile([2, 4], [8], stop=stop)
