@@ -973,10 +973,10 @@ def test_fault_in_one_request_fails_it_alone(srv, slow_engine, tok, monkeypatch,
     elif where == "engine-take":
         real_take = engine._take
 
-        def take(req, result, now, positions):
+        def take(req, result, now, k=None):
             if hit(req):  # the fault strikes inside `_take`, where the engine records a step's tokens
                 req.output = _ExplodingOutput(req.output)
-            return real_take(req, result, now, positions)
+            return real_take(req, result, now, k)
 
         monkeypatch.setattr(engine, "_take", take)
     elif where == "engine-thread-deliver":
@@ -1167,7 +1167,7 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
     restore = jax_cache_settings()
     argv = ["--ckpt", str(tdir), "--assistant", str(adir), "--compilation-cache-dir", "none",
             "--executable-cache-dir", str(cache), "--max-num-seqs", "1", "--max-model-len", "64",
-            "--prefill-chunk", "16", "--page-size", "16", "--no-compile-in-background"]
+            "--prefill-chunk", "16", "--page-size", "16", "--no-compile-in-background", "--speculative-k", "fixed"]
     try:
         server, _ = create_server(argv)
         engine = server.engine.engine
