@@ -227,7 +227,7 @@ def test_round_size_chosen_per_step(engines, monkeypatch):
     outputs are the plain engine's token for token (a 0-draft round keeps the drafter's h for the next round), and
     a sampled request runs through every size's sampled programs; each request's rounds are recorded with their
     size and where in the output they began. On its own, the policy drafts where drafts pay, and a batch where no
-    row speculates runs 0-draft rounds."""
+    row speculates takes 0-draft rounds."""
     import itertools
 
     from gemma4_mtp_jax.model.sampling import SamplingParams
