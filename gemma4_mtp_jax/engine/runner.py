@@ -243,7 +243,7 @@ class Runner:
             processed, packed, k = True, self._masked_round(rows), steps.k
         else:
             self.state, packed = self.programs.step(self.state, self.step_inputs(rows, processed), sampled,
-                                                    processed, k if steps.drafter is not None else None)
+                                                    processed, k)
         for row in rows:
             row.req.on_device = True
         reqs = [row.req for row in rows]
