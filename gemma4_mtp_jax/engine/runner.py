@@ -207,13 +207,15 @@ class Runner:
         return float(np.median(times[1:]))
 
     def _masked_round(self, rows: list[Row]) -> jax.Array:
-        """A speculative round for a batch with a grammar, in two programs: the drafts, read here; each grammar's
-        masks at the k+1 verified positions, walked through its row's drafts (a draft it forbids is rejected by
-        the verify: its probability there is 0); the verify. Returns the verify's output."""
+        """A speculative round for a batch with a grammar, in three programs: the drafts, read here; the verify's
+        target forward, during which each grammar's masks at the k+1 verified positions are walked through its
+        row's drafts (a draft it forbids is rejected: its probability there is 0); the rest of the verify, which
+        applies them. Returns that last program's output."""
         programs, k = self.programs, self.programs.steps.k
         inputs = self.step_inputs(rows, masked_rounds=True)
         self.state, drafted, q, q_ids = programs.draft(self.state, inputs)
-        drafts = programs.drafts(drafted)
+        self.state, verified = programs.verify(self.state, inputs, drafted)
+        drafts = programs.drafts(drafted)  # waits for the drafts alone: the forward runs on while the masks fill
         words = len(rows[0].req.allowed_row)
         B = inputs.rows.slot.shape[0]
         processing = ProcessingRows.stack([row.processing_row() for row in rows], B, (0, k + 1, words))
@@ -227,7 +229,8 @@ class Runner:
         processing.mask[:] = -1
         processing.mask[with_grammar] = masks
         self.mask_seconds += time.perf_counter() - t0
-        self.state, packed = programs.verify(self.state, inputs.replace(processing=processing), drafted, q, q_ids)
+        self.state, packed = programs.accept(self.state, inputs.replace(processing=processing), drafted, q, q_ids,
+                                             verified)
         return packed
 
     def dispatch(self, rows: list[Row], k: int = 0) -> Dispatched:

@@ -30,7 +30,8 @@ from gemma4_mtp_jax.model.kv_state import KVLayout
 from gemma4_mtp_jax.model.runtime import Target
 from gemma4_mtp_jax.model.sharding import Placement, mesh_context
 from gemma4_mtp_jax.programs.arrays import ProgramArrays, jit_on
-from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter, draft_round, speculative_step, verify_round
+from gemma4_mtp_jax.steps.speculative import (AssistantDrafter, Drafter, draft_round, speculative_step, verify_accept,
+                                              verify_forward)
 from gemma4_mtp_jax.model.sampling import mask_words, top_logprobs_count
 from gemma4_mtp_jax.xla_env import STABLE_TEMPORARIES, UPDATE_MODE_OPTION, update_mode_in_flags
 
@@ -145,9 +146,10 @@ class CompiledSteps:
     # rows; the layout's max_model_len tokens.
     max_batch: int | None = None
     max_prefill_tokens: int | None = None
-    # With a drafter: also a round in two programs per batch bucket, the drafts (`draft`) and then their verify
-    # (`verify`, the processed variant with a grammar's masks at every verified position), for batches with a
-    # grammar: its masks depend on the drafts, which the host reads between the two.
+    # With a drafter: also a round in three programs per batch bucket for batches with a grammar, whose masks depend
+    # on the drafts: the drafts (`draft`), which the host reads; the verify's target forward (`verify`), during which
+    # the host walks the grammars through the drafts; the rest of the verify (`accept`: the processed variant with
+    # a grammar's masks at every verified position).
     structured: bool = False
     # Prefill programs that also return their prompt tokens' logprobs (completions' echo with logprobs), one more
     # per prefill bucket.
@@ -156,7 +158,8 @@ class CompiledSteps:
     decode: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, *variant)
     speculative: dict[tuple[int, bool, bool, int], Any] = dataclasses.field(default_factory=dict)  # (..., k)
     draft: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> the drafts alone (structured)
-    verify: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> their verify (structured)
+    verify: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> their verify's forward (structured)
+    accept: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> the rest of that verify
 
     def __post_init__(self):
         self.round_sizes = tuple(sorted(set(self.round_sizes) | {self.k})) if self.drafter is not None else ()
@@ -271,16 +274,27 @@ class CompiledSteps:
                                        state.hidden, inputs)
         return state, return_in(packed, drafts), q, q_ids
 
-    def _verify_fn(self, params, state: DeviceState, packed, drafted, q, q_ids) -> tuple[DeviceState, jax.Array]:
-        """The verify of a `_draft_fn`'s drafts (`drafted`: its packed output; q, q_ids: its distributions), in the
-        processed variant with grammar masks at the k+1 verified positions: the speculative round's result."""
+    def _verify_forward_fn(self, params, state: DeviceState, packed, drafted) -> tuple:
+        """The verify's target forward on a `_draft_fn`'s drafts (`drafted`: its packed output; `packed`: the draft
+        program's inputs again): (state with the pages written, h_all [B, k+1, H], logits [B, k+1, V]), which
+        `_accept_fn` takes once the host has the grammar masks."""
+        inputs, state = self._unpack(state, packed)
+        inputs = inputs.replace(rows=inputs.rows.resolve(state))
+        pages, h_all, logits = verify_forward(self.spec, self.arrays.pack.unpack(params), state.pages, inputs,
+                                              drafted[:, :self.k])
+        return state.replace(pages=pages), h_all, logits
+
+    def _accept_fn(self, state: DeviceState, packed, drafted, q, q_ids, h_all,
+                   logits) -> tuple[DeviceState, jax.Array]:
+        """The rest of the verify (`_verify_forward_fn`'s h_all and logits), in the processed variant with grammar
+        masks at the k+1 verified positions: the speculative round's result."""
         inputs, state = self._unpack(state, packed, processed=True, masked=self.k + 1)
         rows = inputs.rows.resolve(state)
         inputs = inputs.replace(rows=rows)
-        pages, hidden, emitted, n, verified, logprobs = verify_round(
-            self.spec.but(sampled=True, processed=True), self.arrays.pack.unpack(params), state.pages, state.hidden,
-            inputs, History.of(state, rows.slot), drafted[:, :self.k], q, q_ids)
-        state = count_inputs(state.replace(pages=pages, hidden=hidden), rows, verified, n)
+        hidden, emitted, n, verified, logprobs = verify_accept(
+            self.spec.but(sampled=True, processed=True), state.hidden, inputs, History.of(state, rows.slot),
+            drafted[:, :self.k], q, q_ids, h_all, logits)
+        state = count_inputs(state.replace(hidden=hidden), rows, verified, n)
         state, result = finish_round(state, rows, emitted, n, logprobs)
         return state, return_in(packed, result)
 
@@ -306,13 +320,24 @@ class CompiledSteps:
         return self._jit(self._draft_fn, (2, 3)), self._abstract_args(batch)
 
     def verify_program(self, batch: int) -> tuple[Any, tuple]:
-        params, _, state, packed = self._abstract_args(batch, processed=True, masked=self.k + 1)
-        return self._jit(self._verify_fn, (1, 2)), (params, state, packed, *self.draft_outputs(batch)[1:])
+        params, _, state, packed = self._abstract_args(batch)
+        return self._jit(self._verify_forward_fn, (1, 2)), (params, state, packed, self.draft_outputs(batch)[1])
+
+    def accept_program(self, batch: int) -> tuple[Any, tuple]:
+        _, _, state, packed = self._abstract_args(batch, processed=True, masked=self.k + 1)
+        _, drafted, q, q_ids = self.draft_outputs(batch)
+        _, h_all, logits = self.verify_outputs(batch)
+        return self._jit(self._accept_fn, (0, 1)), (state, packed, drafted, q, q_ids, h_all, logits)
 
     def draft_outputs(self, batch: int) -> tuple:
         """What the draft program of `batch` rows returns, as shapes: (state, packed drafts, q, q_ids)."""
         with mesh_context(self.placement):
             return jax.eval_shape(self._draft_fn, *self._abstract_args(batch))
+
+    def verify_outputs(self, batch: int) -> tuple:
+        """What the verify's forward program of `batch` rows returns, as shapes: (state, h_all, logits)."""
+        with mesh_context(self.placement):
+            return jax.eval_shape(self._verify_forward_fn, *self.verify_program(batch)[1])
 
     def static_description(self) -> tuple | None:
         """What shapes every program besides its arguments and the package's code (the executable cache's key):
@@ -350,10 +375,15 @@ class CompiledSteps:
         return self._compiled(self.draft, batch, lambda: self.draft_program(batch))
 
     def compile_verify(self, batch: int) -> Any:
-        """(program_params, state, inputs, drafted, q, q_ids) -> (state, out): the verify of a draft program's
-        drafts; inputs: `inputs(StepInputs)` with processing rows masked at k+1 positions; `result(out,
-        processed=True)` is the round's packed result."""
+        """(program_params, state, inputs, drafted) -> (state, h_all, logits): the verify's target forward on a
+        draft program's drafts; inputs: the draft program's; state and inputs donated."""
         return self._compiled(self.verify, batch, lambda: self.verify_program(batch))
+
+    def compile_accept(self, batch: int) -> Any:
+        """(state, inputs, drafted, q, q_ids, h_all, logits) -> (state, out): the rest of that verify; inputs:
+        `inputs(StepInputs)` with processing rows masked at k+1 positions; state and inputs donated; `result(out,
+        processed=True)` is the round's packed result."""
+        return self._compiled(self.accept, batch, lambda: self.accept_program(batch))
 
     @staticmethod
     def _compiled(table: dict, key: Any, program: Callable[[], tuple[Any, tuple]]) -> Any:
@@ -414,6 +444,8 @@ class CompiledSteps:
         if self.drafter is not None and self.structured:
             progs += [(f"draft[{b}x{self.k}]", lambda b=b: self.draft_program(b), put(self.draft, b),
                        lambda b=b: self.draft_outputs(b)) for b in batch_buckets]
-            progs += [(f"verify[{b}x{self.k},masked]", lambda b=b: self.verify_program(b), put(self.verify, b))
+            progs += [(f"verify[{b}x{self.k}]", lambda b=b: self.verify_program(b), put(self.verify, b),
+                       lambda b=b: self.verify_outputs(b)) for b in batch_buckets]
+            progs += [(f"accept[{b}x{self.k},masked]", lambda b=b: self.accept_program(b), put(self.accept, b))
                       for b in batch_buckets]
         return progs

@@ -219,7 +219,8 @@ class ProgramSet:
         steps = self.steps
         if self._num_programs is None:
             self._num_programs = len(steps.programs(self.batch_buckets, self.prefill_buckets))
-        done = len(steps.prefill) + len(steps.decode) + len(steps.speculative) + len(steps.draft) + len(steps.verify)
+        done = (len(steps.prefill) + len(steps.decode) + len(steps.speculative) + len(steps.draft) + len(steps.verify)
+                + len(steps.accept))
         return done, self._num_programs
 
     def buckets(self) -> tuple[list[int], list[int]]:
@@ -229,7 +230,7 @@ class ProgramSet:
             return self.batch_buckets, self.prefill_buckets
         steps = self.steps
         batch = [b for b in self.batch_buckets if self._compiled(b, steps.k)
-                 and (not (steps.structured and steps.drafter) or (b in steps.draft and b in steps.verify))]
+                 and (not (steps.structured and steps.drafter) or (b in steps.draft and b in steps.verify and b in steps.accept))]
         prefill = [t for t in self.prefill_buckets if (1, t) in steps.prefill
                    and (not steps.prompt_logprobs or (1, t, "scored") in steps.prefill)]
         if len(batch) == len(self.batch_buckets) and len(prefill) == len(self.prefill_buckets):
@@ -282,13 +283,21 @@ class ProgramSet:
         """A draft program's drafts [B, k] on the host (waits for it)."""
         return np.asarray(drafted)[:, : self.steps.k]
 
-    def verify(self, state: DeviceState, inputs: StepInputs, drafted: jax.Array, q: jax.Array,
-               q_ids: Any) -> tuple[DeviceState, jax.Array]:
-        """The verify of `draft`'s drafts (inputs: processing rows with grammar masks at the k+1 positions): (state,
-        its output; `result(out, processed=True)` reads the round's packed result)."""
+    def verify(self, state: DeviceState, inputs: StepInputs, drafted: jax.Array) -> tuple[DeviceState, tuple]:
+        """The verify's target forward on `draft`'s drafts (inputs: the draft's), without waiting: (state, what
+        `accept` takes of it)."""
         steps = self.steps
         B = inputs.rows.slot.shape[0]
-        return steps.compile_verify(B)(steps.program_params, state, steps.inputs(inputs), drafted, q, q_ids)
+        state, h_all, logits = steps.compile_verify(B)(steps.program_params, state, steps.inputs(inputs), drafted)
+        return state, (h_all, logits)
+
+    def accept(self, state: DeviceState, inputs: StepInputs, drafted: jax.Array, q: jax.Array, q_ids: Any,
+               verified: tuple) -> tuple[DeviceState, jax.Array]:
+        """The rest of `verify` (`verified`: what it returned; inputs: processing rows with grammar masks at the k+1
+        positions): (state, its output; `result(out, processed=True)` reads the round's packed result)."""
+        steps = self.steps
+        B = inputs.rows.slot.shape[0]
+        return steps.compile_accept(B)(state, steps.inputs(inputs), drafted, q, q_ids, *verified)
 
     def result(self, out: jax.Array, prefill: bool = False, processed: bool = False, scored: int = 0,
                k: int | None = None) -> np.ndarray:

@@ -294,13 +294,37 @@ def verify_round(spec: StepSpec, params_t, pages, hidden_buf: Array, inputs: Ste
                  drafts: Array, q: Array, q_ids: Array | None) -> tuple[Any, Array, Array, Array, Array, Array | None]:
     """The target's forward on each row's newest token and its `drafts`, exact acceptance against q, and the next h
     in the hidden buffer: the rest of `speculative_step` (which returns what this returns)."""
-    rows, k = inputs.rows, spec.k
+    pages, h_all, logits = verify_forward(spec, params_t, pages, inputs, drafts)
+    return (pages, *verify_accept(spec, hidden_buf, inputs, history, drafts, q, q_ids, h_all, logits))
+
+
+def _verified(rows: Any, drafts: Array) -> tuple[Array, Array, Array, Array]:
+    """(valid rows [B], each row's newest position P [B] (0 for padding), the verified tokens [B, k+1]: the newest
+    token and the drafts, and their positions [B, k+1], -1 on padding rows)."""
     valid = rows.length >= 0
     P = jnp.where(valid, rows.length, 0)
-    verify_tokens = jnp.concatenate([rows.token[:, None], drafts], 1)  # [B, k+1]
-    positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(k + 1)[None, :], -1)
-    h_all, pages = forward_paged(spec, params_t, pages, verify_tokens, positions, inputs.tables)
-    logits = lm_logits(spec.target, params_t, h_all)  # [B, k+1, V]
+    tokens = jnp.concatenate([rows.token[:, None], drafts], 1)
+    positions = jnp.where(valid[:, None], P[:, None] + jnp.arange(drafts.shape[1] + 1)[None, :], -1)
+    return valid, P, tokens, positions
+
+
+def verify_forward(spec: StepSpec, params_t, pages, inputs: StepInputs, drafts: Array) -> tuple[Any, Array, Array]:
+    """The verify's target forward: writes the K/V of each row's newest token and its `drafts` [B, k], and returns
+    (pages, the post-norm hidden [B, k+1, H], the logits [B, k+1, V]). Run alone (a program of its own) when the
+    host computes the grammar masks `verify_accept` applies while the device runs it."""
+    _, _, tokens, positions = _verified(inputs.rows, drafts)
+    h_all, pages = forward_paged(spec, params_t, pages, tokens, positions, inputs.tables)
+    return pages, h_all, lm_logits(spec.target, params_t, h_all)
+
+
+def verify_accept(spec: StepSpec, hidden_buf: Array, inputs: StepInputs, history: History | None, drafts: Array,
+                  q: Array, q_ids: Array | None, h_all: Array,
+                  logits: Array) -> tuple[Array, Array, Array, Array, Array | None]:
+    """The verify after its forward (`verify_forward`'s h_all and logits): the processed variant's processing at
+    each verified position, exact acceptance against q, the next h into the hidden buffer. Returns (hidden_buf,
+    emitted, n, the verified tokens, logprob columns or None), as `speculative_step` after its pages."""
+    rows = inputs.rows
+    valid, P, verify_tokens, positions = _verified(rows, drafts)
     min_p = logprobs = None
     if spec.processed:
         logits = process_logits(logits.astype(jnp.float32), inputs.processing, history, rows.stop_ids, positions,
@@ -312,4 +336,4 @@ def verify_round(spec: StepSpec, params_t, pages, hidden_buf: Array, inputs: Ste
     h_next = h_all[jnp.arange(h_all.shape[0]), n]
     slots = rows.slot
     hidden_buf = hidden_buf.at[slots].set(jnp.where(valid[:, None], h_next, hidden_buf[slots]).astype(hidden_buf.dtype))
-    return pages, hidden_buf, emitted, n, verify_tokens, logprobs
+    return hidden_buf, emitted, n, verify_tokens, logprobs
