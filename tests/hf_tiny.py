@@ -10,11 +10,14 @@ Families (all float32, vocab 512, sliding window 8, deterministic):
   * "u12b": the unified architecture of the 12B (`gemma4_unified`): dense, attention_k_eq_v with one full-layer KV
             head, the default 5:1 layer pattern; saved as the released 12B is, a Gemma4UnifiedForConditionalGeneration
             (text weights under `model.language_model.`, the encoder-free vision / audio embedders beside them);
-            dense-head `gemma4_unified_assistant`.
+            dense-head `gemma4_unified_assistant`. Its target is the multimodal model (encoder-free embedders).
 Extra layouts (built by `build_all`):
-  * e2b "target_multimodal": text weights under `model.language_model.`, a `model_type: "gemma4"` config.json with
-    `text_config` in the released style (`global_head_dim`/`num_global_key_value_heads`, no `per_layer_config`), fake
-    vision/audio tensors and stale k_proj/v_proj/k_norm tensors for the KV-shared layers (a loader must skip them).
+  * e2b "target_multimodal": a Gemma4ForConditionalGeneration (text weights under `model.language_model.`) with
+    tiny random vision and audio towers, rewritten into the released style: `text_config` with
+    `global_head_dim`/`num_global_key_value_heads` (no `per_layer_config`) and stale k_proj/v_proj/k_norm tensors
+    for the KV-shared layers (a loader must skip them).
+  * b31b "target_multimodal": the same with a vision tower only (its text model attends bidirectionally within an
+    image, "vision").
   * a26b "target_sharded": `model.safetensors.index.json` + 2 shards.
   * u12b "target_text": the same weights saved by Gemma4UnifiedForCausalLM (`gemma4_unified_text`, names `model.`).
 
