@@ -188,6 +188,11 @@ def convert(
     params = _as_nested_dict(model.params)
     if not isinstance(params, dict):
         raise TypeError(f"loader returned params of type {type(model.params).__name__}, expected a nested dict")
+    encoders = getattr(model, "encoders", None)
+    if encoders is not None:  # a multimodal target's towers / embedders: one subtree beside the text weights
+        from gemma4_mtp_jax.api import ENCODERS_KEY
+
+        params[ENCODERS_KEY] = _as_nested_dict(encoders.params)
     log(f"[convert] loaded in {time.perf_counter() - t0:.1f} s")
 
     t0 = time.perf_counter()

@@ -19,21 +19,24 @@ _PUBLIC = {
     "CheckpointError": "gemma4_mtp_jax.weights.safetensors_io",
     "ConfigError": "gemma4_mtp_jax.model.config",
     "DraftOutput": "gemma4_mtp_jax.api",
+    "Encoders": "gemma4_mtp_jax.model.runtime",
     "Target": "gemma4_mtp_jax.model.runtime",
     "TargetOutput": "gemma4_mtp_jax.api",
     "TextConfig": "gemma4_mtp_jax.model.config",
     "draft_step": "gemma4_mtp_jax.api",
     "load_assistant": "gemma4_mtp_jax.api",
     "load_target": "gemma4_mtp_jax.api",
+    "multimodal_forward": "gemma4_mtp_jax.api",
     "target_forward": "gemma4_mtp_jax.api",
 }
 
 __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ below imports on demand
-    from gemma4_mtp_jax.api import DraftOutput, TargetOutput, draft_step, load_assistant, load_target, target_forward
+    from gemma4_mtp_jax.api import (DraftOutput, TargetOutput, draft_step, load_assistant, load_target,
+                                    multimodal_forward, target_forward)
     from gemma4_mtp_jax.model.config import AssistantConfig, ConfigError, TextConfig
-    from gemma4_mtp_jax.model.runtime import Assistant, Target
+    from gemma4_mtp_jax.model.runtime import Assistant, Encoders, Target
     from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
 
 

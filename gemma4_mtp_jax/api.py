@@ -26,9 +26,12 @@ from gemma4_mtp_jax.model.config import (
     read_config_json,
 )
 from gemma4_mtp_jax.model.assistant import Gemma4Assistant
-from gemma4_mtp_jax.model.attention import DraftKV
+from gemma4_mtp_jax.model.attention import DenseKV, DraftKV
+from gemma4_mtp_jax.model.encoders import Gemma4Encoders, example_inputs
+from gemma4_mtp_jax.model.media_config import MediaConfig, parse_media_config
+from gemma4_mtp_jax.model.multimodal import check_counts, image_blocks, merge_soft_tokens, text_tokens
 from gemma4_mtp_jax.model.target import Gemma4Target
-from gemma4_mtp_jax.model.runtime import Assistant, Target
+from gemma4_mtp_jax.model.runtime import Assistant, Encoders, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io, quantize
 from gemma4_mtp_jax.weights.dummy import random_params
 from gemma4_mtp_jax.weights.resolve import resolve_checkpoint
@@ -36,6 +39,7 @@ from gemma4_mtp_jax.weights.resolve import resolve_checkpoint
 __all__ = [
     "Assistant",
     "DraftOutput",
+    "Encoders",
     "Target",
     "TargetOutput",
     "abstract_assistant_params",
@@ -43,6 +47,7 @@ __all__ = [
     "draft_step",
     "load_assistant",
     "load_target",
+    "multimodal_forward",
     "target_forward",
 ]
 
@@ -88,13 +93,28 @@ def _generation_config(d: Path) -> dict:
         raise ConfigError(f"{p}: invalid JSON ({e})") from None
 
 
-def _restore_orbax(d: Path, kind: str, abstract: Any, dtype: Any) -> dict:
+# The key of a converted target's media encoders in its Orbax tree, beside the text model's parameters (whose top-level
+# names are `embed_tokens`, `layers_{i}`, `norm` and the per-layer embeddings').
+ENCODERS_KEY = "encoders"
+
+
+def _restore_orbax(d: Path, kind: str, abstract: Any, dtype: Any,
+                   encoders_abstract: Any = None) -> tuple[dict, dict | None]:
     """The converted checkpoint's parameters as the model expects them (`abstract`): leaf by leaf onto the default
-    device, fp8 leaves as stored, quantized or dequantized where the checkpoint and the model differ."""
+    device, fp8 leaves as stored, quantized or dequantized where the checkpoint and the model differ; and its
+    media encoders' (None where it has none, or `encoders_abstract` is None)."""
     meta = orbax_io.read_metadata(d)
     if meta.get("kind") != kind:
         raise ConfigError(f"{d}: Orbax checkpoint holds a '{meta.get('kind')}', expected a '{kind}'")
     params, _ = orbax_io.restore_params(d)
+    encoders = params.pop(ENCODERS_KEY, None)
+    if encoders is not None and encoders_abstract is not None:
+        encoders = _as_model_params(d, encoders, encoders_abstract, dtype)
+    return _as_model_params(d, params, abstract, dtype), (encoders if encoders_abstract is not None else None)
+
+
+def _as_model_params(d: Path, params: dict, abstract: Any, dtype: Any) -> dict:
+    """Restored host arrays -> the parameter tree `abstract` describes, checked name by name and shape by shape."""
     want = hf_loader.flatten_shapes(abstract)
     got = hf_loader.flatten_shapes(params)
     weights = lambda names: {n for n in names if not quantize.is_scale(n)}  # noqa: E731
@@ -128,6 +148,12 @@ def abstract_target_params(cfg: TextConfig, dtype: Any) -> dict:
     module = Gemma4Target(cfg, dtype)
     one = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), one, one))["params"]
+
+
+def abstract_encoder_params(cfg: MediaConfig, dtype: Any) -> dict:
+    """Shapes and dtypes of every media encoder parameter (no memory allocated)."""
+    module = Gemma4Encoders(cfg, dtype)
+    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), **example_inputs(cfg)))["params"]
 
 
 def abstract_assistant_params(cfg: AssistantConfig, dtype: Any) -> dict:
@@ -194,7 +220,7 @@ def _load_params(kind: str, d: Path, cfg: Any, abstract: Any, dt: Any, load_form
     if load_format == "dummy":
         return random_params(abstract, seed=0 if kind == "target" else 1)
     if orbax_io.is_orbax_checkpoint(d):
-        return _restore_orbax(d, kind, abstract, dt)
+        return _restore_orbax(d, kind, abstract, dt)[0]
     load = hf_loader.load_target_params if kind == "target" else hf_loader.load_assistant_params
     return load(str(d), cfg, abstract, dt, on_host)
 
@@ -214,8 +240,26 @@ def load_target(path_or_id: str | os.PathLike, dtype: str | Any | None = None, l
     at load, tensor by tensor) or "none" (an fp8 checkpoint dequantized to `dtype`). See weights/quantize.py.
     """
     d, cfg, dt, abstract = _checkpoint_shapes(path_or_id, dtype, load_format, "target", quantization)
-    params = _load_params("target", d, cfg, abstract, dt, load_format, on_host)
-    return Target(cfg, params, dt, d, _generation_config(d))
+    media = parse_media_config(read_config_json(d), str(d / "config.json"))
+    media_abstract = None if media is None else abstract_encoder_params(media, dt)
+    if load_format == "auto" and orbax_io.is_orbax_checkpoint(d):  # one restore for both trees
+        params, encoders = _restore_orbax(d, "target", abstract, dt, media_abstract)
+    else:
+        params = _load_params("target", d, cfg, abstract, dt, load_format, on_host)
+        encoders = None if media is None else _load_encoders(d, media, media_abstract, dt, load_format, on_host)
+    return Target(cfg, params, dt, d, _generation_config(d),
+                  None if encoders is None else Encoders(media, encoders, dt))
+
+
+def _load_encoders(d: Path, media: MediaConfig, abstract: Any, dtype: Any, load_format: str,
+                   on_host: bool) -> dict | None:
+    """The media encoders' parameters of a safetensors checkpoint whose config.json declares some, when it holds
+    their tensors (a multimodal config over text weights alone is served as text), or random ones (dummy)."""
+    if load_format == "dummy":
+        return random_params(abstract, seed=2)
+    if not hf_loader.has_encoder_tensors(str(d)):
+        return None
+    return hf_loader.load_encoder_params(str(d), media, abstract, dtype, on_host)
 
 
 def load_assistant(path_or_id: str | os.PathLike, dtype: str | Any | None = None,
@@ -263,3 +307,39 @@ def draft_step(
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     logits, h_next, hn = assistant._step(assistant.params, embedding, jnp.asarray(hidden), by_layer, lengths)
     return DraftOutput(logits, h_next, hn)
+
+
+def multimodal_forward(target: Target, tokens: Any, *, pixels: Any = None, pixel_positions: Any = None,
+                       audio_features: Any = None, audio_mask: Any = None, positions: Any = None) -> TargetOutput:
+    """Full-sequence forward over a prompt with media (the non-paged reference path), as transformers'
+    `...ForConditionalGeneration` runs it: the encoders' soft tokens replace the prompt's placeholders, and an
+    image's soft tokens attend to each other where the model says so (`TextConfig.image_attention`).
+
+    tokens [B, T] with the placeholders already expanded (`media.placeholders.expand_placeholders`); pixels
+    [n, N, 3 p^2] and pixel_positions [n, N, 2] (`media.image_processing`), one row per image in prompt order;
+    audio_features [m, F, bins] and audio_mask [m, F] (`media.audio_features`), one row per clip."""
+    enc = target.encoders
+    if enc is None:
+        raise ValueError(f"{target.path}: the checkpoint has no media encoders")
+    cfg = enc.config
+    tokens_np = np.asarray(tokens, np.int32)
+    if tokens_np.ndim != 2:
+        raise ValueError(f"tokens must be [batch, length], got shape {tokens_np.shape}")
+    tokens = jnp.asarray(tokens_np)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    positions = jnp.asarray(positions, jnp.int32)
+    ids = text_tokens(tokens, cfg)
+    embeds = target._embed(target.params, ids)
+    for what, token_id, inputs, encode in (("image", cfg.image_token_id, (pixels, pixel_positions), enc._image),
+                                           ("audio", cfg.audio_token_id, (audio_features, audio_mask), enc._audio)):
+        if inputs[0] is None:
+            check_counts(tokens_np, token_id, np.zeros(0, bool), what)
+            continue
+        soft, valid = encode(enc.params, *(jnp.asarray(a) for a in inputs))
+        check_counts(tokens_np, token_id, np.asarray(valid), what)
+        embeds = merge_soft_tokens(embeds, tokens, token_id, soft, valid)
+    kv = DenseKV(positions, blocks=image_blocks(tokens, cfg), image_attention=target.config.image_attention)
+    logits, hidden, kv = target._forward_embeds(target.params, ids, positions, embeds, kv)
+    store = {t: kv.layers[i] for t, i in target.config.store_layers.items()}
+    return TargetOutput(logits, hidden, store)

@@ -10,11 +10,14 @@ Families (all float32, vocab 512, sliding window 8, deterministic):
   * "u12b": the unified architecture of the 12B (`gemma4_unified`): dense, attention_k_eq_v with one full-layer KV
             head, the default 5:1 layer pattern; saved as the released 12B is, a Gemma4UnifiedForConditionalGeneration
             (text weights under `model.language_model.`, the encoder-free vision / audio embedders beside them);
-            dense-head `gemma4_unified_assistant`.
+            dense-head `gemma4_unified_assistant`. Its target is the multimodal model (encoder-free embedders).
 Extra layouts (built by `build_all`):
-  * e2b "target_multimodal": text weights under `model.language_model.`, a `model_type: "gemma4"` config.json with
-    `text_config` in the released style (`global_head_dim`/`num_global_key_value_heads`, no `per_layer_config`), fake
-    vision/audio tensors and stale k_proj/v_proj/k_norm tensors for the KV-shared layers (a loader must skip them).
+  * e2b "target_multimodal": a Gemma4ForConditionalGeneration (text weights under `model.language_model.`) with
+    tiny random vision and audio towers, rewritten into the released style: `text_config` with
+    `global_head_dim`/`num_global_key_value_heads` (no `per_layer_config`) and stale k_proj/v_proj/k_norm tensors
+    for the KV-shared layers (a loader must skip them).
+  * b31b "target_multimodal": the same with a vision tower only (its text model attends bidirectionally within an
+    image, "vision").
   * a26b "target_sharded": `model.safetensors.index.json` + 2 shards.
   * u12b "target_text": the same weights saved by Gemma4UnifiedForCausalLM (`gemma4_unified_text`, names `model.`).
 
@@ -50,6 +53,10 @@ SEEDS = {"e2b": 1234, "a26b": 2345, "b31b": 3456, "u12b": 4567}
 UNIFIED = ("u12b",)  # families of the unified architecture (transformers' Gemma4Unified* classes)
 
 _S, _F = "sliding_attention", "full_attention"
+# Media token ids of the tiny multimodal targets: inside the vocabulary (the released ids lie beyond it), as the
+# begin / end-of-image and -audio tokens are embedded like any text token
+MEDIA_TOKEN_IDS = dict(image_token_id=500, audio_token_id=501, boi_token_id=502, eoi_token_id=503, video_token_id=504,
+                       boa_token_id=505, eoa_token_index=506)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -79,7 +86,7 @@ def _unified_configs():
     vision = Gemma4UnifiedVisionConfig(patch_size=2, pooling_kernel_size=2, mm_embed_dim=16, mm_posemb_size=8,
                                        output_proj_dims=16)
     target = Gemma4UnifiedConfig(text_config=text, vision_config=vision,
-                                 audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=8))
+                                 audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=8), **MEDIA_TOKEN_IDS)
     draft_text = Gemma4UnifiedTextConfig(
         hidden_size=24,
         intermediate_size=48,
@@ -406,22 +413,83 @@ def _released_style_text_config(tcfg) -> dict:
     return d
 
 
+MULTIMODAL = ("e2b", "b31b")  # families built also as a Gemma4ForConditionalGeneration (`target_multimodal`)
+AUDIO_MEL_BINS = 16  # the tiny audio tower's input width (its first subsampling conv has as many channels)
+
+
+def make_media_configs(family: str) -> tuple:
+    """(Gemma4VisionConfig, Gemma4AudioConfig or None) of a tiny tower pair: 2x2-pixel patches pooled 2x2 (a soft
+    token per 4x4 pixels), clipped linears and standardization on (as the released E2B); audio (E2B only, as the
+    released models) over 16 mel bins, chunks of 4 frames with 4 frames of left context."""
+    from transformers import Gemma4AudioConfig, Gemma4VisionConfig
+
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8, patch_size=2, pooling_kernel_size=2,
+                                position_embedding_size=16, use_clipped_linears=True, standardize=True)
+    audio = None
+    if family == "e2b":
+        audio = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  subsampling_conv_channels=[AUDIO_MEL_BINS, 4], attention_chunk_size=4,
+                                  attention_context_left=5, attention_context_right=0, output_proj_dims=24)
+    return vision, audio
+
+
+@torch.no_grad()
+def randomize_towers_(model, seed: int):
+    """Random tower weights (as `randomize_`), finite clip bounds that bite now and then (transformers' defaults
+    are +-inf) and a standardization away from the identity."""
+    g = torch.Generator().manual_seed(seed)
+    for name in ("vision_tower", "audio_tower", "embed_vision", "embed_audio"):
+        module = getattr(model.model, name, None)
+        if module is None:
+            continue
+        for _, p in module.named_parameters():
+            p.copy_((1.0 + 0.3 * torch.randn(p.shape, generator=g)) if p.ndim == 1 else
+                    0.2 * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            bound = 0.8 + 0.8 * torch.rand((), generator=g)
+            if name.endswith(("input_min", "output_min")):
+                b.fill_(-bound)
+            elif name.endswith(("input_max", "output_max")):
+                b.fill_(bound)
+            elif name == "std_bias":
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+            elif name == "std_scale":
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+
+
+def make_multimodal_target(family: str):
+    """The family's target (the same text weights as `make_models`') inside a Gemma4ForConditionalGeneration with
+    tiny random towers."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text, _ = make_models(family)
+    vision, audio = make_media_configs(family)
+    cfg = Gemma4Config(text_config=text.config, vision_config=vision, audio_config=audio, **MEDIA_TOKEN_IDS)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
+    randomize_towers_(model, SEEDS[family] + 11)
+    model.tie_weights()
+    return model
+
+
 def build_multimodal_target(family: str, out_dir: Path) -> Path:
-    """Save the family's target in the released Gemma4ForConditionalGeneration layout (see module docstring)."""
-    from safetensors.torch import save_file
+    """Save the family's multimodal target as transformers does (Gemma4ForConditionalGeneration: text weights under
+    `model.language_model.`, the towers and their embedders beside them). E2B is then rewritten into the released
+    checkpoints' style: a `text_config` with `global_head_dim` / `num_global_key_value_heads` and no
+    `per_layer_config`, and stale k_proj / v_proj / k_norm tensors for the KV-shared layers, which a loader must
+    skip (transformers does)."""
+    from safetensors.torch import load_file, save_file
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target, _ = make_models(family)
-    tcfg = target.config
+    model = make_multimodal_target(family)
+    _quiet_save(model, out_dir)
+    if family != "e2b":
+        return out_dir
+    tcfg = model.config.text_config
+    f = out_dir / "model.safetensors"
+    tensors = load_file(str(f))
     g = torch.Generator().manual_seed(SEEDS[family] + 7)
-    tensors = {}
-    for k, v in target.state_dict().items():
-        if k == "lm_head.weight":  # tied, not stored
-            continue
-        assert k.startswith("model."), k
-        tensors["model.language_model." + k[len("model."):]] = v.detach().clone().contiguous()
-    # stale K/V weights of the KV-shared layers (released E2B/E4B checkpoints carry them; transformers ignores them)
     L, n_shared = tcfg.num_hidden_layers, tcfg.num_kv_shared_layers
     for i in range(L - n_shared, L):
         lc = tcfg.per_layer_config[i]
@@ -430,37 +498,10 @@ def build_multimodal_target(family: str, out_dir: Path) -> Path:
         tensors[p + "k_proj.weight"] = 0.2 * torch.randn(nkv * D, tcfg.hidden_size, generator=g)
         tensors[p + "v_proj.weight"] = 0.2 * torch.randn(nkv * D, tcfg.hidden_size, generator=g)
         tensors[p + "k_norm.weight"] = 1.0 + 0.3 * torch.randn(D, generator=g)
-    # fake towers (shapes are irrelevant; a text-only loader must skip every one of these)
-    fake = {
-        "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight": (16, 16),
-        "model.vision_tower.patch_embedder.input_proj.weight": (16, 12),
-        "model.vision_tower.std_bias": (16,),
-        "model.embed_vision.embedding_projection.weight": (tcfg.hidden_size, 16),
-        "model.audio_tower.layers.0.feed_forward1.ffw_layer_1.linear.weight": (32, 8),
-        "model.audio_tower.output_proj.weight": (8, 8),
-        "model.embed_audio.embedding_projection.weight": (tcfg.hidden_size, 8),
-    }
-    for k, shape in fake.items():
-        tensors[k] = torch.randn(*shape, generator=g)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["Gemma4ForConditionalGeneration"],
-        "model_type": "gemma4",
-        "text_config": _released_style_text_config(tcfg),
-        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 16},
-        "audio_config": {"model_type": "gemma4_audio", "hidden_size": 8},
-        "tie_word_embeddings": True,
-        "dtype": "float32",
-        "boi_token_id": 255999,
-        "eoi_token_id": 258882,
-        "image_token_id": 258880,
-        "audio_token_id": 258881,
-        "transformers_version": "5.7.0.dev0",
-    }
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["text_config"] = _released_style_text_config(tcfg)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    (out_dir / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 2, "pad_token_id": 0, "transformers_version": "5.7.0.dev0"}, indent=2)
-    )
     return out_dir
 
 
@@ -497,7 +538,8 @@ def build_all(root: Path) -> dict:
     for fam in FAMILIES:
         out[fam] = build_pair(fam, root / fam)
         out[fam]["target_plain"] = build_plain_target(fam, root / fam / "target_plain")
-    out["e2b"]["target_multimodal"] = build_multimodal_target("e2b", root / "e2b" / "target_multimodal")
+    for fam in MULTIMODAL:
+        out[fam]["target_multimodal"] = build_multimodal_target(fam, root / fam / "target_multimodal")
     out["a26b"]["target_sharded"] = build_sharded_target("a26b", root / "a26b" / "target_sharded")
     out["u12b"]["target_text"] = build_unified_text_target("u12b", root / "u12b" / "target_text")
     return out

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, list[str]]] = [
     ("process environment", ["xla_env"]),
     ("kernels", ["kernels"]),
-    ("model", ["model"]),
+    ("model", ["model", "media"]),
     ("step functions", ["steps"]),
     ("compiled programs", ["programs"]),
     ("engine", ["engine"]),

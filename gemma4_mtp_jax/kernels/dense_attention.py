@@ -36,3 +36,30 @@ def causal_window_mask(q_pos: Array, k_pos: Array, window: int | None) -> Array:
     if window is not None:
         allowed &= k_pos[:, None, :] > q_pos[:, :, None] - window
     return allowed
+
+
+IMAGE_ATTENTION = ("causal", "sliding_layers", "all_layers")
+
+
+def image_block_mask(q_pos: Array, k_pos: Array, q_blocks: Array, k_blocks: Array, window: int | None,
+                     rule: str) -> Array:
+    """[B, T, S]: `causal_window_mask` widened so that an image's soft tokens also see each other ahead of them.
+
+    q_blocks [B, T] / k_blocks [B, S]: which image a token belongs to (the same id for every soft token of one
+    image, -1 for any other token). `rule` (the text config's `image_attention`):
+      * "causal": no widening;
+      * "sliding_layers" (Gemma 4 "vision"): full layers (window None) stay causal; in sliding layers a query sees
+        (key not ahead of it, or in its image) and key within the window: k_pos > q_pos - window;
+      * "all_layers" (the unified 12B as transformers' forward builds it): in every layer a query sees
+        `causal_window_mask`'s keys plus every key of its own image, wherever it lies.
+    """
+    allowed = causal_window_mask(q_pos, k_pos, window)
+    if rule == "causal" or (rule == "sliding_layers" and window is None):
+        return allowed
+    same = (q_blocks[:, :, None] == k_blocks[:, None, :]) & (q_blocks[:, :, None] >= 0)
+    if rule == "all_layers":
+        return allowed | same
+    if rule != "sliding_layers":
+        raise ValueError(f"image_attention must be one of {IMAGE_ATTENTION}, got {rule!r}")
+    near = k_pos[:, None, :] > q_pos[:, :, None] - window
+    return (allowed | same) & near

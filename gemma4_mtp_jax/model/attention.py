@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped
-from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
+from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention, image_block_mask
 
 Array = jax.Array
 
@@ -56,10 +56,16 @@ class KVView(Protocol):
 
 @flax.struct.dataclass
 class DenseKV:
-    """K/V of the tokens of one forward pass ([B, T, nKV, D] per owning layer), at positions `positions`."""
+    """K/V of the tokens of one forward pass ([B, T, nKV, D] per owning layer), at positions `positions`.
+
+    With `blocks` ([B, T]: the image each token's soft token belongs to, -1 for other tokens) and a rule other than
+    "causal" (`TextConfig.image_attention`), an image's tokens also attend to each other
+    (`kernels.dense_attention.image_block_mask`)."""
 
     positions: Array  # [B, T]
     layers: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
+    blocks: Array | None = None  # [B, T]
+    image_attention: str = flax.struct.field(pytree_node=False, default="causal")
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array, "DenseKV"]:
         q, k, v = p.normed_and_roped()
@@ -67,7 +73,11 @@ class DenseKV:
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         k, v = self.layers[layer]
-        return dot_product_attention(q, k, v, causal_window_mask(q_pos, self.positions, window))
+        if self.blocks is None:
+            allowed = causal_window_mask(q_pos, self.positions, window)
+        else:  # the queries are this pass's own tokens
+            allowed = image_block_mask(q_pos, self.positions, self.blocks, self.blocks, window, self.image_attention)
+        return dot_product_attention(q, k, v, allowed)
 
 
 @flax.struct.dataclass

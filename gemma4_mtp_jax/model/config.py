@@ -96,6 +96,10 @@ class TextConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     model_type: str = GEMMA4_TEXT  # the architecture (FAMILIES): gemma4_text or gemma4_unified_text
+    # How an image's soft tokens attend to each other (kernels/dense_attention.image_block_mask): "causal" (E2B,
+    # E4B), "sliding_layers" (use_bidirectional_attention "vision" in Gemma 4: 26B, 31B) or "all_layers" (the same
+    # setting in the unified 12B, whose forward widens every layer). Text-only sequences never see a difference.
+    image_attention: str = "causal"
 
     @property
     def store_layers(self) -> dict[str, int]:
@@ -205,8 +209,11 @@ def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: 
             if on:
                 raise ConfigError(f"{where}: {key}={d[key]!r}: the gemma4_unified architecture has no "
                                   f"{'per-layer embeddings' if key.startswith('hidden') else 'MoE block'}")
-    if d.get("use_bidirectional_attention") == "all":
+    bidirectional = d.get("use_bidirectional_attention", "vision" if unified else None)
+    if bidirectional == "all":
         raise ConfigError(f"{where}: use_bidirectional_attention='all' (non-causal text model) is not supported")
+    if bidirectional not in (None, "vision"):
+        raise ConfigError(f"{where}: use_bidirectional_attention={bidirectional!r} is not one of null, 'vision'")
     act = d.get("hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         raise ConfigError(f"{where}: hidden_activation='{act}' is not supported (expected 'gelu_pytorch_tanh')")
@@ -323,6 +330,7 @@ def parse_text_config(d: dict, where: str = "config.json", *, all_layers_reuse: 
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_int_list(d.get("eos_token_id")),
         model_type=mt,
+        image_attention="causal" if bidirectional is None else ("all_layers" if unified else "sliding_layers"),
     )
 
 

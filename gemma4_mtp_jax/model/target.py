@@ -90,9 +90,13 @@ class Gemma4Target(nn.Module):
         """The scaled input embedding E[tok] * sqrt(H) (the assistant embeds its input tokens with it too)."""
         return self.embed_tokens(tokens, self.cfg.hidden_size)
 
-    def __call__(self, tokens: Array, positions: Array, kv: KVView | None = None, *, logits: bool = True):
+    def __call__(self, tokens: Array, positions: Array, kv: KVView | None = None, *, logits: bool = True,
+                 inputs_embeds: Array | None = None):
+        """`inputs_embeds` [B, T, H]: the input embeddings to use instead of `embed(tokens)` (a prompt with media:
+        soft tokens in place of the placeholders, `multimodal.merge_soft_tokens`); `tokens` then still give the
+        per-layer embeddings' token identities, with the placeholders replaced by the pad id."""
         cfg = self.cfg
-        x = self.embed(tokens)
+        x = self.embed(tokens) if inputs_embeds is None else inputs_embeds.astype(self.param_dtype)
         if kv is None:
             kv = DenseKV(positions)
         ple = self._per_layer_inputs(tokens, x) if cfg.hidden_size_per_layer_input else None

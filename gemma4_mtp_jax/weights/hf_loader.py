@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from gemma4_mtp_jax.model.config import AssistantConfig, TextConfig
+from gemma4_mtp_jax.model.media_config import MediaConfig
 from gemma4_mtp_jax.weights.quantize import FP8, as_param, checkpoint_scale, is_scale, scale_path
 from gemma4_mtp_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
@@ -31,8 +32,9 @@ from gemma4_mtp_jax.weights.safetensors_io import CheckpointError, SafetensorsCh
 # towers and their embedders; the unified 12B (Gemma4UnifiedForConditionalGeneration, encoder-free) its embedders
 # alone, stored under transformers' checkpoint names (`model.vision_embedder.patch_*` / `pos_*` and
 # `model.embed_vision.embedding_projection`, which transformers renames into `embed_vision.` when it loads them).
-_MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
-                        "model.vision_embedder.")
+# `load_encoder_params` reads them (every one of them: an encoder tensor the config does not explain is an error).
+MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                       "model.vision_embedder.")
 _KV_PROJ = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 
@@ -244,7 +246,7 @@ def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dt
         reuse = {i for i, lc in enumerate(cfg.layers) if lc.kv_mode == "reuse"}
 
         def ignorable(name: str) -> bool:
-            if name.startswith(_MULTIMODAL_PREFIXES) or name == "lm_head.weight":  # lm_head is tied
+            if name.startswith(MULTIMODAL_PREFIXES) or name == "lm_head.weight":  # lm_head is tied
                 return True
             # KV-shared layers own no K/V; released E2B/E4B checkpoints still carry stale k/v tensors for them.
             m = re.match(re.escape(prefix) + r"layers\.(\d+)\.self_attn\.(\w+)\.weight$", name)
@@ -252,6 +254,31 @@ def load_target_params(directory: str, cfg: TextConfig, abstract_params: Any, dt
 
         flat = read_tensors(ckpt, flatten_shapes(abstract_params), lambda p: prefix + flax_to_hf_name(p),
                             ignorable, dtype, f"target {directory}", on_host)
+    return unflatten(flat)
+
+
+def encoder_checkpoint_name(path: str) -> str:
+    """The checkpoint name of an encoder parameter path (`vision_tower.encoder.layers_0.mlp.up_proj.linear.weight`
+    -> `model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight`)."""
+    return "model." + flax_to_hf_name(path)
+
+
+def has_encoder_tensors(directory: str) -> bool:
+    """Whether the checkpoint holds any media encoder tensor (a multimodal config's text-only extraction holds
+    none, and is served as text)."""
+    with SafetensorsCheckpoint(directory) as ckpt:
+        return any(n.startswith(MULTIMODAL_PREFIXES) for n in ckpt.names())
+
+
+def load_encoder_params(directory: str, cfg: MediaConfig, abstract_params: Any, dtype: jnp.dtype,
+                        on_host: bool = False) -> dict:
+    """The media encoders' parameters (`model.Gemma4Encoders`) of a multimodal checkpoint; the text weights are
+    left to `load_target_params`. Never quantized: the towers are a small part of any checkpoint, and an fp8
+    tower weight is dequantized to `dtype`."""
+    del cfg  # the shapes say everything; kept for the loaders' common signature
+    with SafetensorsCheckpoint(directory) as ckpt:
+        flat = read_tensors(ckpt, flatten_shapes(abstract_params), encoder_checkpoint_name,
+                            lambda n: not n.startswith(MULTIMODAL_PREFIXES), dtype, f"encoders {directory}", on_host)
     return unflatten(flat)
 
 
