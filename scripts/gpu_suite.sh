@@ -19,7 +19,8 @@ part1=(tests/test_train_demo.py tests/test_train_assistant.py tests/test_paged_a
        tests/test_centroid_head.py tests/test_triton_lowering.py tests/test_kernels_in_engine.py
        tests/test_param_pack.py tests/test_parity_target.py tests/test_parity_assistant.py tests/test_speculative.py
        tests/test_layering.py tests/test_loading.py tests/test_convert.py tests/test_orbax_io.py
-       tests/test_safetensors_io.py tests/test_corpus.py tests/test_xla_env.py tests/test_input_pack.py tests/test_unified.py)
+       tests/test_safetensors_io.py tests/test_corpus.py tests/test_xla_env.py tests/test_input_pack.py tests/test_unified.py
+       tests/test_multimodal.py)
 part2=(tests/test_executable_cache.py tests/test_engine.py tests/test_prefix_cache.py tests/test_tensor_parallel.py tests/test_server_units.py
        tests/test_server_support.py tests/test_server.py tests/test_server_process.py
        tests/test_grammar.py tests/test_speculation.py tests/test_tool_calls.py tests/test_acceptance_protocol.py)
