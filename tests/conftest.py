@@ -42,6 +42,16 @@ def pytest_configure(config):
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_runtest_logreport(report):
+    """With $GEMMA4_TEST_FAILURES_FILE set (scripts/gpu_suite.sh), each failure's report is appended to that file as
+    it happens: pytest prints them only when the session ends, which a device call cut short at its time limit never
+    reaches. Under xdist the controller writes (it sees every worker's reports), the workers do not."""
+    path = os.environ.get("GEMMA4_TEST_FAILURES_FILE")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def compiled_programs_freed():
     """Each module's compiled programs are freed when it ends: JAX's caches keep every program a jitted function

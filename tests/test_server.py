@@ -1171,7 +1171,7 @@ def test_the_first_programs_compile_while_the_weights_load(paths, tmp_path, monk
     try:
         server, _ = create_server(argv)
         engine = server.engine.engine
-        # prefill, the speculative round's three variants, and structured output's draft and masked verify
-        assert sorted(engine.programs.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 6
+        # prefill, the speculative round's three variants, and structured output's draft, verify forward and accept
+        assert sorted(engine.programs.restored) == sorted(engine.compile_times) and len(engine.compile_times) == 7
     finally:
         restore()
