@@ -20,7 +20,7 @@ from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
 from gemma4_mtp_jax.engine.config import CACHE_DTYPES
 from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
-from gemma4_mtp_jax.server.flags import SPECULATIVE_K_CHOICES, SPECULATIVE_K_HELP, adaptive
+from gemma4_mtp_jax.server.flags import SPECULATIVE_K_CHOICES, SPECULATIVE_K_HELP, adaptive, add_multihost_arguments
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default ~/.cache/gemma4_mtp_jax/jax_cache; 'none': off)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
-    distributed.add_arguments(ap)
+    add_multihost_arguments(ap)
     args = ap.parse_args(argv)
 
     def info(msg: str) -> None:

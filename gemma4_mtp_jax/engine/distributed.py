@@ -44,12 +44,3 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
              len(jax.devices()))
     return True
 
-
-def add_arguments(ap) -> None:
-    """The multi-process flags of the command-line tools."""
-    g = ap.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="process 0's address; every process runs the same command (default: "
-                        "$JAX_COORDINATOR_ADDRESS; unset: one process)")
-    g.add_argument("--num-processes", type=int, default=None, help="processes in the job ($JAX_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=None, help="this process's index ($JAX_PROCESS_ID)")
