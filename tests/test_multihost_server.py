@@ -11,8 +11,13 @@ import socket
 import threading
 import time
 
+import jax
+import numpy as np
 import pytest
 
+from gemma4_mtp_jax.engine.multihost import decode_call, encode_call
+from gemma4_mtp_jax.model.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.steps.device_state import PrefillRows, ProcessingRows, StepInputs
 from test_server_support import ServerProcess, free_port, request, stream_completion, wait_idle
 
 # The trained demo pair (real text), the fewest programs: batch bucket 2, prefill bucket 16, rounds of 2 drafts.
@@ -20,6 +25,7 @@ ENGINE = ["--ckpt", "demo", "--executable-cache-dir", "none", "--no-access-log",
           "--max-model-len", "128", "--prefill-chunk", "16", "--page-size", "16", "--no-structured-outputs",
           "--speculative-k", "fixed", "--num-speculative-tokens", "2"]
 FOLLOWING = r"process 1 of 2: following process 0's program calls"
+PLAIN = ["--assistant", "none"]  # the jobs started for one test alone: decode programs, quicker to compile
 PROMPTS = ["Once upon a time", "The little cat", [5, 9, 13, 200, 7], "A"]
 PEER_TIMEOUT_S = 3.0
 
@@ -147,7 +153,7 @@ def test_sigterm_on_process_1_drains_and_stops_both(job):
 
 
 def test_sigterm_on_process_0_stops_both(cache):
-    procs = start_job(cache)
+    procs = start_job(cache, *PLAIN)
     try:
         assert completion(procs[0].port, "A", 4)["choices"][0]["text"]
         procs[0].proc.send_signal(signal.SIGTERM)
@@ -159,7 +165,7 @@ def test_sigterm_on_process_0_stops_both(cache):
 
 
 def test_killed_follower_fails_the_requests_and_stops_process_0(cache):
-    procs = start_job(cache)
+    procs = start_job(cache, *PLAIN)
     try:
         out, first = [], threading.Event()
         t = threading.Thread(target=stream_completion, args=(procs[0].port, {"prompt": "Once", "max_tokens": 100,
@@ -185,7 +191,7 @@ def test_killed_follower_fails_the_requests_and_stops_process_0(cache):
 def test_killed_process_0_stops_the_follower(cache):
     """Process 0 dies during start-up: process 1, which waits in the job's store or a collective, ends at once
     (jax.distributed's own client ends it, or our watch does: a clear word either way), never hangs."""
-    procs = start_job(cache, wait=False)
+    procs = start_job(cache, *PLAIN, wait=False)
     try:
         procs[1].wait_for(r"the processes' flags, checkpoints and code agree", 120)
         procs[0].kill()
@@ -206,8 +212,23 @@ def test_mismatched_flags_are_refused_naming_the_flag(cache):
     try:
         assert [exited(p, 120)[0] for p in procs] == [2, 2]
         for p in procs:
-            assert "the processes' configuration differ: --max-model-len: process" in p.log, p.log[-3000:]
+            assert "differ in their configuration: --max-model-len: process" in p.log, p.log[-3000:]
             assert "has 128" in p.log and "has 192" in p.log
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_program_call_survives_its_encoding():
+    """What process 0 publishes is what a follower runs: every array of a prefill's inputs (rows, tables, sampling,
+    processing) and every flag, dtypes included."""
+    rows = PrefillRows.stack([dict(slot=1, tokens=np.arange(16), positions=np.arange(16), last_index=15,
+                                   stop_ids=np.full(16, -1), remaining=7, next_tokens=np.arange(1, 17))], 1, 16)
+    processing = ProcessingRows.stack([SamplingParams(temperature=0.5).processing_row(3)], 1, (4, 1, 4))
+    inputs = StepInputs(rows, {"full": np.array([[3, 4, 0]], np.int32)},
+                        SamplingBatch.from_params([SamplingParams(temperature=0.5, seed=9)], 1), processing)
+    call, got, flags = decode_call(encode_call("prefill", inputs, scored=True, k=None))
+    assert (call, flags) == ("prefill", {"scored": True, "k": None})
+    for a, b in zip(jax.tree_util.tree_leaves(inputs), jax.tree_util.tree_leaves(got), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert decode_call(encode_call("stop")) == ("stop", None, {})

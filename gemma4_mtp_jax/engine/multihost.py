@@ -4,7 +4,7 @@ Process 0 owns the scheduler and every decision it makes (admission, preemption,
 own timings, grammar masks). Each call of a step program, its name, flags and host inputs, goes to the other
 processes through JAX's distributed key-value store before process 0 dispatches it (`Publisher`); each follower runs
 the same programs with the same inputs in the same order (`follow`) and decides nothing, so no measurement or
-timing of its own can make it diverge (docs/decisions/0022-multihost-program-calls.md). Every process builds the same
+timing of its own can make it diverge (docs/decisions/0023-multihost-program-calls.md). Every process builds the same
 engine at start from the same flags, checked first (`agree`), so the programs and the device state match.
 
 A watch thread on every process (`Watch`) keeps a heartbeat in the store and reads the others': a peer silent for
@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+import zlib
+from typing import Any, NoReturn
 
 import jax
 from flax.serialization import msgpack_restore, msgpack_serialize, to_state_dict
@@ -77,7 +78,7 @@ def agree(what: str, fields: dict[str, str], timeout_s: float) -> None:
                               f"({_first_line(e)})") from None
         differ = sorted(k for k in fields.keys() | theirs.keys() if fields.get(k) != theirs.get(k))
         if differ:
-            raise ConfigMismatch(f"the processes' {what} differ: " + "; ".join(
+            raise ConfigMismatch(f"process {me} and process {other} differ in their {what}: " + "; ".join(
                 f"{k}: process {me} has {fields.get(k, '(unset)')}, process {other} has {theirs.get(k, '(unset)')}"
                 for k in differ))
 
@@ -85,14 +86,16 @@ def agree(what: str, fields: dict[str, str], timeout_s: float) -> None:
 # ---------------------------------------------------------------------- program calls
 def encode_call(call: str, inputs: StepInputs | None = None, **flags: Any) -> bytes:
     """A program call as bytes: its name (ProgramSet's method), its flags and its host inputs (msgpack: arrays and
-    plain values only, nothing a reader would execute)."""
-    return msgpack_serialize({"call": call, "flags": flags,
-                              "inputs": None if inputs is None else to_state_dict(inputs)})
+    plain values only, nothing a reader would execute), deflated at level 1: inputs are mostly padding and masks of
+    -1, and the store's own gRPC compression of the raw bytes costs process 0 tens of milliseconds per MiB
+    (docs/decisions/0023-multihost-program-calls.md)."""
+    return zlib.compress(msgpack_serialize({"call": call, "flags": flags,
+                                            "inputs": None if inputs is None else to_state_dict(inputs)}), 1)
 
 
 def decode_call(data: bytes) -> tuple[str, StepInputs | None, dict[str, Any]]:
     """(name, host inputs, flags) of `encode_call`'s bytes."""
-    msg = msgpack_restore(data)
+    msg = msgpack_restore(zlib.decompress(data))
     d = msg["inputs"]
     inputs = None
     if d is not None:
@@ -205,6 +208,7 @@ class Watch(threading.Thread):
         self.stop_request: str | None = None
         self._closed = threading.Event()
         self._deleted = 0  # call blocks deleted so far (process 0)
+        self._silent: set[int] = set()  # peers taken for dead
 
     @property
     def leader(self) -> bool:
@@ -257,6 +261,7 @@ class Watch(threading.Thread):
                     if value != last:
                         seen[p] = (value, now)
                     elif now - since > self.timeout_s and self.failure is None:
+                        self._silent.add(p)
                         self.fail(f"process {p} stopped answering: no heartbeat for {now - since:.0f}s (it died or "
                                   f"hangs)")
                     progress.append(int(value.split()[1]) if value else -1)
@@ -270,9 +275,24 @@ class Watch(threading.Thread):
                 log.error("the multi-process job failed: %s", self.failure)
                 if not self._closed.wait(self.exit_after_s):
                     log.error("exiting: %s", self.failure)
-                    logging.shutdown()
-                    os._exit(1)
+                    self.leave(1)
                 return
+
+    def leave(self, status: int) -> NoReturn:
+        """End this process now with `status`: not through the interpreter's exit, whose jax.distributed shutdown
+        would wait for every process. Process 0 first waits up to `exit_after_s` for the others that live to leave:
+        with it goes the coordination service, and JAX would end them with its own message instead of theirs."""
+        try:
+            self.client.key_value_set(_key("gone", self.me), str(status))
+            deadline = time.monotonic() + self.exit_after_s
+            for p in range(1, self.n) if self.leader else ():
+                if p not in self._silent:
+                    self.client.blocking_key_value_get(_key("gone", p),
+                                                       max(1, int(1000 * (deadline - time.monotonic()))))
+        except jax.errors.JaxRuntimeError:  # the store is gone, or a process did not leave in time
+            pass
+        logging.shutdown()
+        os._exit(status)
 
     def _delete_calls(self, ran: int) -> None:
         """Drop the directories of program calls that every follower ran (the store keeps what it is given)."""

@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import jax
 
@@ -135,12 +135,10 @@ class Job:
         return 0
 
     def exit(self, status: int, reason: str) -> NoReturn:
-        """End this process now with `status`, after telling the others why: not through the interpreter's exit,
-        whose jax.distributed shutdown would wait for every process to arrive."""
+        """End this process now with `status`, after telling the others why (Watch.leave)."""
         log.error("%s", reason)
         self.watch.fail(reason)
-        logging.shutdown()
-        os._exit(status)
+        self.watch.leave(status)
 
 
 def start(args: argparse.Namespace) -> Job | None:
@@ -167,6 +165,3 @@ def serve_settings(args: argparse.Namespace) -> list[str]:
         changed.append("--no-compile-in-background (every process compiles every program before serving)")
     return changed
 
-
-def describe(job: Job | None) -> dict[str, Any]:
-    return {} if job is None else {"process_id": job.process_id, "num_processes": job.num_processes}
