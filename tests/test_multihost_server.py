@@ -76,6 +76,17 @@ def replies(port: int) -> list[tuple[str, dict]]:
     return out
 
 
+def streaming(port: int, max_tokens: int) -> tuple[threading.Thread, list]:
+    """A greedy streaming completion in a thread, once its first event came: (the thread, where its (status,
+    events) go)."""
+    out, first = [], threading.Event()
+    t = threading.Thread(target=stream_completion, args=(port, {"prompt": "Once", "max_tokens": max_tokens,
+                                                                "temperature": 0, "stream": True}, {}, out, first))
+    t.start()
+    assert first.wait(60)
+    return t, out
+
+
 def exited(proc: ServerProcess, timeout: float) -> tuple[int, float]:
     """(its exit status, seconds it took from now)."""
     t0 = time.time()
@@ -136,12 +147,7 @@ def test_client_disconnect_cancels_and_the_job_goes_on(job):
 
 def test_sigterm_on_process_1_drains_and_stops_both(job):
     procs, _ = job
-    out, first = [], threading.Event()
-    t = threading.Thread(target=stream_completion, args=(procs[0].port, {"prompt": "Once", "max_tokens": 80,
-                                                                          "temperature": 0, "stream": True}, {},
-                                                         out, first))
-    t.start()
-    assert first.wait(60)
+    t, out = streaming(procs[0].port, 80)
     procs[1].proc.send_signal(signal.SIGTERM)
     statuses = [exited(p, 60)[0] for p in procs]
     t.join(30)
@@ -167,12 +173,7 @@ def test_sigterm_on_process_0_stops_both(cache):
 def test_killed_follower_fails_the_requests_and_stops_process_0(cache):
     procs = start_job(cache, *PLAIN)
     try:
-        out, first = [], threading.Event()
-        t = threading.Thread(target=stream_completion, args=(procs[0].port, {"prompt": "Once", "max_tokens": 100,
-                                                                              "temperature": 0, "stream": True}, {},
-                                                             out, first))
-        t.start()
-        assert first.wait(60)
+        t, out = streaming(procs[0].port, 100)
         procs[1].kill()
         status, seconds = exited(procs[0], PEER_TIMEOUT_S + 30)
         t.join(30)

@@ -2,8 +2,9 @@
 
 Every process runs the same command with its own process id; process 0's address is the coordinator. After
 `initialize`, `jax.devices()` lists the devices of every process, so `--tensor-parallel-size` can span hosts and
-each step stays one SPMD program. Every process feeds the same host arrays (its engine schedules the same requests in
-the same order) and reads the same replicated results.
+each step stays one SPMD program. Every process feeds the same host arrays and reads the same replicated results:
+`generate`'s engines schedule the same requests in the same order, a server's followers run the program calls
+process 0 publishes (multihost.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from flax.serialization import msgpack_restore, msgpack_serialize, to_state_dict
 from gemma4_mtp_jax.engine.engine import Engine
 from gemma4_mtp_jax.model.sampling import SamplingBatch
 from gemma4_mtp_jax.programs.program_set import ProgramSet
-from gemma4_mtp_jax.steps.device_state import PrefillRows, ProcessingRows, StepInputs, StepRows
+from gemma4_mtp_jax.steps.device_state import DeviceState, PrefillRows, ProcessingRows, StepInputs, StepRows
 
 log = logging.getLogger(__name__)
 
@@ -128,19 +128,21 @@ class Publisher:
         self.calls += 1
         self.publish_seconds += time.perf_counter() - t0
 
-    def prefill(self, state, inputs: StepInputs, scored: bool = False):
+    def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False) -> tuple[DeviceState, Any]:
         self._publish("prefill", inputs, scored=scored)
         return self.programs.prefill(state, inputs, scored)
 
-    def step(self, state, inputs: StepInputs, sampled: bool, processed: bool = False, k: int | None = None):
+    def step(self, state: DeviceState, inputs: StepInputs, sampled: bool, processed: bool = False,
+             k: int | None = None) -> tuple[DeviceState, Any]:
         self._publish("step", inputs, sampled=sampled, processed=processed, k=k)
         return self.programs.step(state, inputs, sampled, processed, k)
 
-    def draft(self, state, inputs: StepInputs):
+    def draft(self, state: DeviceState, inputs: StepInputs) -> tuple[DeviceState, Any, Any, Any]:
         self._publish("draft", inputs)
         return self.programs.draft(state, inputs)
 
-    def verify(self, state, inputs: StepInputs, drafted, q, q_ids):
+    def verify(self, state: DeviceState, inputs: StepInputs, drafted: Any, q: Any,
+               q_ids: Any) -> tuple[DeviceState, Any]:
         self._publish("verify", inputs)  # the followers verify their own draft program's outputs
         return self.programs.verify(state, inputs, drafted, q, q_ids)
 

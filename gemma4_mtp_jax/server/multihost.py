@@ -38,6 +38,9 @@ AGREED_GROUPS = ("model", "engine")  # `serve --help`'s groups whose flags shape
 # the name only process 0 reports.
 PER_HOST = {"ckpt", "assistant", "compilation_cache_dir", "executable_cache_dir", "served_model_name"}
 START_TIMEOUT_S = 300.0  # the others' flags must arrive within this long of this process's (as jax.distributed's)
+# The others' KV pools come once their engines are built: minutes apart where one host compiles what another loads
+# from its executable cache. A peer that dies meanwhile is the watch's to notice.
+ENGINE_TIMEOUT_S = 24 * 3600.0
 SAMPLES, SAMPLE_BYTES = 8, 1 << 16  # per checkpoint file: bytes read at evenly spaced offsets for its fingerprint
 
 
@@ -98,7 +101,7 @@ class Job:
         when --kv-cache-memory is not given)."""
         pages = {g: engine.layout.pages(g) for g, _ in engine.layout.pages_per_seq}
         agree("KV pools", {"pages per group (set --kv-cache-memory to make them equal)": json.dumps(pages)},
-              START_TIMEOUT_S)
+              ENGINE_TIMEOUT_S)
 
     def lead(self, engine: Engine) -> None:
         self.publisher = lead(engine)
