@@ -20,7 +20,7 @@ from gemma4_mtp_jax.engine import Engine, EngineConfig, RequestError
 from gemma4_mtp_jax.engine.config import CACHE_DTYPES
 from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.programs.compiled import enable_compilation_cache
-from gemma4_mtp_jax.server.flags import SPECULATIVE_K_CHOICES, SPECULATIVE_K_HELP, adaptive
+from gemma4_mtp_jax.server.flags import SPECULATIVE_K_CHOICES, SPECULATIVE_K_HELP, adaptive, add_multihost_arguments
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX persistent compilation cache (default ~/.cache/gemma4_mtp_jax/jax_cache; 'none': off)")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
-    distributed.add_arguments(ap)
+    add_multihost_arguments(ap)
     args = ap.parse_args(argv)
 
     def info(msg: str) -> None:
@@ -161,8 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         longest = max(len(p) for p in prompts) + args.max_new_tokens
         cfg = EngineConfig(max_num_seqs=len(prompts), max_model_len=args.max_model_len or longest,
                            page_size=args.page_size, num_speculative_tokens=args.num_speculative_tokens,
-                           adaptive_speculation=assistant is not None and adaptive(args.speculative_k,
-                                                                                   args.num_speculative_tokens),
+                           # Across processes each engine would choose its round sizes from its own timings, and
+                           # two that chose differently would wait for each other in a collective: a fixed k there.
+                           adaptive_speculation=assistant is not None and jax.process_count() == 1
+                           and adaptive(args.speculative_k, args.num_speculative_tokens),
                            cache_dtype=args.kv_cache_dtype,
                            tensor_parallel_size=args.tensor_parallel_size)
         enable_compilation_cache(args.compilation_cache_dir)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server_support import MODEL, request, server_argv, session_paths, sse_events, wait_healthy
+from test_server_support import MODEL, ServerProcess, request, server_argv, session_paths, stream_completion
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,68 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     return session_paths(tmp_path_factory)
-
-
-class ServerProcess:
-    def __init__(self, argv: list[str], timeout: float = 120):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get(
-            "PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "gemma4_mtp_jax.serve", "--port", "0", *argv], cwd=REPO,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        t0 = time.time()
-        self.port = None
-        while self.port is None:
-            if self.proc.poll() is not None or time.time() - t0 > timeout:
-                self.kill()
-                raise AssertionError("server did not start:\n" + self.log)
-            for line in list(self.lines):
-                m = re.search(r"serving '.*' on http://127\.0\.0\.1:(\d+)", line)
-                if m:
-                    self.port = int(m.group(1))
-            time.sleep(0.05)
-        self.start_s = time.time() - t0
-        wait_healthy("127.0.0.1", self.port, 30)
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def _stream(port: int, body: dict, headers: dict, out: list, first_event: threading.Event):
-    """A streaming completion over a raw connection; appends (status, events) to out."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json", **headers})
-        r = conn.getresponse()
-        raw = b""
-        while True:
-            chunk = r.read1(65536) if hasattr(r, "read1") else r.read(65536)
-            if not chunk:
-                break
-            raw += chunk
-            if b"data: " in raw:
-                first_event.set()
-        out.append((r.status, sse_events(raw) if r.status == 200 else json.loads(raw)))
-    except Exception as e:  # noqa: BLE001 - reported by the test
-        out.append(("exception", repr(e)))
-    finally:
-        first_event.set()
-        conn.close()
 
 
 def test_help_lists_every_flag():
@@ -129,7 +67,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(paths):
         # Meanwhile the server still answers: /health 503 "draining", a new generation request 503.
         n = 24
         out, first = [], threading.Event()
-        threads = [threading.Thread(target=_stream, args=(srv.port, {"prompt": f"story {i}", "max_tokens": 100,
+        threads = [threading.Thread(target=stream_completion, args=(srv.port, {"prompt": f"story {i}", "max_tokens": 100,
                                                                      "temperature": 0, "stream": True}, auth, out,
                                                            first)) for i in range(n)]
         for t in threads:
@@ -174,7 +112,7 @@ def test_sigterm_grace_over_cancels_and_exits_0(paths):
     srv = ServerProcess(server_argv(tdir, adir, cache, "--shutdown-grace-seconds", "0"))
     try:
         out, first = [], threading.Event()
-        threads = [threading.Thread(target=_stream, args=(srv.port, {"prompt": f"tale {i}", "max_tokens": 120,
+        threads = [threading.Thread(target=stream_completion, args=(srv.port, {"prompt": f"tale {i}", "max_tokens": 120,
                                                                      "temperature": 0, "stream": True}, {}, out,
                                                            first)) for i in range(8)]
         for t in threads:

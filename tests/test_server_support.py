@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Small engine for the CPU tests: batch buckets 1, 2, 4; prefill buckets 16, 32, 64.
 # Test servers leave out structured output's masked rounds (two programs per batch bucket to compile); the module
@@ -246,3 +253,85 @@ def fuzz_requests():
                                       st.integers(1, 3) | numbers), json_values)
     junk = st.tuples(junk_routes, st.builds(encode, junk_bodies, st.none() | st.binary(max_size=40)))
     return st.tuples(st.one_of(valid, mutated, junk), headers)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a process that must be told its port, as a job's coordinator)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m gemma4_mtp_jax.serve --port 0 ARGV` in a subprocess on the CPU, its output collected. With `ready`
+    (a regex) it returns once a line matches (SERVING: listening, `port` then its port, and healthy); None: at once,
+    `wait_for` later."""
+
+    SERVING = r"serving '.*' on http://127\.0\.0\.1:(\d+)"
+
+    def __init__(self, argv: list[str], timeout: float = 120, ready: str | None = SERVING):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get(
+            "PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
+        self.t0 = time.time()
+        self.proc = subprocess.Popen([sys.executable, "-m", "gemma4_mtp_jax.serve", "--port", "0", *argv], cwd=REPO,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.port = None
+        if ready is not None:
+            self.wait_for(ready, timeout)
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
+        """The first line that matches `pattern`, waited for; for SERVING, `port` is set and the server healthy."""
+        t0 = time.time()
+        while True:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    if pattern == self.SERVING:
+                        self.port = int(m.group(1))
+                        self.start_s = time.time() - self.t0
+                        wait_healthy("127.0.0.1", self.port, 30)
+                    return m
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                self.kill()
+                raise AssertionError(f"no line matched {pattern!r}:\n" + self.log)
+            time.sleep(0.05)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def stream_completion(port: int, body: dict, headers: dict, out: list, first_event: threading.Event):
+    """A streaming completion over a raw connection; appends (status, events) to out (or ("exception", repr)),
+    sets `first_event` once an event came (or it ended)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", **headers})
+        r = conn.getresponse()
+        raw = b""
+        while True:
+            chunk = r.read1(65536) if hasattr(r, "read1") else r.read(65536)
+            if not chunk:
+                break
+            raw += chunk
+            if b"data: " in raw:
+                first_event.set()
+        out.append((r.status, sse_events(raw) if r.status == 200 else json.loads(raw)))
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        out.append(("exception", repr(e)))
+    finally:
+        first_event.set()
+        conn.close()

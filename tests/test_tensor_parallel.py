@@ -207,11 +207,9 @@ def test_data_parallel_replicas_run_on_their_own_devices(tiny_ckpts):
 def test_two_processes_on_localhost_equal_one(tiny_ckpts):
     """Multi-host in miniature: `generate` in two processes (one CPU device each, jax.distributed with gloo),
     tensor parallel over both, prints the greedy tokens of a single-process run (process 0 prints, process 1 not)."""
-    import socket
+    from test_server_support import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base = [sys.executable, "-m", "gemma4_mtp_jax.generate", "--ckpt", str(tiny_ckpts["a26b"]["target_plain"]),
             "--prompt-ids", "5,9,13,200,7", "--prompt-ids", "3,3,3,3,3,3,3,3,3,3,3", "--max-new-tokens", "10",
             "--dtype", "float32", "--max-model-len", "48", "--page-size", "4", "--json",

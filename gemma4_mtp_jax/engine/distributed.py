@@ -2,8 +2,9 @@
 
 Every process runs the same command with its own process id; process 0's address is the coordinator. After
 `initialize`, `jax.devices()` lists the devices of every process, so `--tensor-parallel-size` can span hosts and
-each step stays one SPMD program. Every process feeds the same host arrays (its engine schedules the same requests in
-the same order) and reads the same replicated results.
+each step stays one SPMD program. Every process feeds the same host arrays and reads the same replicated results:
+`generate`'s engines schedule the same requests in the same order, a server's followers run the program calls
+process 0 publishes (multihost.py).
 """
 
 from __future__ import annotations
@@ -44,12 +45,3 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
              len(jax.devices()))
     return True
 
-
-def add_arguments(ap) -> None:
-    """The multi-process flags of the command-line tools."""
-    g = ap.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="process 0's address; every process runs the same command (default: "
-                        "$JAX_COORDINATOR_ADDRESS; unset: one process)")
-    g.add_argument("--num-processes", type=int, default=None, help="processes in the job ($JAX_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=None, help="this process's index ($JAX_PROCESS_ID)")

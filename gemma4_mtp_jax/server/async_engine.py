@@ -158,6 +158,15 @@ class AsyncEngine:
         if not stream.done:
             self._cmds.put(("cancel", stream))
 
+    def fail_all(self, error: str) -> None:
+        """End every request now with an error, from any thread and without the engine thread, which may never
+        return (a program waiting in a collective for a process that died). No request is admitted after."""
+        log.error("failing the %d request(s) in flight: %s", len(self._active), error)
+        self.draining = True
+        self.last_error = error
+        for stream in list(self._active.values()):
+            self._close(stream, Delta([], time.perf_counter(), True, "error", REQUEST_FAILED))
+
     @property
     def in_flight(self) -> int:
         return len(self._active)

@@ -134,8 +134,10 @@ class _CompileAhead(threading.Thread):
         log.info("compiled %d programs ahead of the weights in %.1fs", len(self.programs), time.perf_counter() - t0)
 
 
-def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | None = None):
-    """Load, check, compile; returns (OpenAIServer, args). Raises on a bad checkpoint or configuration."""
+def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | None = None, job=None):
+    """Load, check, compile; returns (OpenAIServer, args). Raises on a bad checkpoint or configuration. `job`: this
+    process's part of a multi-process server (multihost.Job), whose processes check each other's flags and KV
+    pools here."""
     import jax
 
     from gemma4_mtp_jax.api import load_assistant, load_target
@@ -168,6 +170,14 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         name = name or "gemma4-demo"
     if assistant_path is not None and assistant_path.lower() == "none":
         assistant_path = None
+    if job is not None:
+        from gemma4_mtp_jax.server import multihost
+
+        for change in multihost.serve_settings(args):
+            log.info("multi-process server: %s", change)
+        job.check_flags(ap, args, ckpt, assistant_path)
+        log.info("process %d of %d: the processes' flags, checkpoints and code agree", job.process_id,
+                 job.num_processes)
     dtype = None if args.dtype == "auto" else args.dtype
     # Weights go from host memory to each device, or (packed) to the packed arrays, never whole on a device twice.
     spread = args.tensor_parallel_size * args.data_parallel_size > 1 or args.pack_params
@@ -243,6 +253,8 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
             e.close()
         raise
     engine = engines[0]
+    if job is not None:
+        job.check_engine(engine)
     if config.executable_cache_dir:
         log.info("executable cache %s: %d of the %d programs compiled so far loaded from it%s",
                  config.executable_cache_dir,
@@ -315,7 +327,7 @@ def _is_loopback(sock: socket.socket) -> bool:
 DRAIN_OVERRUN_S = 5.0  # past the grace period, stop listening even if the engine has not closed every request
 
 
-def make_uvicorn_server(server, args: argparse.Namespace):
+def make_uvicorn_server(server, args: argparse.Namespace, job=None):
     import uvicorn
 
     from gemma4_mtp_jax.server.connection import guarded_h11_protocol
@@ -323,9 +335,12 @@ def make_uvicorn_server(server, args: argparse.Namespace):
     class _Server(uvicorn.Server):
         """uvicorn, with our shutdown: the first SIGTERM/SIGINT drains while still listening (new generation
         requests get 503, /health says "draining") until nothing is in flight or the grace period is over; then
-        uvicorn's own shutdown closes the listener and waits for the last responses. The process exits 0."""
+        uvicorn's own shutdown closes the listener and waits for the last responses. The process exits 0.
+        In a multi-process server (`job`), a follower's stop request is such a signal, and a failure of the job ends
+        every request with an error and stops at once."""
 
         drain_until: float | None = None
+        failed = False
 
         def handle_exit(self, sig, frame) -> None:
             name = signal.Signals(sig).name
@@ -343,10 +358,22 @@ def make_uvicorn_server(server, args: argparse.Namespace):
                 self.force_exit = True
 
         async def on_tick(self, counter: int) -> bool:
+            if job is not None:
+                self.watch_job()
             if self.drain_until is not None and not self.should_exit:
                 if server.engine.in_flight == 0 or time.monotonic() > self.drain_until + DRAIN_OVERRUN_S:
                     self.should_exit = True
             return await super().on_tick(counter)
+
+        def watch_job(self) -> None:
+            watch = job.watch
+            if watch.failure is not None and not self.failed:
+                self.failed = self.should_exit = True
+                log.error("stopping: %s", watch.failure)
+                server.engine.fail_all(watch.failure)
+            elif watch.stop_request is not None and self.drain_until is None:
+                log.info("%s: stopping the job", watch.stop_request)
+                self.handle_exit(signal.SIGTERM, None)
 
     def count(status: int) -> None:
         server.metrics.requests.labels("other", str(status)).inc()
@@ -368,9 +395,12 @@ def make_uvicorn_server(server, args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    job = None
 
     def _stop_during_startup(sig, frame):
         log.info("received %s during start-up: exiting", signal.Signals(sig).name)
+        if job is not None:  # the other processes stop too, rather than wait for this one in a collective
+            job.exit(0, f"process {job.process_id} received {signal.Signals(sig).name} during start-up")
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _stop_during_startup)
@@ -378,20 +408,50 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend 'tpu'"
+    from gemma4_mtp_jax.server import multihost
+
+    try:
+        job = multihost.start(args)
+    except ValueError as e:
+        log.error("cannot join the multi-process job: %s", e)
+        return 2
+    if job is None:
+        return _serve(args)
+    signal.signal(signal.SIGTERM, _stop_during_startup)  # jax.distributed's preemption notifier took it over
+    try:
+        return _serve(args, job)
+    except BaseException as e:  # noqa: BLE001 - never the interpreter's exit: it would wait for the others
+        log.exception("process %d failed", job.process_id)
+        job.exit(1, f"process {job.process_id} failed: {type(e).__name__}: {e}")
+
+
+def _serve(args: argparse.Namespace, job=None) -> int:
+    """Start-up and serving, once the process has joined its job (`job`, multihost.Job) if any."""
     from gemma4_mtp_jax.model.config import ConfigError
     from gemma4_mtp_jax.engine import DeviceMemoryError
+    from gemma4_mtp_jax.engine.multihost import PeerFailure
     from gemma4_mtp_jax.weights.safetensors_io import CheckpointError
 
+    sock = None
     try:  # claim the address first (a busy port fails now, not after minutes of compiling); listen when ready
-        sock = bind_socket(args.host, args.port, listen=False)
+        if job is None or job.leader:
+            sock = bind_socket(args.host, args.port, listen=False)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        if job is not None:
+            job.exit(2, f"process 0 cannot listen on {args.host}:{args.port}: {e}")
         return 2
     try:
-        server, args = create_server(args=args)
-    except (ConfigError, CheckpointError, DeviceMemoryError, OSError, ValueError) as e:
+        server, args = create_server(args=args, job=job)
+    except (ConfigError, CheckpointError, DeviceMemoryError, OSError, ValueError, PeerFailure) as e:
+        if job is not None:
+            job.exit(2, f"process {job.process_id} cannot start: {e}")
         log.error("cannot start: %s", e)
         return 2
+    if job is not None and not job.leader:
+        return job.follow(server.engine.engine)
+    if job is not None:
+        job.lead(server.engine.engine)
     server.preparer.start()  # a worker process for large request bodies, ready before the first one comes
     sock.listen(2048)
     url = _url(sock)
@@ -399,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              server.settings.model_name, url, url, url, url, " [API key required]" if server.settings.api_key else "")
     if not server.settings.api_key and not _is_loopback(sock):
         log.warning("listening beyond this machine without --api-key: anyone who can reach %s can use it", url)
-    uv = make_uvicorn_server(server, args)
+    uv = make_uvicorn_server(server, args, job)
     uv.run(sockets=[sock])
     log.info("stopped")
-    return 0
+    return 0 if job is None else job.finish()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 API_KEY_ENV = "GEMMA4_MTP_JAX_API_KEY"
@@ -201,7 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "none: the thinking stays in content (default: auto)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info", help="log verbosity")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    g = add_multihost_arguments(ap)
+    g.add_argument("--peer-timeout-seconds", type=float, default=10.0, metavar="S",
+                   help="serve across processes: a process whose heartbeat stops for this long counts as dead; "
+                        "every process logs which, process 0 ends its requests with an error, and all exit with "
+                        "status 1 (docs/SERVING.md, \"Several hosts\")")
     return ap
+
+
+def add_multihost_arguments(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The flags that join a job of several processes (engine/distributed.py), as serve and generate take them;
+    returns their group."""
+    g = ap.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address; every process runs the same command (default: "
+                        "$JAX_COORDINATOR_ADDRESS; unset: one process)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the job ($JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index ($JAX_PROCESS_ID)")
+    return g
 
 
 def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -212,9 +228,8 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.tensor_parallel_size < 1 or a.data_parallel_size < 1:
         ap.error("--tensor-parallel-size and --data-parallel-size must be >= 1")
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        ap.error("the server runs in one process (its requests would have to reach every host's engine); for a "
-                 "multi-host job use `python -m gemma4_mtp_jax.generate --coordinator-address ...` or the Python API")
+    if not a.peer_timeout_seconds > 0:
+        ap.error("--peer-timeout-seconds must be > 0")
     if a.max_model_len is not None and a.max_model_len < 2:
         ap.error("--max-model-len must be >= 2")
     if a.num_speculative_tokens is not None and a.num_speculative_tokens < 1:
