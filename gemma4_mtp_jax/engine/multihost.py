@@ -141,10 +141,14 @@ class Publisher:
         self._publish("draft", inputs)
         return self.programs.draft(state, inputs)
 
-    def verify(self, state: DeviceState, inputs: StepInputs, drafted: Any, q: Any,
-               q_ids: Any) -> tuple[DeviceState, Any]:
-        self._publish("verify", inputs)  # the followers verify their own draft program's outputs
-        return self.programs.verify(state, inputs, drafted, q, q_ids)
+    def verify(self, state: DeviceState, inputs: StepInputs, drafted: Any) -> tuple[DeviceState, Any]:
+        self._publish("verify")  # the followers verify their own draft program's drafts, with its inputs
+        return self.programs.verify(state, inputs, drafted)
+
+    def accept(self, state: DeviceState, inputs: StepInputs, drafted: Any, q: Any, q_ids: Any,
+               verified: Any) -> tuple[DeviceState, Any]:
+        self._publish("accept", inputs)  # with the grammar masks: the followers' own programs' outputs stay theirs
+        return self.programs.accept(state, inputs, drafted, q, q_ids, verified)
 
     def stop(self) -> None:
         """Tell the followers that no call comes any more: their loops return."""
@@ -163,7 +167,10 @@ def follow(engine: Engine, watch: "Watch", poll_s: float = 0.5) -> int:
     returns the calls run. Raises PeerFailure when the watch has a failure or process 0 cannot be reached."""
     client, programs = _client(), engine.programs
     state, engine.runner.state = engine.runner.state, None  # this loop owns the device state now
+    # The last draft program's outputs (drafted, q, q_ids) and inputs, and its verify's outputs: a masked round's
+    # later programs take them from this process's own devices.
     drafted: tuple = ()
+    draft_inputs, verified = None, None
     n = 0
     while True:
         if watch.failure is not None:
@@ -183,8 +190,11 @@ def follow(engine: Engine, watch: "Watch", poll_s: float = 0.5) -> int:
             state, _ = programs.step(state, inputs, flags["sampled"], flags["processed"], flags["k"])
         elif call == "draft":
             state, *drafted = programs.draft(state, inputs)
+            draft_inputs = inputs
         elif call == "verify":
-            state, _ = programs.verify(state, inputs, *drafted)
+            state, verified = programs.verify(state, draft_inputs, drafted[0])
+        elif call == "accept":
+            state, _ = programs.accept(state, inputs, *drafted, verified)
         else:
             raise ValueError(f"process 0 sent an unknown program call {call!r}")
         watch.progress = n
