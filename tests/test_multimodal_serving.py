@@ -12,6 +12,8 @@ Engines compile lazily (only the programs these prompts run).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -161,3 +163,150 @@ def test_media_mismatch_is_refused(e2b, engines):
         engines["plain"].add_request(prompt[1:], MAX_NEW, media=media)
     with pytest.raises(ValueError, match="13 image placeholder tokens"):
         encoder.prompt(prompt + [target.encoders.config.image_token_id], [encoder.image(_image(1))])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The server: chat image_url / input_audio parts
+# ----------------------------------------------------------------------------------------------------------------------
+WORDS = 500  # the test tokenizer's plain words w0..w499 are ids 0..499; the special tokens follow
+SPECIAL = ["<|image|>", "<|audio|>", "<|image>", "<image|>", "<|video|>", "<|audio>", "<audio|>", "<start_of_turn>",
+           "<end_of_turn>", "<unk>"]  # ids 500..509 (the tiny checkpoints' media ids are 500..506)
+
+
+def _write_tokenizer(directory) -> None:
+    """A word-level tokenizer.json and chat template for the tiny e2b checkpoint (which has none)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(WORDS)} | {t: WORDS + i for i, t in enumerate(SPECIAL)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.ByteLevel()  # one the grammar compiler (llguidance) reads token bytes from
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    gen = directory / "generation_config.json"  # an end of turn to stop at (the grammar compiler needs one)
+    config = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps(config | {"eos_token_id": [vocab["<end_of_turn>"]]}))
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_ckpts, tmp_path_factory):
+    import shutil
+
+    from test_server_support import InProcessServer
+
+    tdir = tmp_path_factory.mktemp("mm_server") / "target"
+    shutil.copytree(tiny_ckpts["e2b"]["target_multimodal"], tdir)
+    _write_tokenizer(tdir)
+    s = InProcessServer(["--ckpt", str(tdir), "--assistant", str(tiny_ckpts["e2b"]["assistant"]),
+                         "--served-model-name", "mm", "--executable-cache-dir", "none", "--no-access-log",
+                         "--compilation-cache-dir", str(tmp_path_factory.mktemp("mm_jax_cache")),
+                         "--max-num-seqs", "2", "--max-model-len", "64", "--prefill-chunk", "16", "--page-size", "4",
+                         "--no-structured-outputs", "--speculative-k", "fixed", "--dtype", "float32",
+                         "--max-image-tokens", str(BUDGET)])
+    yield s
+    s.close()
+
+
+def _png(image: np.ndarray) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _wav(seconds: float, rate: int = 8000) -> str:
+    import base64
+    import io
+    import wave
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate), w.writeframes(pcm.tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat(srv, content: list, **kw):
+    import json
+
+    from test_server_support import request
+
+    body = {"model": "mm", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_NEW,
+            "temperature": 0, "return_token_ids": True, **kw}
+    status, _, data = request(srv.host, srv.port, "POST", "/v1/chat/completions", body)
+    return status, data if kw.get("stream") else json.loads(data)
+
+
+def test_server_image_part_equals_engine(srv, e2b, engines):
+    """A data: URL image: the prompt is the template's with the image's placeholders expanded, and the greedy
+    answer (speculative on the server) is the plain engine's for that prompt and image, streamed or not."""
+    target, _, encoder = e2b
+    image = _image(6)
+    content = [{"type": "text", "text": "w5 w6 w7 "}, {"type": "image_url", "image_url": {"url": _png(image)}},
+               {"type": "text", "text": " w9 w10"}]
+    status, out = _chat(srv, content)
+    assert status == 200, out
+    cfg = target.encoders.config
+    turn, end = WORDS + SPECIAL.index("<start_of_turn>"), WORDS + SPECIAL.index("<end_of_turn>")
+    want_prompt = [turn, 5, 6, 7, cfg.boi_token_id] + [cfg.image_token_id] * BUDGET + [cfg.eoi_token_id, 9, 10, end,
+                                                                                       turn]
+    assert out["prompt_token_ids"] == want_prompt
+    want = _serve(engines["plain"], encoder, want_prompt, image)
+    assert out["choices"][0]["token_ids"] == want.output[:len(out["choices"][0]["token_ids"])]
+    assert out["usage"]["prompt_tokens"] == len(want_prompt)
+    status, streamed = _chat(srv, content, stream=True)
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in streamed.decode().splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    assert text == out["choices"][0]["message"]["content"]
+
+
+def test_server_audio_part(srv, e2b):
+    from gemma4_mtp_jax.media.audio_features import audio_features, num_soft_tokens
+    from gemma4_mtp_jax.server.media import decode_wav
+
+    import base64
+
+    clip = _wav(0.5)
+    status, out = _chat(srv, [{"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}},
+                              {"type": "text", "text": "w4"}])
+    assert status == 200, out
+    wave16k = decode_wav(base64.b64decode(clip), 16000, "test")
+    _, mask = audio_features([wave16k], e2b[2].audio_config)
+    assert out["prompt_token_ids"].count(e2b[0].encoders.config.audio_token_id) == num_soft_tokens(mask[0])
+
+
+@pytest.mark.parametrize("part, message", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}, "not valid base64"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8gd29ybGQ="}}, "could not be decoded"),
+    ({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGVsbG8="}}, "data:image/<type>;base64"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "--allow-media-fetch"),
+    ({"type": "image_url", "image_url": {"url": "ftp://example.com/cat.png"}}, "data: URL or http"),
+    ({"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "mp3"}}, "wav only"),
+    ({"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "wav"}}, "not a readable WAV"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}, "could not be decoded"),
+])
+def test_server_bad_media_parts_are_400(srv, part, message):
+    status, out = _chat(srv, [{"type": "text", "text": "w1"}, part])
+    assert status == 400, out
+    assert out["error"]["message"].startswith("messages[0].content[1]: ") and message in out["error"]["message"], out
+
+
+def test_server_too_many_or_huge_media_are_400(srv):
+    from gemma4_mtp_jax.server.media import MAX_MEDIA_PARTS
+
+    part = {"type": "image_url", "image_url": {"url": _png(_image(8))}}
+    status, out = _chat(srv, [part] * (MAX_MEDIA_PARTS + 1))
+    assert status == 400 and f"at most {MAX_MEDIA_PARTS}" in out["error"]["message"], out
+    status, out = _chat(srv, [{"type": "text", "text": "w1 \ufdd0"}])
+    assert status == 400 and "messages[0].content[0]" in out["error"]["message"], out
+    status, out = _chat(srv, [{"type": "input_audio", "input_audio": {"data": _wav(31, 1000), "format": "wav"}}])
+    assert status == 400 and "more than 30 s" in out["error"]["message"], out

@@ -91,16 +91,19 @@ def prompt_media(prompt: Sequence[int], items: Sequence[MediaItem], image_token_
 class MediaEncoder:
     """Runs `target`'s encoders on one image or clip at a time: images in their budget's one shape, clips padded
     to a power of two of frames, so a few compiled programs serve every request. `max_image_tokens`: the soft-token
-    budget of an image (the processor's max_soft_tokens)."""
+    budget of an image (the processor's max_soft_tokens); `audio_config`: the feature extractor's settings
+    (default: transformers' with as many mel bins as the audio tower takes)."""
 
-    def __init__(self, target: Target, max_image_tokens: int = 280,
-                 audio_config: AudioFeatureConfig = AudioFeatureConfig()):
+    def __init__(self, target: Target, max_image_tokens: int = 280, audio_config: AudioFeatureConfig | None = None):
         if target.encoders is None:
             raise ValueError(f"{target.path}: the checkpoint has no media encoders")
         self.encoders = target.encoders
         self.config = cfg = target.encoders.config
         self.image_config = None if cfg.vision is None else ImageProcessorConfig(
             cfg.vision.patch_size, cfg.vision.pooling_kernel_size, max_image_tokens)
+        if audio_config is None:  # the tower's first convolution takes one channel per mel bin
+            bins = cfg.audio.subsampling_conv_channels[0] if isinstance(cfg.audio, AudioConfig) else 128
+            audio_config = AudioFeatureConfig(num_mel_bins=bins)
         self.audio_config = audio_config
 
     def image(self, image: np.ndarray) -> MediaItem:
