@@ -260,9 +260,9 @@ class AsyncEngine:
             return
         try:
             after = None if stream.after is None else stream.after.request
+            media = {} if stream.media is None else {"media": stream.media}  # text: the call as it always was
             req = self.engine.add_request(stream.prompt, stream.max_tokens, stream.sampling, stream.stop_ids,
-                                          request_id=stream.id, after=after, grammar=stream.grammar,
-                                          media=stream.media)
+                                          request_id=stream.id, after=after, grammar=stream.grammar, **media)
         except (RequestError, ValueError) as e:
             self._forget(stream)
             stream._closed = True
