@@ -5,7 +5,10 @@ its assistant, float32, CPU):
 * the prefix cache: the same image finds every page of the prompt, a different image behind the same placeholder
   ids finds only the pages before it, and its tokens are the reference's for that image;
 * a preempted request prefills again with its media;
-* a family whose image tokens attend to each other refuses a prompt with an image.
+* a family whose image tokens attend to each other refuses a prompt with an image;
+* an audio clip padded to its frame bucket keeps its soft tokens; a fetched image within the limits;
+* the server (the same checkpoint, a word-level tokenizer written for it): a data: URL image's prompt and greedy
+  answer, streamed and not, equal to the engine's; a WAV clip's soft-token count; 400s naming each bad part.
 
 Engines compile lazily (only the programs these prompts run).
 """
@@ -163,6 +166,59 @@ def test_media_mismatch_is_refused(e2b, engines):
         engines["plain"].add_request(prompt[1:], MAX_NEW, media=media)
     with pytest.raises(ValueError, match="13 image placeholder tokens"):
         encoder.prompt(prompt + [target.encoders.config.image_token_id], [encoder.image(_image(1))])
+
+
+def test_audio_bucket_padding_keeps_the_soft_tokens(e2b):
+    """A clip padded to its frame bucket gives the soft tokens of the clip alone (padding frames are masked)."""
+    from gemma4_mtp_jax.media.audio_features import audio_features
+
+    _, _, encoder = e2b
+    clip = (0.2 * np.sin(np.arange(5000) * 0.03)).astype(np.float32)
+    item = encoder.audio(clip)
+    features, mask = audio_features([clip], encoder.audio_config)
+    soft, valid = encoder.encoders._audio(encoder.encoders.params, features, mask)
+    hf_tiny.assert_close("bucketed audio soft tokens", item.soft, np.asarray(soft[0])[np.asarray(valid[0])], 1e-5)
+
+
+def test_fetched_image_within_limits(e2b):
+    """With fetching allowed, an http URL's image is the same item as its data: URL's; a larger file than the
+    limit, or fetching not allowed, is a 400 naming the part."""
+    import http.server
+    import threading
+
+    from gemma4_mtp_jax.server.errors import APIError
+    from gemma4_mtp_jax.server.media import MediaLoader, MediaPart, MediaSettings, read_part
+
+    target, _, encoder = e2b
+    url = _png(_image(9))
+    png = read_part({"type": "image_url", "image_url": {"url": url}}, "here").data
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        prompt = [5, target.encoders.config.image_token_id, 6]
+        part = MediaPart("messages[0].content[0]", "image", url=f"http://127.0.0.1:{httpd.server_port}/a.png")
+        ids, media = MediaLoader(encoder, MediaSettings(allow_fetch=True)).load(prompt, [part])
+        _, want = MediaLoader(encoder, MediaSettings()).load(prompt, [MediaPart("x", "image", data=png)])
+        np.testing.assert_array_equal(media.soft, want.soft)
+        assert media.spans == want.spans and len(ids) == len(prompt) + 1 + BUDGET
+        for settings, message in ((MediaSettings(allow_fetch=True, max_fetch_bytes=len(png) - 1), "larger than"),
+                                  (MediaSettings(), "--allow-media-fetch")):
+            with pytest.raises(APIError, match=message) as e:
+                MediaLoader(encoder, settings).load(prompt, [part])
+            assert e.value.status == 400 and e.value.message.startswith("messages[0].content[0]: ")
+    finally:
+        httpd.shutdown()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat image_url parts may be http(s) URLs, which the server fetches (within "
                         "--media-fetch-timeout-seconds and --media-fetch-max-size); without it only data: URLs")
     s.add_argument("--media-fetch-timeout-seconds", type=float, default=10.0,
-                   help="with --allow-media-fetch: the time limit of each socket operation of a fetch")
+                   help="with --allow-media-fetch: the time limit of a fetch, from connecting to the last byte")
     s.add_argument("--media-fetch-max-size", type=parse_size, default=20 * 2**20, metavar="SIZE",
                    help="with --allow-media-fetch: the largest image fetched (default: 20MiB)")
     s.add_argument("--max-image-tokens", type=int, default=280, metavar="N",

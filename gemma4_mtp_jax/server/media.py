@@ -18,6 +18,7 @@ import base64
 import binascii
 import dataclasses
 import io
+import time
 import urllib.request
 import wave
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ MAX_MEDIA_PARTS = 16  # images and clips per request
 MAX_IMAGE_PIXELS = 32 * 2**20  # width x height of a decoded image (Pillow refuses larger ones as bombs too)
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_AUDIO_SECONDS = 30.0  # the feature extractor's window
+FETCH_CHUNK = 1 << 16  # bytes read at a time from a fetched URL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,13 +174,21 @@ class MediaLoader:
         if not s.allow_fetch:
             raise bad_request(f"{part.where}: this server does not fetch image URLs (start it with "
                               f"--allow-media-fetch), send a data: URL", "messages")
+        deadline = time.monotonic() + s.fetch_timeout_s
+        data = bytearray()
         try:
+            # The socket timeout bounds each wait; the deadline bounds the whole fetch (a server may trickle).
             with urllib.request.urlopen(part.url, timeout=s.fetch_timeout_s) as r:
-                data = r.read(s.max_fetch_bytes + 1)
+                while chunk := r.read(FETCH_CHUNK):
+                    data += chunk
+                    if len(data) > s.max_fetch_bytes:
+                        raise bad_request(f"{part.where}: the image at the URL is larger than {s.max_fetch_bytes} "
+                                          f"bytes", "messages")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"more than {s.fetch_timeout_s} s")
+        except APIError:
+            raise
         except Exception as e:
             raise bad_request(f"{part.where}: the image URL could not be fetched ({type(e).__name__})",
                               "messages") from None
-        if len(data) > s.max_fetch_bytes:
-            raise bad_request(f"{part.where}: the image at the URL is larger than {s.max_fetch_bytes} bytes",
-                              "messages")
-        return data
+        return bytes(data)
