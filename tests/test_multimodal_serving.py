@@ -259,7 +259,7 @@ def srv(tiny_ckpts, tmp_path_factory):
     s = InProcessServer(["--ckpt", str(tdir), "--assistant", str(tiny_ckpts["e2b"]["assistant"]),
                          "--served-model-name", "mm", "--executable-cache-dir", "none", "--no-access-log",
                          "--compilation-cache-dir", str(tmp_path_factory.mktemp("mm_jax_cache")),
-                         "--max-num-seqs", "2", "--max-model-len", "64", "--prefill-chunk", "16", "--page-size", "4",
+                         "--max-num-seqs", "1", "--max-model-len", "64", "--prefill-chunk", "16", "--page-size", "4",
                          "--no-structured-outputs", "--speculative-k", "fixed", "--dtype", "float32",
                          "--max-image-tokens", str(BUDGET)])
     yield s

@@ -155,7 +155,7 @@ class CompiledSteps:
     # per prefill bucket.
     prompt_logprobs: bool = False
     prefill: dict[tuple, Any] = dataclasses.field(default_factory=dict)  # (batch, tokens[, "scored"])
-    # The prefill of a chunk with soft tokens (a prompt with media), compiled when first used: (batch, tokens)
+    # The prefill of a chunk with soft tokens (a prompt with media; a target with encoders alone): (batch, tokens)
     prefill_media: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, *variant)
     speculative: dict[tuple[int, bool, bool, int], Any] = dataclasses.field(default_factory=dict)  # (..., k)
@@ -404,8 +404,7 @@ class CompiledSteps:
     def compile_prefill(self, batch: int, tokens: int, scored: bool = False, media: bool = False) -> Any:
         """(program_params, state, inputs[, soft, at]) -> (state, out); inputs: `inputs(StepInputs)` of B rows of T
         tokens (PrefillRows); state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result.
-        `media`: the variant for a chunk with soft tokens (a target with encoders; compiled on first use, so text
-        prompts never pay for it)."""
+        `media`: the variant for a chunk with soft tokens (`programs` lists it for a target with encoders alone)."""
         key = (batch, tokens) + (("scored",) if scored else ())
         return self._compiled(self.prefill_media if media else self.prefill, key,
                               lambda: self.prefill_program(batch, tokens, scored, media))
@@ -444,6 +443,9 @@ class CompiledSteps:
         if self.prompt_logprobs:
             progs += [(f"prefill[1x{t},scored]", lambda t=t: self.prefill_program(1, t, True),
                        put(self.prefill, (1, t, "scored"))) for t in prefill_buckets]
+        if self.target.encoders is not None:  # prompts with images / audio: chunks with soft tokens have their own
+            progs += [(f"prefill[1x{t},media]", lambda t=t: self.prefill_program(1, t, media=True),
+                       put(self.prefill_media, (1, t))) for t in prefill_buckets]
         for variant in sorted(VARIANTS, reverse=True):
             tag = variant_tag(*variant)
             if self.drafter is None:

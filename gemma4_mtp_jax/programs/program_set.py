@@ -219,8 +219,8 @@ class ProgramSet:
         steps = self.steps
         if self._num_programs is None:
             self._num_programs = len(steps.programs(self.batch_buckets, self.prefill_buckets))
-        done = (len(steps.prefill) + len(steps.decode) + len(steps.speculative) + len(steps.draft) + len(steps.verify)
-                + len(steps.accept))
+        done = (len(steps.prefill) + len(steps.prefill_media) + len(steps.decode) + len(steps.speculative)
+                + len(steps.draft) + len(steps.verify) + len(steps.accept))
         return done, self._num_programs
 
     def buckets(self) -> tuple[list[int], list[int]]:
