@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -98,6 +99,8 @@ class MediaEncoder:
         if target.encoders is None:
             raise ValueError(f"{target.path}: the checkpoint has no media encoders")
         self.encoders = target.encoders
+        # On the default device once (a loader may leave weights in host memory: each call would copy them).
+        self.params = jax.device_put(target.encoders.params)
         self.config = cfg = target.encoders.config
         self.image_config = None if cfg.vision is None else ImageProcessorConfig(
             cfg.vision.patch_size, cfg.vision.pooling_kernel_size, max_image_tokens)
@@ -111,7 +114,7 @@ class MediaEncoder:
         if self.image_config is None:
             raise ValueError("this model takes no images (its checkpoint has no vision encoder)")
         pixels, positions, n = process_image(image, self.image_config, unified=self.config.unified)
-        soft, valid = self.encoders._image(self.encoders.params, jnp.asarray(pixels[None]),
+        soft, valid = self.encoders._image(self.params, jnp.asarray(pixels[None]),
                                            jnp.asarray(positions[None]))
         rows = np.asarray(soft[0], np.float32)[np.asarray(valid[0])]
         assert len(rows) == n, f"the vision encoder gave {len(rows)} soft tokens, the processor counted {n}"
@@ -126,7 +129,7 @@ class MediaEncoder:
         pad = frames - features.shape[1]
         features = np.pad(features, ((0, 0), (0, pad), (0, 0)))
         mask = np.pad(mask, ((0, 0), (0, pad)))
-        soft, valid = self.encoders._audio(self.encoders.params, jnp.asarray(features), jnp.asarray(mask))
+        soft, valid = self.encoders._audio(self.params, jnp.asarray(features), jnp.asarray(mask))
         rows = np.asarray(soft[0], np.float32)[np.asarray(valid[0])]
         return MediaItem("audio", rows, _digest(b"audio", features, mask))
 
