@@ -35,6 +35,7 @@ from gemma4_mtp_jax.steps.device_state import FINISH_LENGTH, FINISH_STOP, MAX_ST
 from gemma4_mtp_jax.engine.config import EngineConfig
 from gemma4_mtp_jax.engine.kv_cache import KVCacheManager
 from gemma4_mtp_jax.engine.memory import out_of_memory_explained, pool_sizes
+from gemma4_mtp_jax.engine.media import PromptMedia, media_refusal
 from gemma4_mtp_jax.engine.request import Request, RequestError, StepEvent, TokenLogprob
 from gemma4_mtp_jax.engine.runner import Dispatched, Row, Runner, bucket
 from gemma4_mtp_jax.engine.scheduler import Scheduler
@@ -240,12 +241,14 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                     stop_ids: frozenset[int] | None = None, request_id: str | None = None,
-                    speculative: bool = True, after: Request | None = None, grammar: Any = None) -> Request:
+                    speculative: bool = True, after: Request | None = None, grammar: Any = None,
+                    media: PromptMedia | None = None) -> Request:
         """Queue a request. `after`: another request of the same prompt (n > 1: the choices after the first),
         admitted before this one; this one waits until `after`'s prompt is prefilled, then finds the prompt's
         full pages in the prefix cache (prefilled once, pages shared). `grammar`: a fresh matcher
         (engine/grammar.py) every output token must satisfy; such a request speculates only on an engine with
-        masked rounds (EngineConfig.structured_outputs)."""
+        masked rounds (EngineConfig.structured_outputs). `media`: the soft tokens of the prompt's images and audio
+        (engine/media.MediaEncoder), whose placeholders the prompt holds expanded."""
         V = self.target.config.vocab_size
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -275,11 +278,14 @@ class Engine:
                                f"[0, {V})")
         if sampling.prompt_logprobs is not None and not self.config.prompt_logprobs:
             raise RequestError("prompt logprobs need an engine with prompt_logprobs (serve --enable-prompt-logprobs)")
+        refusal = media_refusal(self.target, prompt, media, sampling) if media is not None else None
+        if refusal:
+            raise RequestError(refusal)
         if sampling.seed is None and sampling.temperature > 0:  # unseeded: a fresh draw, not the same seed for all
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(32))
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, sampling,
                       self.eos_ids if stop_ids is None else frozenset(stop_ids), speculative=speculative,
-                      allowed_row=sampling.allowed_mask(V), after=after, grammar=grammar)
+                      allowed_row=sampling.allowed_mask(V), after=after, grammar=grammar, media=media)
         if not req.allowed_row.any():
             raise RequestError("allowed_token_ids and bad tokens leave no token to emit")
         self.scheduler.add(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,14 +20,19 @@ from gemma4_mtp_jax.model.kv_state import NULL_PAGE, KVLayout
 Cached = dict[str, tuple[int, list[int]]]  # group -> (first logical page, the cached pages from it)
 
 
-def page_keys(tokens: list[int], page_size: int, num_pages: int, known: list[bytes] = ()) -> list[bytes]:
+def page_keys(tokens: list[int], page_size: int, num_pages: int, known: list[bytes] = (),
+              media: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
     """The prefix cache's keys of the first `num_pages` pages of `tokens` (`known`: the first ones, already
     computed): key j hashes key j-1 and the tokens of page j, so equal keys mean equal tokens at every position up
-    to the page's end (and so equal K/V)."""
+    to the page's end (and so equal K/V). `media`: (first, end position, content digest) of each image or clip
+    (engine/media.PromptMedia.spans); a page also hashes the digests of the items it covers, since placeholders
+    alone say nothing of the soft tokens they stand for."""
     keys = list(known)
     while len(keys) < num_pages:
         j = len(keys)
-        chunk = np.asarray(tokens[j * page_size : (j + 1) * page_size], np.int32).tobytes()
+        lo, hi = j * page_size, (j + 1) * page_size
+        chunk = np.asarray(tokens[lo:hi], np.int32).tobytes()
+        chunk += b"".join(d for first, end, d in media if first < hi and end > lo)
         keys.append(hashlib.blake2b((keys[-1] if j else b"") + chunk, digest_size=16).digest())
     return keys
 
@@ -216,7 +222,8 @@ class KVCacheManager:
         """`req`'s page keys up to `num_pages` pages (`page_keys`), kept as they are computed."""
         keys = self.seq(req).page_keys
         if len(keys) < num_pages:
-            keys[:] = page_keys(req.prompt + req.output, self.layout.page_size, num_pages, keys)
+            media = req.media.spans if req.media is not None else ()
+            keys[:] = page_keys(req.prompt + req.output, self.layout.page_size, num_pages, keys, media)
         return keys
 
     def _window_first_page(self, num_pages: int) -> int:

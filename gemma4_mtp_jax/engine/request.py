@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gemma4_mtp_jax.engine.media import PromptMedia
 from gemma4_mtp_jax.engine.speculation import PositionAcceptance, output_position_bucket
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
 from gemma4_mtp_jax.model.sampling import SamplingParams
@@ -38,6 +39,9 @@ class Request:
     # Structured output: the request's grammar matcher (engine/grammar.py's GrammarMatcher), advanced by each
     # token it outputs; its mask restricts every sampled token.
     grammar: Any = None
+    # Images / audio: the soft tokens at its prompt's placeholders (engine/media.PromptMedia), kept for a prefill
+    # after preemption; None for a text prompt.
+    media: PromptMedia | None = None
     # With sampling.logprobs: each output token's logprob and top alternatives, as `output` grows.
     logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
     # With sampling.prompt_logprobs: those of its prompt's tokens from the second on (filled by its prefill).

@@ -157,7 +157,9 @@ class Runner:
                                            last_index=n - 1, stop_ids=row.stop_ids, remaining=row.remaining,
                                            next_tokens=np.pad(following, (0, T - len(following)),
                                                               constant_values=-1))], 1, T)
-            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows, processing), scored)
+            media = req.media.chunk(start, n, T) if req.media is not None else None
+            self.state, packed = self.programs.prefill(self.state, self._batch([row], 1, rows, processing), scored,
+                                                       media)
             if scored:
                 result = self.programs.result(packed, prefill=True, scored=T)[0]
                 self._take_prompt_logprobs(req, result, T, len(following))

@@ -155,6 +155,8 @@ class CompiledSteps:
     # per prefill bucket.
     prompt_logprobs: bool = False
     prefill: dict[tuple, Any] = dataclasses.field(default_factory=dict)  # (batch, tokens[, "scored"])
+    # The prefill of a chunk with soft tokens (a prompt with media; a target with encoders alone): (batch, tokens)
+    prefill_media: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     decode: dict[tuple[int, bool, bool], Any] = dataclasses.field(default_factory=dict)  # (batch, *variant)
     speculative: dict[tuple[int, bool, bool, int], Any] = dataclasses.field(default_factory=dict)  # (..., k)
     draft: dict[int, Any] = dataclasses.field(default_factory=dict)  # batch -> the drafts alone (structured)
@@ -219,16 +221,17 @@ class CompiledSteps:
                                      state.inputs)
         return inputs, state.replace(inputs=staged)
 
-    def _prefill_fn(self, params, state: DeviceState, packed, *, tokens: int,
+    def _prefill_fn(self, params, state: DeviceState, packed, *media, tokens: int,
                     scored: bool = False) -> tuple[DeviceState, jax.Array]:
         """A prompt chunk per row; the token sampled after the row's last one, through the stop rule (meaningful on
         a prompt's final chunk), with its logprobs, as a packed [B, 4 + 1 + 2K] result (finish_round's layout);
-        the drafter's h (the hidden there) into its slot; the rows' histories (device_state.prefill_history)."""
+        the drafter's h (the hidden there) into its slot; the rows' histories (device_state.prefill_history).
+        `media`: the media variant's soft tokens and where they go (steps.forward.forward_paged)."""
         inputs, state = self._unpack(state, packed, tokens)
         rows = inputs.rows
         state, history = prefill_history(state, rows, inputs.processing)
         pages, token, h_last, logprobs = prefill_step(self.spec.but(scored=scored), self.arrays.pack.unpack(params),
-                                                      state.pages, inputs, history)
+                                                      state.pages, inputs, history, media)
         state = state.replace(pages=pages)
         if state.hidden is not None:
             state = state.replace(hidden=state.hidden.at[rows.slot].set(h_last.astype(state.hidden.dtype)))
@@ -300,10 +303,16 @@ class CompiledSteps:
 
     # Each program as (its jitted function, the abstract arguments it is lowered for): lowering needs both
     # (`jitted.lower(*args)`), and the executable cache keys on the arguments without lowering.
-    def prefill_program(self, batch: int, tokens: int, scored: bool = False) -> tuple[Any, tuple]:
+    def prefill_program(self, batch: int, tokens: int, scored: bool = False,
+                        media: bool = False) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch, tokens)
         fn = functools.partial(self._prefill_fn, tokens=tokens, scored=scored)
-        return self._jit(fn, (1, 2)), (params, state, packed)
+        extra = ()
+        if media:  # soft tokens [B, T, H] in the activations' dtype, and where they go [B, T]
+            H = self.target.config.hidden_size
+            extra = (jax.ShapeDtypeStruct((batch, tokens, H), jnp.dtype(self.target.dtype), sharding=self._rep),
+                     jax.ShapeDtypeStruct((batch, tokens), jnp.bool_, sharding=self._rep))
+        return self._jit(fn, (1, 2)), (params, state, packed, *extra)
 
     def decode_program(self, batch: int, sampled: bool, processed: bool = False) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch, processed=processed)
@@ -392,11 +401,13 @@ class CompiledSteps:
             table[key] = compile_lowered(jitted.lower(*args))
         return table[key]
 
-    def compile_prefill(self, batch: int, tokens: int, scored: bool = False) -> Any:
-        """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` of B rows of T tokens
-        (PrefillRows); state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result."""
+    def compile_prefill(self, batch: int, tokens: int, scored: bool = False, media: bool = False) -> Any:
+        """(program_params, state, inputs[, soft, at]) -> (state, out); inputs: `inputs(StepInputs)` of B rows of T
+        tokens (PrefillRows); state and inputs donated; `result(out, prefill=True)` is the packed [B, 4] result.
+        `media`: the variant for a chunk with soft tokens (`programs` lists it for a target with encoders alone)."""
         key = (batch, tokens) + (("scored",) if scored else ())
-        return self._compiled(self.prefill, key, lambda: self.prefill_program(batch, tokens, scored))
+        return self._compiled(self.prefill_media if media else self.prefill, key,
+                              lambda: self.prefill_program(batch, tokens, scored, media))
 
     def compile_decode(self, batch: int, sampled: bool = False, processed: bool = False) -> Any:
         """(program_params, state, inputs) -> (state, out); inputs: `inputs(StepInputs)` (StepRows, and processing
@@ -432,6 +443,9 @@ class CompiledSteps:
         if self.prompt_logprobs:
             progs += [(f"prefill[1x{t},scored]", lambda t=t: self.prefill_program(1, t, True),
                        put(self.prefill, (1, t, "scored"))) for t in prefill_buckets]
+        if self.target.encoders is not None:  # prompts with images / audio: chunks with soft tokens have their own
+            progs += [(f"prefill[1x{t},media]", lambda t=t: self.prefill_program(1, t, media=True),
+                       put(self.prefill_media, (1, t))) for t in prefill_buckets]
         for variant in sorted(VARIANTS, reverse=True):
             tag = variant_tag(*variant)
             if self.drafter is None:

@@ -219,8 +219,8 @@ class ProgramSet:
         steps = self.steps
         if self._num_programs is None:
             self._num_programs = len(steps.programs(self.batch_buckets, self.prefill_buckets))
-        done = (len(steps.prefill) + len(steps.decode) + len(steps.speculative) + len(steps.draft) + len(steps.verify)
-                + len(steps.accept))
+        done = (len(steps.prefill) + len(steps.prefill_media) + len(steps.decode) + len(steps.speculative)
+                + len(steps.draft) + len(steps.verify) + len(steps.accept))
         return done, self._num_programs
 
     def buckets(self) -> tuple[list[int], list[int]]:
@@ -249,13 +249,19 @@ class ProgramSet:
         return tuple(k for k in self.steps.round_sizes if self._compiled(batch, k))
 
     # ------------------------------------------------------------------ running
-    def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False) -> tuple[DeviceState, jax.Array]:
+    def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False,
+                media: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[DeviceState, jax.Array]:
         """One prefill chunk (inputs: one row of PrefillRows, host arrays) through its program, `scored`: the one
         that also returns the chunk's prompt logprobs: (state, its output: `result(out, prefill=True, scored=T)`
-        reads the packed result)."""
+        reads the packed result). `media`: the chunk's soft tokens and where they go (engine/media.PromptMedia.chunk),
+        through the media variant."""
         steps = self.steps
         B, T = inputs.rows.tokens.shape
-        return steps.compile_prefill(B, T, scored)(steps.program_params, state, steps.inputs(inputs))
+        if media is None:
+            return steps.compile_prefill(B, T, scored)(steps.program_params, state, steps.inputs(inputs))
+        soft, at = media
+        return steps.compile_prefill(B, T, scored, media=True)(steps.program_params, state, steps.inputs(inputs),
+                                                               soft.astype(jax.numpy.dtype(steps.target.dtype)), at)
 
     def step(self, state: DeviceState, inputs: StepInputs, sampled: bool,
              processed: bool = False, k: int | None = None) -> tuple[DeviceState, jax.Array]:

@@ -44,6 +44,7 @@ from gemma4_mtp_jax.server.errors import APIError, bad_request, json_bytes
 from gemma4_mtp_jax.server.generation import CLIENT_CLOSED, Generation, GenerationResponse
 from gemma4_mtp_jax.server.metrics import Metrics
 from gemma4_mtp_jax.server.logprobs import TokenPieces
+from gemma4_mtp_jax.server.media import MediaLoader
 from gemma4_mtp_jax.server.prepare import Prepared, RequestPreparer, ServerSettings
 from gemma4_mtp_jax.server.protocol import GenerationParams
 from gemma4_mtp_jax.server.structured import compile_structured, grammar_compiler
@@ -78,8 +79,9 @@ def _error_response(e: APIError) -> Response:
 
 class OpenAIServer:
     def __init__(self, engine: AsyncEngine, tokenizer: TextTokenizer | None, settings: ServerSettings,
-                 metrics: Metrics, eos_ids: frozenset[int] = frozenset()):
+                 metrics: Metrics, eos_ids: frozenset[int] = frozenset(), media: MediaLoader | None = None):
         self.engine = engine
+        self.media = media  # a target with encoders: chat's image and audio parts (server/media.py)
         self.tokenizer = tokenizer
         self.settings = settings
         self.metrics = metrics
@@ -241,6 +243,21 @@ class OpenAIServer:
                               f"{len(self.eos_ids)} end-of-sequence ids, got {len(ids)}", "stop_token_ids")
         return ids
 
+    async def _load_media(self, prepared: Prepared) -> tuple[list[int], Any, int]:
+        """A chat's images and audio, fetched, decoded and encoded in a thread (the event loop runs every stream):
+        (the prompt with its placeholders expanded, its PromptMedia, its max_tokens: without one given, what the
+        longer prompt leaves)."""
+        params = prepared.params
+        if self.media is None:
+            raise bad_request(f"{params.media[0].where}: this model takes no images or audio", "messages")
+        ids, media = await asyncio.to_thread(self.media.load, prepared.prompt_ids, params.media)
+        L = self.settings.max_model_len
+        if len(ids) >= L:
+            raise bad_request(f"This model's maximum context length is {L} tokens; the prompt has {len(ids)} tokens "
+                              f"with its media's soft tokens", "messages", "context_length_exceeded")
+        max_tokens = prepared.max_tokens if params.max_tokens is not None else min(prepared.max_tokens, L - len(ids))
+        return ids, media, max_tokens
+
     def _rejected(self, endpoint: str, e: APIError) -> Response:
         if e.status >= 500:
             log.warning("%s -> %d: %s", endpoint, e.status, e.message)
@@ -259,10 +276,13 @@ class OpenAIServer:
             if params.echo and params.logprobs is not None and not self.settings.prompt_logprobs:
                 raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs: this server was started "
                                   "without --enable-prompt-logprobs", "echo", "unsupported_parameter")
+            media, max_tokens = None, prepared.max_tokens
+            if params.media:
+                prompt_ids, media, max_tokens = await self._load_media(prepared)
             samplings = self._samplings(prepared)
             grammars = await self._grammars(params, len(samplings))
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-            streams = await self.engine.submit(prompt_ids, prepared.max_tokens, samplings, stop_ids, rid, grammars)
+            streams = await self.engine.submit(prompt_ids, max_tokens, samplings, stop_ids, rid, grammars, media)
         except APIError as e:
             return self._rejected(endpoint, e)
         except QueueFull as e:

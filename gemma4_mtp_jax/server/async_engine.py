@@ -67,7 +67,7 @@ class RequestStream:
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
                  sampling: SamplingParams, stop_ids: frozenset[int] | None, after: "RequestStream | None" = None,
-                 grammar: Any = None):
+                 grammar: Any = None, media: Any = None):
         self.id = request_id
         self.loop = loop
         self.prompt = prompt
@@ -76,6 +76,7 @@ class RequestStream:
         self.stop_ids = stop_ids
         self.after = after  # a sibling choice's stream: the engine admits this one once that one's prompt is in
         self.grammar = grammar  # structured output: its own grammar matcher (engine/grammar.py), or None
+        self.media = media  # the prompt's images and audio (engine/media.PromptMedia), or None
         self.arrival = time.perf_counter()
         self.request: Request | None = None  # the engine's Request, once added (engine thread)
         self.owner: AsyncEngine | None = None  # the engine serving it
@@ -180,10 +181,11 @@ class AsyncEngine:
     # ------------------------------------------------------------------ event loop
     async def submit(self, prompt: list[int], max_tokens: int, samplings: Sequence[SamplingParams],
                      stop_ids: frozenset[int] | None = None, request_id: str | None = None,
-                     grammars: Sequence[Any] | None = None) -> list[RequestStream]:
+                     grammars: Sequence[Any] | None = None, media: Any = None) -> list[RequestStream]:
         """Queue one request per SamplingParams (the choices of one prompt), all or none; returns once the engine
         took them. Their ids: `request_id`, or `request_id-i` for several. `grammars`: each choice's grammar
-        matcher (structured output). Raises QueueFull, ShuttingDown, RequestError."""
+        matcher (structured output); `media`: the prompt's (engine/media.PromptMedia), shared by the choices.
+        Raises QueueFull, ShuttingDown, RequestError."""
         if self.draining or not self.alive:
             raise ShuttingDown("the server is shutting down" if self.draining else "the engine is not running")
         loop = asyncio.get_running_loop()
@@ -196,7 +198,7 @@ class AsyncEngine:
             for i, sampling in enumerate(samplings):
                 stream = RequestStream(rid if len(samplings) == 1 else f"{rid}-{i}", loop, prompt, max_tokens,
                                        sampling, stop_ids, after=streams[0] if streams else None,
-                                       grammar=None if grammars is None else grammars[i])
+                                       grammar=None if grammars is None else grammars[i], media=media)
                 stream.owner = self
                 self._active[stream.id] = stream
                 streams.append(stream)
@@ -267,8 +269,9 @@ class AsyncEngine:
             return
         try:
             after = None if stream.after is None else stream.after.request
+            media = {} if stream.media is None else {"media": stream.media}  # text: the call as it always was
             req = self.engine.add_request(stream.prompt, stream.max_tokens, stream.sampling, stream.stop_ids,
-                                          request_id=stream.id, after=after, grammar=stream.grammar)
+                                          request_id=stream.id, after=after, grammar=stream.grammar, **media)
         except (RequestError, ValueError) as e:
             self._forget(stream)
             stream._closed = True
@@ -475,8 +478,8 @@ class Replicas:
 
     async def submit(self, prompt: list[int], max_tokens: int, samplings: Sequence[SamplingParams],
                      stop_ids: frozenset[int] | None = None, request_id: str | None = None,
-                     grammars: Sequence[Any] | None = None) -> list[RequestStream]:
+                     grammars: Sequence[Any] | None = None, media: Any = None) -> list[RequestStream]:
         """To the least-loaded replica (ties: the lowest index), every choice to the same one (they share the
         prompt's pages). Raises as AsyncEngine.submit."""
         replica = min(self.replicas, key=lambda r: r.in_flight)
-        return await replica.submit(prompt, max_tokens, samplings, stop_ids, request_id, grammars)
+        return await replica.submit(prompt, max_tokens, samplings, stop_ids, request_id, grammars, media)

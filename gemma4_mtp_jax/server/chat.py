@@ -180,7 +180,7 @@ class TextTokenizer:
         return self.chat_template.render(messages, True, tools, template_kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, marks: dict[str, int] | None = None) -> list[int]:
         """Token ids of the rendered chat, where only the template's special tokens are control tokens: the text of
         a special token inside any string the client sent (contents, tool calls' names and arguments, tool
         results, the tool list, template variables) is tokenized as plain text. A chat without such text gets
@@ -190,9 +190,18 @@ class TextTokenizer:
         included, sees the string as before), and each stretch of the rendered text between two of the template's
         special tokens that holds a placeholder is tokenized again with the text put back, special tokens read as
         plain text. The tokenizer splits a text at its added tokens and tokenizes the pieces apart, so the other
-        stretches keep their tokens."""
+        stretches keep their tokens.
+
+        `marks`: characters the server put in the contents for media parts (server/media.py), each to become the
+        special token of the id it maps to (the model's image or audio token)."""
         (messages, tools, template_kwargs), restore = self._escape_special_text((messages, tools, template_kwargs))
         text = self.render_chat(messages, tools, template_kwargs)
+        for mark, token in (marks or {}).items():
+            piece = self.id_to_token(token)
+            if token not in self.special_ids or piece is None:
+                raise bad_request(f"the tokenizer has no special token of id {token} to stand for a media part",
+                                  "messages")
+            text = text.replace(mark, piece)
         if not restore:
             return self.encode(text)
         placeholder = re.compile("[" + "".join(map(chr, restore)) + "]")

@@ -143,10 +143,12 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
     from gemma4_mtp_jax.api import load_assistant, load_target
     from gemma4_mtp_jax.model.config import check_pair
     from gemma4_mtp_jax.engine import Engine
+    from gemma4_mtp_jax.engine.media import MediaEncoder
     from gemma4_mtp_jax.server.app import OpenAIServer, ServerSettings
     from gemma4_mtp_jax.server.async_engine import AsyncEngine, Replicas
     from gemma4_mtp_jax.server.chat import TextTokenizer
     from gemma4_mtp_jax.server.chat_output import OutputParsers
+    from gemma4_mtp_jax.server.media import MediaLoader, MediaSettings
     from gemma4_mtp_jax.server.metrics import Metrics
 
     ap = build_parser()
@@ -282,12 +284,19 @@ def create_server(argv: Sequence[str] | None = None, args: argparse.Namespace | 
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         prompt_logprobs=config.prompt_logprobs,
+        media_token_ids=None if target.encoders is None else {"image": target.encoders.config.image_token_id,
+                                                              "audio": target.encoders.config.audio_token_id},
         **{k: v for k, v in limits.items() if v is not None},  # flags not given: ServerSettings' defaults
     )
     metrics = Metrics(name)
     aengines = [AsyncEngine(e, max_queue_len=args.max_queue_len, metrics=metrics) for e in engines]
     front = aengines[0] if dp == 1 else Replicas(aengines, metrics)
-    server = OpenAIServer(front, tokenizer, settings, metrics, eos_ids=engine.eos_ids)
+    media = None
+    if target.encoders is not None:
+        media = MediaLoader(MediaEncoder(target, args.max_image_tokens),
+                            MediaSettings(args.allow_media_fetch, args.media_fetch_timeout_seconds,
+                                          args.media_fetch_max_size, args.max_image_tokens))
+    server = OpenAIServer(front, tokenizer, settings, metrics, eos_ids=engine.eos_ids, media=media)
     compiled, total = (sum(n) for n in zip(*(e.programs.ready() for e in engines)))
     log.info("ready in %.1fs%s", time.perf_counter() - t_start,
              f" (the other {total - compiled} programs compile in the background)" if compiled < total else "")

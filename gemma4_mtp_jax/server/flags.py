@@ -183,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body accepted, e.g. 16MiB or 4MB; a larger one gets 413 (default: 16MiB). "
                         "Bodies over 16 KiB are parsed, rendered and tokenized in worker processes, so a large one "
                         "delays no stream")
+    s.add_argument("--allow-media-fetch", action="store_true",
+                   help="chat image_url parts may be http(s) URLs, which the server fetches (within "
+                        "--media-fetch-timeout-seconds and --media-fetch-max-size); without it only data: URLs")
+    s.add_argument("--media-fetch-timeout-seconds", type=float, default=10.0,
+                   help="with --allow-media-fetch: the time limit of a fetch, from connecting to the last byte")
+    s.add_argument("--media-fetch-max-size", type=parse_size, default=20 * 2**20, metavar="SIZE",
+                   help="with --allow-media-fetch: the largest image fetched (default: 20MiB)")
+    s.add_argument("--max-image-tokens", type=int, default=280, metavar="N",
+                   help="soft tokens per image (the image processor's budget: 70, 140, 280, 560 or 1120 for the "
+                        "released models; default 280)")
     s.add_argument("--max-messages", type=int, default=None, metavar="N",
                    help="messages a chat request may hold; more get 400 (default: 4096)")
     s.add_argument("--max-connections", type=int, default=None, metavar="N",

@@ -25,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from gemma4_mtp_jax.server.chat import TextTokenizer
 from gemma4_mtp_jax.server.errors import APIError, bad_request
+from gemma4_mtp_jax.server.media import MEDIA_MARKS
 from gemma4_mtp_jax.server.protocol import (
     DEFAULT_MAX_MESSAGES,
     GenerationParams,
@@ -58,6 +59,8 @@ class ServerSettings:
     tool_call_parser: str = "auto"  # --tool-call-parser: auto, gemma4 or none (chat_output.py)
     reasoning_parser: str = "auto"  # --reasoning-parser
     prompt_logprobs: bool = False  # --enable-prompt-logprobs: the engine computes prompt logprobs (echo + logprobs)
+    # The model's image and audio token ids ({"image": id, "audio": id}) when it has encoders, else None.
+    media_token_ids: dict[str, int] | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -138,7 +141,7 @@ class Preparer:
                 "send the prompt as token ids" if param == "prompt" else "chat is not available"), param)
         try:
             if param == "messages":
-                return self.tokenizer.encode_chat(p.messages, p.tools, p.chat_template_kwargs)
+                return self.tokenizer.encode_chat(p.messages, p.tools, p.chat_template_kwargs, self._marks(p))
             return self.tokenizer.encode(p.prompt)
         except APIError:
             raise
@@ -146,6 +149,15 @@ class Preparer:
             log.warning("the tokenizer refused '%s': %s: %s", param, type(e).__name__, e)
             raise bad_request(f"'{param}' could not be tokenized ({type(e).__name__})", param,
                               "invalid_string") from None
+
+    def _marks(self, p: GenerationParams) -> dict[str, int] | None:
+        """The media marks of a chat with image / audio parts -> the model's token ids for them."""
+        if not p.media:
+            return None
+        tokens = self.settings.media_token_ids
+        if tokens is None:
+            raise bad_request(f"{p.media[0].where}: this model takes no images or audio", "messages")
+        return {MEDIA_MARKS[kind]: tokens[kind] for kind in {part.kind for part in p.media}}
 
     def _prompt_ids(self, p: GenerationParams) -> list[int]:
         L = self.settings.max_model_len

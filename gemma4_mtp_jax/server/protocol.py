@@ -29,6 +29,7 @@ from gemma4_mtp_jax.model.sampling import (
 )
 from gemma4_mtp_jax.server.chat import TEMPLATE_GLOBALS
 from gemma4_mtp_jax.server.errors import bad_request
+from gemma4_mtp_jax.server.media import MEDIA_MARKS, MediaPart, read_part
 from gemma4_mtp_jax.server.structured import StructuredOutput, parse_structured_output
 from gemma4_mtp_jax.server.tool_calls import forced_tool_calls
 from gemma4_mtp_jax.steps.device_state import MAX_STOP_IDS
@@ -53,6 +54,7 @@ class GenerationParams:
     model: str | None
     prompt: str | list[int] | None = None  # completions: text or token ids
     messages: list[dict[str, Any]] | None = None  # chat: as the template gets them (`_message`), text content
+    media: list[MediaPart] = dataclasses.field(default_factory=list)  # chat: image / audio parts, in order
     tools: list[dict[str, Any]] | None = None  # chat: the tools the template renders, output parsed for calls
     tool_choice: str = "auto"  # "auto", "none", "required", or the name of the function a call must go to
     parallel_tool_calls: bool = True  # false: calls after the model's first are dropped
@@ -614,9 +616,10 @@ def _assistant_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _message(m: Any, where: str) -> dict[str, Any]:
+def _message(m: Any, where: str, media: list[MediaPart]) -> dict[str, Any]:
     """A chat message as the template gets it: role (developer -> system), text content ("" for an assistant's
-    message of tool calls alone), and name, tool_calls, tool_call_id, reasoning_content / reasoning when given."""
+    message of tool calls alone), and name, tool_calls, tool_call_id, reasoning_content / reasoning when given. Its
+    image and audio parts go onto `media` (their marks in the text: server/media.py)."""
     if not isinstance(m, dict):
         raise bad_request(f"{where} must be an object, got {_type_name(m)}", "messages")
     for k in m:
@@ -641,7 +644,7 @@ def _message(m: Any, where: str) -> dict[str, Any]:
             raise bad_request(f"{where}.content is required", "messages")
         msg["content"] = ""
     else:
-        msg["content"] = _text_content(m["content"], where)
+        msg["content"] = _text_content(m["content"], where, media)
     call_id = m.get("tool_call_id")
     if role == "tool":
         if not isinstance(call_id, str):
@@ -657,23 +660,38 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     return msg
 
 
-def _text_content(content: Any, where: str) -> str:
+def _text_content(content: Any, where: str, media: list[MediaPart]) -> str:
     if isinstance(content, str):
+        _check_no_marks(content, f"{where}.content")
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for i, part in enumerate(content):
+            at = f"{where}.content[{i}]"
             if not isinstance(part, dict) or "type" not in part:
                 raise bad_request(f"{where}.content parts must be objects with a 'type'", "messages")
+            if part["type"] in ("image_url", "input_audio"):
+                media.append(read_part(part, at))
+                parts.append(MEDIA_MARKS[media[-1].kind])
+                continue
             if part["type"] != "text":
-                raise bad_request(f"{where}.content: content of type {show_json(part['type'], 40)} is not supported "
-                                  f"(text only)", "messages")
+                raise bad_request(f"{at}: content of type {show_json(part['type'], 40)} is not supported (text, "
+                                  f"image_url, input_audio)", "messages")
             if not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.content: a text part needs a string 'text'", "messages")
+                raise bad_request(f"{at}: a text part needs a string 'text'", "messages")
+            _check_no_marks(part["text"], at)
             parts.append(part["text"])
         return "".join(parts)
-    raise bad_request(f"{where}.content must be a string or an array of text parts, got {_type_name(content)}",
+    raise bad_request(f"{where}.content must be a string or an array of content parts, got {_type_name(content)}",
                       "messages")
+
+
+def _check_no_marks(text: str, where: str) -> None:
+    """Client text may not hold the characters that mark media parts (Unicode noncharacters, server/media.py)."""
+    for kind, mark in MEDIA_MARKS.items():
+        if mark in text:
+            raise bad_request(f"{where}: the text holds U+{ord(mark):04X}, a noncharacter this server reserves for "
+                              f"{kind} parts", "messages")
 
 
 def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> GenerationParams:
@@ -695,8 +713,9 @@ def parse_chat(body: dict, max_messages: int = DEFAULT_MAX_MESSAGES) -> Generati
     if len(msgs) > max_messages:
         raise bad_request(f"'messages' may hold at most {max_messages} messages on this server, got {len(msgs)}",
                           "messages", "too_many_messages")
-    out = [_message(m, f"messages[{i}]") for i, m in enumerate(msgs)]
-    p.messages = out
+    media: list[MediaPart] = []
+    out = [_message(m, f"messages[{i}]", media) for i, m in enumerate(msgs)]
+    p.messages, p.media = out, media
     tools = _get_tools(body)
     p.tool_choice = _get_tool_choice(body, tools)
     if p.tool_choice == "required" and not tools:

@@ -58,11 +58,20 @@ def make_kv_view(spec: StepSpec, pages, tables, positions: Array) -> PagedKV:
                    attention_impl=spec.attention_impl, scales=layout.kv_scales())
 
 
-def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables):
+def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables, media: tuple = ()):
     """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages).
-    Prefill chunks, decode and verify all write their K/V first, then read the pages in place."""
+    Prefill chunks, decode and verify all write their K/V first, then read the pages in place. `media`: a
+    prompt chunk's soft tokens (soft [B, T, H], at [B, T] bool), which replace the embeddings where `at` holds;
+    the token there is embedded as the pad id, as model/multimodal.py does (per-layer embeddings included)."""
     kv = make_kv_view(spec, pages, tables, positions)
-    _, hidden, kv = spec.target.module.apply({"params": params}, tokens, positions, kv, logits=False)
+    embeds = None
+    if media:
+        soft, at = media
+        tokens = jnp.where(at, jnp.asarray(spec.target.encoders.config.pad_token_id, tokens.dtype), tokens)
+        embeds = spec.target.module.apply({"params": params}, tokens, method=Gemma4Target.embed)
+        embeds = jnp.where(at[..., None], soft.astype(embeds.dtype), embeds)
+    _, hidden, kv = spec.target.module.apply({"params": params}, tokens, positions, kv, logits=False,
+                                             inputs_embeds=embeds)
     return hidden, kv.pages
 
 
@@ -90,15 +99,15 @@ def prompt_logprobs(spec: StepSpec, params, hidden: Array, next_tokens: Array) -
     return pack_logprobs(*token_logprobs(logits, jnp.zeros(logits.shape[:1], jnp.float32), next_tokens))
 
 
-def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: History):
+def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: History, media: tuple = ()):
     """One prompt chunk per row (`inputs.rows`: PrefillRows). Writes its K/V and samples from the logits at
     `last_index` (the row's last real token; only meaningful on a prompt's final chunk), processed with the rows'
     `history` (device_state.prefill_history). Returns (pages, token [B], hidden at last [B, H], the token's logprob
-    columns, and for a `spec.scored` prefill then the chunk's `prompt_logprobs` columns). Prefill always takes the
-    processed sampling path: one row's processing and draw are cheap next to a chunk's forward, and one variant per
-    bucket keeps start-up short."""
+    columns, and for a `spec.scored` prefill then the chunk's `prompt_logprobs` columns; `media`: forward_paged's).
+    Prefill always takes the processed sampling path: one row's processing and draw are cheap next to a chunk's
+    forward, and one variant per bucket keeps start-up short."""
     rows = inputs.rows
-    hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables)
+    hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables, media)
     b = jnp.arange(rows.tokens.shape[0])
     h_last = hidden[b, rows.last_index]
     logits = lm_logits(spec.target, params, h_last)
