@@ -23,9 +23,10 @@ part1=(tests/test_train_demo.py tests/test_paged_attention.py
        tests/test_safetensors_io.py tests/test_corpus.py tests/test_xla_env.py tests/test_input_pack.py)
 part2=(tests/test_executable_cache.py tests/test_engine.py tests/test_server_units.py
        tests/test_server_support.py tests/test_server.py tests/test_server_process.py
-       tests/test_grammar.py tests/test_speculation.py tests/test_tool_calls.py tests/test_acceptance_protocol.py)
+       tests/test_grammar.py tests/test_speculation.py tests/test_tool_calls.py tests/test_acceptance_protocol.py
+       tests/test_multihost_server.py)
 part3=(tests/test_train_assistant.py tests/test_convert.py tests/test_unified.py tests/test_multimodal.py
-       tests/test_prefix_cache.py tests/test_tensor_parallel.py)
+       tests/test_prefix_cache.py tests/test_tensor_parallel.py tests/test_multimodal_serving.py)
 check_parts() {  # every test file in exactly one part, and no part naming a file that is not there
   local f n
   for f in tests/test_*.py; do

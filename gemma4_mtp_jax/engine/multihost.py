@@ -24,6 +24,7 @@ import zlib
 from typing import Any, NoReturn
 
 import jax
+import numpy as np
 from flax.serialization import msgpack_restore, msgpack_serialize, to_state_dict
 
 from gemma4_mtp_jax.engine.engine import Engine
@@ -128,9 +129,12 @@ class Publisher:
         self.calls += 1
         self.publish_seconds += time.perf_counter() - t0
 
-    def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False) -> tuple[DeviceState, Any]:
-        self._publish("prefill", inputs, scored=scored)
-        return self.programs.prefill(state, inputs, scored)
+    def prefill(self, state: DeviceState, inputs: StepInputs, scored: bool = False,
+                media: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[DeviceState, Any]:
+        # A chunk's soft tokens travel with it: the followers run no encoder of their own.
+        self._publish("prefill", inputs, scored=scored,
+                      media=None if media is None else {"soft": np.asarray(media[0]), "at": np.asarray(media[1])})
+        return self.programs.prefill(state, inputs, scored, media)
 
     def step(self, state: DeviceState, inputs: StepInputs, sampled: bool, processed: bool = False,
              k: int | None = None) -> tuple[DeviceState, Any]:
@@ -185,7 +189,9 @@ def follow(engine: Engine, watch: "Watch", poll_s: float = 0.5) -> int:
         if call == "stop":
             return n
         if call == "prefill":
-            state, _ = programs.prefill(state, inputs, flags["scored"])
+            media = flags.get("media")
+            state, _ = programs.prefill(state, inputs, flags["scored"],
+                                        None if media is None else (media["soft"], media["at"]))
         elif call == "step":
             state, _ = programs.step(state, inputs, flags["sampled"], flags["processed"], flags["k"])
         elif call == "draft":
