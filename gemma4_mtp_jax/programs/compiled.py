@@ -185,10 +185,12 @@ class CompiledSteps:
         """The target's parameter tree on the programs' devices (ProgramArrays.params)."""
         return self.arrays.params
 
-    def _jit(self, fn, donate: tuple[int, ...]):
+    def _jit(self, fn, donate: tuple[int, ...], results: int = 1):
+        """fn jitted for the placement: it returns the state and `results` replicated arrays (the draft program:
+        its drafts, q and q_ids)."""
         if self.attention_impl == "pallas":  # the Pallas kernels throughout, interpreted off the GPU
             fn = _with_pallas_kernels(fn)
-        return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(), self._rep))
+        return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(),) + (self._rep,) * results)
 
     def _abstract_inputs(self, batch: int, tokens: int | None = None, processed: bool = False,
                          masked: int = 1) -> StepInputs:
@@ -326,7 +328,7 @@ class CompiledSteps:
         return self._jit(fn, (2, 3)), self._abstract_args(batch, processed=processed)
 
     def draft_program(self, batch: int) -> tuple[Any, tuple]:
-        return self._jit(self._draft_fn, (2, 3)), self._abstract_args(batch)
+        return self._jit(self._draft_fn, (2, 3), results=3), self._abstract_args(batch)
 
     def verify_program(self, batch: int) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch)
