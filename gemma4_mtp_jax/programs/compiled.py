@@ -167,7 +167,13 @@ class CompiledSteps:
         self.round_sizes = tuple(sorted(set(self.round_sizes) | {self.k})) if self.drafter is not None else ()
         if any(not 0 <= r <= self.k for r in self.round_sizes):
             raise ValueError(f"round sizes {self.round_sizes} must lie in 0..k = {self.k}")
-        self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k)
+        if self.placement is not None and isinstance(self.drafter, AssistantDrafter):
+            # The pages the assistant reads stay whole on every device: its draft steps, whole on every device too,
+            # then need no collective (sharding.Placement.whole_kv).
+            self.placement = self.placement.with_whole_kv(self.drafter.kv_layers(self.target.config))
+        whole_kv = frozenset() if self.placement is None else self.placement.whole_kv
+        self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k,
+                             whole_kv=whole_kv)
         self._rep = None if self.placement is None else self.placement.replicated
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
         rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len

@@ -44,6 +44,9 @@ class StepSpec:
     scored: bool = False
     drafter: Any = None  # speculative.Drafter (the round's drafts); None outside the speculative round
     k: int = 0  # drafts per round
+    # Owning layers whose pages are whole on every device under tensor parallelism (sharding.Placement.whole_kv):
+    # their writes are kept whole too (PagedKV.whole).
+    whole_kv: frozenset[int] = frozenset()
 
     def but(self, **changes: Any) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -55,7 +58,7 @@ def make_kv_view(spec: StepSpec, pages, tables, positions: Array) -> PagedKV:
     return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(spec.target),
                    page_size=layout.page_size,
                    ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl=spec.attention_impl, scales=layout.kv_scales())
+                   attention_impl=spec.attention_impl, scales=layout.kv_scales(), whole=spec.whole_kv)
 
 
 def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables, media: tuple = ()):
