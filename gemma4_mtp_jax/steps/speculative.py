@@ -323,7 +323,7 @@ def verify_forward(spec: StepSpec, params_t, pages, inputs: StepInputs, drafts: 
     host computes the grammar masks `verify_accept` applies while the device runs it."""
     _, _, tokens, positions = _verified(inputs.rows, drafts)
     h_all, pages = forward_paged(spec, params_t, pages, tokens, positions, inputs.tables)
-    return pages, h_all, lm_logits(spec.target, params_t, h_all)
+    return pages, h_all, lm_logits(spec.target, params_t, h_all, whole=spec.sampled or spec.processed)
 
 
 def verify_accept(spec: StepSpec, hidden_buf: Array, inputs: StepInputs, history: History | None, drafts: Array,
