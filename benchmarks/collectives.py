@@ -19,6 +19,8 @@ grammar runs: the target's verify forward with the processed sampling, and the k
 
     python benchmarks/collectives.py --models 31b 26b --tp 2 4 --batch 2 16                  # real shapes
     python benchmarks/collectives.py --ckpt TARGET_DIR --assistant ASSISTANT_DIR --tp 2       # a checkpoint's shapes
+    python tests/hf_tiny.py /tmp/tiny && python benchmarks/collectives.py --tp 2 --context 64 $(for f in e2b a26b \
+        b31b u12b; do echo --ckpt /tmp/tiny/$f/target --assistant /tmp/tiny/$f/assistant; done)   # the tests' families
     python benchmarks/collectives.py --models e2b --tp 2 --programs speculative --dump-hlo /tmp/hlo
 
 Runs on the CPU (JAX_PLATFORMS=cpu: the script asks XLA for 8 host devices) or on N GPUs. What the CPU counts is
@@ -184,8 +186,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=None, choices=sorted(TARGETS) + ["demo"],
                     help="real shapes (benchmarks/common.py; bf16, no weights) or the demo pair (default: 31b)")
-    ap.add_argument("--ckpt", default=None, help="a target checkpoint's shapes (its config.json alone is read)")
-    ap.add_argument("--assistant", default=None, help="the assistant checkpoint beside --ckpt")
+    ap.add_argument("--ckpt", action="append", default=[],
+                    help="a target checkpoint's shapes (its config.json alone is read); repeat for several")
+    ap.add_argument("--assistant", action="append", default=[], help="the assistant checkpoint of each --ckpt")
+    ap.add_argument("--name", action="append", default=[], help="each --ckpt's name in the results (default: its "
+                    "directory's parent's name)")
     ap.add_argument("--tp", nargs="+", type=int, default=[2])
     ap.add_argument("--batch", nargs="+", type=int, default=[2])
     ap.add_argument("--k", type=int, default=4)
@@ -195,14 +200,14 @@ def main() -> None:
     ap.add_argument("--each", action="store_true", help="also print every distinct collective: kind, size, scope")
     ap.add_argument("--dump-hlo", default=None, help="write each program's optimized HLO (gzip) here")
     args = ap.parse_args()
-    if (args.ckpt is None) != (args.assistant is None):
-        ap.error("--ckpt and --assistant go together")
+    if len(args.ckpt) != len(args.assistant) or len(args.name) not in (0, len(args.ckpt)):
+        ap.error("each --ckpt needs its --assistant (and its --name, if any is given)")
     env = environment()
     print(env, flush=True)
     models: list[tuple[str, Target, Assistant]] = []
-    if args.ckpt:
-        models.append((os.path.basename(os.path.normpath(args.ckpt)), target_shapes(args.ckpt),
-                       assistant_shapes(args.assistant)))
+    names = args.name or [os.path.basename(os.path.dirname(os.path.abspath(c))) for c in args.ckpt]
+    for name, ckpt, assistant in zip(names, args.ckpt, args.assistant):
+        models.append((name, target_shapes(ckpt), assistant_shapes(assistant)))
     for name in args.models if args.models is not None else ([] if args.ckpt else ["31b"]):
         models.append((name, *load_model(name)))
     rows = []
