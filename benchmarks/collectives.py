@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import math
@@ -40,6 +41,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # On the CPU, N devices for an engine split over N: set before JAX starts (the host platform only; a GPU run's
@@ -48,8 +50,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
 
 from benchmarks.common import TARGETS, environment, lower_program, write_json  # noqa: E402
 from benchmarks.kernel_count import _scope, load_model, tally  # noqa: E402
@@ -127,21 +127,26 @@ def summarize(text: str, target_layers: int, k: int) -> dict:
 
 
 def engine_programs(target: Target, assistant: Assistant, tp: int, batch: int, k: int, context: int,
-                    page_size: int) -> dict[str, tuple[CompiledSteps, Any]]:
-    """program name -> (the engine's CompiledSteps, a function building (jitted, abstract args)): the programs a
-    plain and a speculative engine of `tp` devices build for `batch` rows (engines of shapes alone: nothing is
-    compiled or allocated here)."""
+                    page_size: int) -> dict[str, Callable[[], tuple[Any, tuple]]]:
+    """program name -> a function building it ((jitted, abstract args)): the programs a plain and a speculative
+    engine of `tp` devices build for `batch` rows. Each engine is made when a program of it is first asked for,
+    of the parameters' shapes alone when the target has no weights (nothing is compiled or allocated here)."""
     common = dict(max_num_seqs=batch, max_model_len=context, page_size=page_size, tensor_parallel_size=tp,
                   compile_at_start=False, prefill_chunk=min(256, context))
-    plain = Engine(target, EngineConfig(**common)).steps
-    spec = Engine(target, EngineConfig(**common, num_speculative_tokens=k, structured_outputs=True),
-                  assistant=assistant).steps
-    return {"decode": lambda: plain.decode_program(batch, False),
-            "decode_sampled": lambda: plain.decode_program(batch, True),
-            "speculative": lambda: spec.speculative_program(batch, False),
-            "speculative_sampled": lambda: spec.speculative_program(batch, True),
-            "verify": lambda: spec.verify_program(batch),
-            "draft": lambda: spec.draft_program(batch)}
+
+    @functools.cache
+    def steps(speculative: bool) -> CompiledSteps:
+        if not speculative:
+            return Engine(target, EngineConfig(**common)).steps
+        return Engine(target, EngineConfig(**common, num_speculative_tokens=k, structured_outputs=True),
+                      assistant=assistant).steps
+
+    return {"decode": lambda: steps(False).decode_program(batch, False),
+            "decode_sampled": lambda: steps(False).decode_program(batch, True),
+            "speculative": lambda: steps(True).speculative_program(batch, False),
+            "speculative_sampled": lambda: steps(True).speculative_program(batch, True),
+            "verify": lambda: steps(True).verify_program(batch),
+            "draft": lambda: steps(True).draft_program(batch)}
 
 
 def count_model(name: str, target: Target, assistant: Assistant, args: argparse.Namespace,

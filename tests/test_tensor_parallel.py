@@ -116,6 +116,50 @@ def test_tensor_parallel_equals_one_device(tiny_ckpts):
     assert got["compiles_after_start"] == 0
 
 
+COLLECTIVES_CHILD = r"""
+import json, sys
+from benchmarks.collectives import engine_programs, summarize
+from benchmarks.common import lower_program
+from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+
+out = {}
+for family, p in json.loads(sys.argv[1]).items():
+    target, assistant = target_shapes(p["target"]), assistant_shapes(p["assistant"])
+    programs = engine_programs(target, assistant, tp=2, batch=2, k=3, context=64, page_size=4)
+    for prog in p["programs"]:
+        text = lower_program(programs[prog]()).compile().as_text()
+        out[f"{family}/{prog}"] = summarize(text, target.config.num_layers, k=3) | {
+            "target_layers": target.config.num_layers}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_collectives_per_step_program(tiny_ckpts):
+    """The tensor-parallel goals, counted in the optimized HLO of the tiny families' speculative programs at TP = 2
+    (benchmarks/collectives.py; compiled from the checkpoints' shapes alone): at most 2 all-reduces per target layer
+    (attention's and the MLP's or the experts'), no collective in the draft steps (the assistant, its embedding
+    lookup and head whole on every device, over pages whole on every device), and outside the layers only the
+    sampled path's one gather of the logits or the greedy argmax's two small all-gathers (e2b: and PLE's lookup,
+    which XLA may fold into a layer's all-reduce). The sampled round of every family (its drafts drawn from the
+    assistant's distributions, the target's logits processed whole), the greedy one of e2b (the centroid head's
+    argmax); ~5 s of compiling each."""
+    programs = {"e2b": ["speculative_sampled", "speculative"], "a26b": ["speculative_sampled"],
+                "b31b": ["speculative_sampled"], "u12b": ["speculative_sampled"]}
+    paths = {f: {"target": str(tiny_ckpts[f]["target"]), "assistant": str(tiny_ckpts[f]["assistant"]),
+                 "programs": progs} for f, progs in programs.items()}
+    proc = subprocess.run([sys.executable, "-c", COLLECTIVES_CHILD, json.dumps(paths)], env=_child_env(2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    assert sorted(got) == sorted(f"{f}/{p}" for f, progs in programs.items() for p in progs)
+    for where, s in got.items():
+        layers = s["parts"]["layers"]["by_kind"]
+        assert layers.get("all-reduce", 0) <= 2 * s["target_layers"], (where, layers)
+        assert s["draft_collectives"] == 0, (where, [c for c in s["each"] if c["part"] == "draft"])
+        outside = [c for c in s["each"] if c["part"] in ("target", "step")]
+        assert sum(c["count"] for c in outside) <= (3 if where.startswith("e2b") else 2), (where, outside)
+
+
 def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
     import jax
 
