@@ -204,6 +204,41 @@ def test_fp8_scales_split_like_their_weights_output_rows(tiny_ckpts):
     assert spec["layers_0.self_attn.o_proj.weight"] == P(None, "tp")
 
 
+def test_what_the_assistant_reads_is_whole_and_counted_per_device(tiny_ckpts):
+    """At TP = 2 with the assistant: the target's embedding and the K/V (projections, pages) of the store layers the
+    assistant reads are whole on every device, the other layers' K/V split by KV head; memory planning counts the
+    whole pages and weights once per device (`page_copies`, `extra_copies`). Read off the shapes alone."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+    from gemma4_mtp_jax.model.config import owning_layers
+    from gemma4_mtp_jax.model.kv_state import page_bytes
+    from gemma4_mtp_jax.model.sharding import Placement
+    from gemma4_mtp_jax.programs.compiled import placement_for
+    from gemma4_mtp_jax.steps.speculative import AssistantDrafter
+
+    target = target_shapes(tiny_ckpts["a26b"]["target"], "float32")  # sliding layers: 2 KV heads; full: 1
+    cfg = target.config
+    drafter = AssistantDrafter(assistant_shapes(tiny_ckpts["a26b"]["assistant"], "float32"))
+    placement = placement_for(Placement(AbstractMesh((2,), ("tp",))), drafter, cfg)
+    read = set(cfg.store_layers.values())
+    assert placement.whole_kv == read
+    split = [i for i in owning_layers(cfg) if cfg.layers[i].layer_type == "sliding_attention" and i not in read]
+    assert split and all(placement.kv_split(cfg, i) for i in split)
+    spec = lambda name, shape: placement.target_param_spec(cfg, name, shape)  # noqa: E731
+    for i in read:
+        assert spec(f"layers_{i}.self_attn.k_proj.weight", (32, 48)) == P()
+    assert spec(f"layers_{split[0]}.self_attn.k_proj.weight", (32, 48)) == P("tp", None)
+    assert spec("embed_tokens.weight", (512, 48)) == P()
+    whole = [i for i in owning_layers(cfg) if i in read or cfg.layers[i].num_kv_heads % 2]
+    assert placement.page_copies(cfg) == {i: 2 for i in whole}
+    plain, counted = page_bytes(cfg, 4, "float32"), page_bytes(cfg, 4, "float32", placement.page_copies(cfg))
+    assert counted["sliding_attention"] > plain["sliding_attention"]
+    copies = placement.extra_copies(target.params, placement.target_params(cfg, target.params))
+    assert (512, 48) in [c.shape for c in copies]  # the embedding, whole on both devices
+
+
 DP_CHILD = r"""
 import json, sys
 import jax

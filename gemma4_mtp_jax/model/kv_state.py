@@ -145,13 +145,16 @@ def kv_cache_scales(cfg: TextConfig, params: dict, cache_dtype) -> Scales:
     return out
 
 
-def page_bytes(cfg: TextConfig, page_size: int, dtype) -> dict[str, int]:
-    """Bytes one page takes in each KV group's pool: K and V of every layer of the group that owns K/V."""
+def page_bytes(cfg: TextConfig, page_size: int, dtype, copies: dict[int, int] | None = None) -> dict[str, int]:
+    """Bytes one page takes in each KV group's pool: K and V of every layer of the group that owns K/V; an owning
+    layer in `copies` that many times (its pages whole on each of that many tensor-parallel devices, where the
+    others' are split: the bytes the devices hold together)."""
     itemsize = jnp.dtype(dtype).itemsize
     out: dict[str, int] = {}
     for i in owning_layers(cfg):
         lc = cfg.layers[i]
-        out[lc.layer_type] = out.get(lc.layer_type, 0) + 2 * lc.num_kv_heads * page_size * lc.head_dim * itemsize
+        one = 2 * lc.num_kv_heads * page_size * lc.head_dim * itemsize
+        out[lc.layer_type] = out.get(lc.layer_type, 0) + one * (copies or {}).get(i, 1)
     return out
 
 

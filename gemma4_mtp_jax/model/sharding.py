@@ -169,6 +169,24 @@ class Placement:
         """Whether owning layer `layer`'s K / V (projections and pages) are split by KV head."""
         return layer not in self.whole_kv and self._split(cfg.layers[layer].num_kv_heads)
 
+    def page_copies(self, cfg: TextConfig) -> dict[int, int]:
+        """Owning layer -> how many devices hold its pages whole (tp), for the layers whose pages are not split:
+        the pools' bytes on all devices together are then their split pages' once and these tp times."""
+        if self.tp == 1:
+            return {}
+        return {i: self.tp for i in owning_layers(cfg) if not self.kv_split(cfg, i)}
+
+    def extra_copies(self, params: Any, shardings: Any = None) -> list[jax.ShapeDtypeStruct]:
+        """The copies of `params` the devices hold beyond one, as shapes: each leaf whole on every device (its
+        sharding in `shardings`, a matching tree, is P(); None: every leaf is) tp - 1 more times, for memory
+        planning that splits the weights it is given over the devices. Leaves already placed over several devices
+        are left out: the devices' memory in use counts their copies."""
+        leaves = jax.tree_util.tree_leaves(params)
+        whole = ([True] * len(leaves) if shardings is None
+                 else [s.is_fully_replicated for s in jax.tree_util.tree_leaves(shardings)])
+        return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf, w in zip(leaves, whole)
+                if w and not (isinstance(leaf, jax.Array) and len(leaf.devices()) > 1)] * (self.tp - 1)
+
     def target_param_spec(self, cfg: TextConfig, name: str, shape: tuple[int, ...]) -> P:
         """The partition spec of the target parameter `name` (dotted path in the parameter tree)."""
         m = _LAYER.match(name)

@@ -26,6 +26,7 @@ from gemma4_mtp_jax.programs.executable_cache import user_cache_dir
 from gemma4_mtp_jax.steps.forward import StepSpec, decode_step, prefill_step
 from gemma4_mtp_jax.programs.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
+from gemma4_mtp_jax.model.config import TextConfig
 from gemma4_mtp_jax.model.kv_state import KVLayout
 from gemma4_mtp_jax.model.runtime import Target
 from gemma4_mtp_jax.model.sharding import Placement, mesh_context
@@ -118,6 +119,15 @@ def variant_tag(sampled: bool, processed: bool) -> str:
     return ",processed" if processed else ",sampled" if sampled else ""
 
 
+def placement_for(placement: Placement | None, drafter: Drafter | None, cfg: TextConfig) -> Placement | None:
+    """The placement the programs run on: `placement`, and with the MTP assistant the pages it reads whole on every
+    device too, so that its draft steps, whole on every device as well, need no collective
+    (sharding.Placement.whole_kv)."""
+    if placement is None or not isinstance(drafter, AssistantDrafter):
+        return placement
+    return placement.with_whole_kv(drafter.kv_layers(cfg))
+
+
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
@@ -167,10 +177,7 @@ class CompiledSteps:
         self.round_sizes = tuple(sorted(set(self.round_sizes) | {self.k})) if self.drafter is not None else ()
         if any(not 0 <= r <= self.k for r in self.round_sizes):
             raise ValueError(f"round sizes {self.round_sizes} must lie in 0..k = {self.k}")
-        if self.placement is not None and isinstance(self.drafter, AssistantDrafter):
-            # The pages the assistant reads stay whole on every device: its draft steps, whole on every device too,
-            # then need no collective (sharding.Placement.whole_kv).
-            self.placement = self.placement.with_whole_kv(self.drafter.kv_layers(self.target.config))
+        self.placement = placement_for(self.placement, self.drafter, self.target.config)
         whole_kv = frozenset() if self.placement is None else self.placement.whole_kv
         self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k,
                              whole_kv=whole_kv)
