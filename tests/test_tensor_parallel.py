@@ -135,16 +135,14 @@ print("RESULT " + json.dumps(out))
 
 
 def test_collectives_per_step_program(tiny_ckpts):
-    """The tensor-parallel goals, counted in the optimized HLO of the tiny families' speculative programs at TP = 2
-    (benchmarks/collectives.py; compiled from the checkpoints' shapes alone): at most 2 all-reduces per target layer
-    (attention's and the MLP's or the experts'), no collective in the draft steps (the assistant, its embedding
-    lookup and head whole on every device, over pages whole on every device), and outside the layers only the
-    sampled path's one gather of the logits or the greedy argmax's two small all-gathers (e2b: and PLE's lookup,
-    which XLA may fold into a layer's all-reduce). The sampled round of every family (its drafts drawn from the
-    assistant's distributions, the target's logits processed whole), the greedy one of e2b (the centroid head's
-    argmax); ~5 s of compiling each."""
-    programs = {"e2b": ["speculative_sampled", "speculative"], "a26b": ["speculative_sampled"],
-                "b31b": ["speculative_sampled"], "u12b": ["speculative_sampled"]}
+    """The tensor-parallel goals, counted in the optimized HLO of the tiny families' sampled speculative programs at
+    TP = 2 (benchmarks/collectives.py; compiled from the checkpoints' shapes alone): at most 2 all-reduces per target
+    layer (attention's and the MLP's or the experts'), no collective in the draft steps (the assistant, its embedding
+    lookup and head whole on every device, over pages whole on every device), and outside the layers only the one
+    gather of the logits for the draw (e2b: and PLE's lookup, which XLA may fold into a layer's all-reduce). The
+    sampled round holds every piece of the greedy one but its argmax over split logits, and its drafts' own
+    sampling besides; the greedy program would cost as much again (~7 s of lowering and compiling a program)."""
+    programs = {f: ["speculative_sampled"] for f in ("e2b", "a26b", "b31b", "u12b")}
     paths = {f: {"target": str(tiny_ckpts[f]["target"]), "assistant": str(tiny_ckpts[f]["assistant"]),
                  "programs": progs} for f, progs in programs.items()}
     proc = subprocess.run([sys.executable, "-c", COLLECTIVES_CHILD, json.dumps(paths)], env=_child_env(2),
@@ -157,7 +155,7 @@ def test_collectives_per_step_program(tiny_ckpts):
         assert layers.get("all-reduce", 0) <= 2 * s["target_layers"], (where, layers)
         assert s["draft_collectives"] == 0, (where, [c for c in s["each"] if c["part"] == "draft"])
         outside = [c for c in s["each"] if c["part"] in ("target", "step")]
-        assert sum(c["count"] for c in outside) <= (3 if where.startswith("e2b") else 2), (where, outside)
+        assert sum(c["count"] for c in outside) <= (2 if where.startswith("e2b") else 1), (where, outside)
 
 
 def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
