@@ -14,8 +14,9 @@ collective-permute and all-to-all. Each is attributed by its op metadata (the JA
 Bytes: the size of each collective's result on one device (an all-gather's gathered array).
 
 Programs: decode (greedy; `decode_sampled`: a batch with a sampled row), speculative (the round: k draft steps,
-the verify, acceptance; `speculative_sampled`), verify and draft (the round in the two programs a batch with a
-grammar runs: the target's verify forward with the processed sampling, and the k draft steps alone).
+the verify, acceptance; `speculative_sampled`), and the round in the three programs a batch with a grammar runs:
+draft (the k draft steps alone), verify (the target's verify forward and its logits, whole on every device for the
+host-timed masks), accept (the processed sampling and acceptance).
 
     python benchmarks/collectives.py --models 31b 26b --tp 2 4 --batch 2 16                  # real shapes
     python benchmarks/collectives.py --ckpt TARGET_DIR --assistant ASSISTANT_DIR --tp 2       # a checkpoint's shapes
@@ -59,7 +60,7 @@ from gemma4_mtp_jax.programs.compiled import CompiledSteps  # noqa: E402
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 PARTS = ("layers", "target", "draft", "step")
-PROGRAMS = ("decode", "decode_sampled", "speculative", "speculative_sampled", "verify", "draft")
+PROGRAMS = ("decode", "decode_sampled", "speculative", "speculative_sampled", "draft", "verify", "accept")
 # An async collective counts at its start; its done and any update launch nothing more.
 _COLLECTIVE = re.compile(r"= (.*?) (" + "|".join(KINDS) + r")(-start)?\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -145,8 +146,9 @@ def engine_programs(target: Target, assistant: Assistant, tp: int, batch: int, k
             "decode_sampled": lambda: steps(False).decode_program(batch, True),
             "speculative": lambda: steps(True).speculative_program(batch, False),
             "speculative_sampled": lambda: steps(True).speculative_program(batch, True),
+            "draft": lambda: steps(True).draft_program(batch),
             "verify": lambda: steps(True).verify_program(batch),
-            "draft": lambda: steps(True).draft_program(batch)}
+            "accept": lambda: steps(True).accept_program(batch)}
 
 
 def count_model(name: str, target: Target, assistant: Assistant, args: argparse.Namespace,

@@ -200,7 +200,7 @@ class CompiledSteps:
 
     def _jit(self, fn, donate: tuple[int, ...], results: int = 1):
         """fn jitted for the placement: it returns the state and `results` replicated arrays (the draft program:
-        its drafts, q and q_ids)."""
+        its drafts, q and q_ids; the verify's forward: h_all and the logits)."""
         if self.attention_impl == "pallas":  # the Pallas kernels throughout, interpreted off the GPU
             fn = _with_pallas_kernels(fn)
         return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(),) + (self._rep,) * results)
@@ -345,7 +345,8 @@ class CompiledSteps:
 
     def verify_program(self, batch: int) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch)
-        return self._jit(self._verify_forward_fn, (1, 2)), (params, state, packed, self.draft_outputs(batch)[1])
+        return (self._jit(self._verify_forward_fn, (1, 2), results=2),
+                (params, state, packed, self.draft_outputs(batch)[1]))
 
     def accept_program(self, batch: int) -> tuple[Any, tuple]:
         _, _, state, packed = self._abstract_args(batch, processed=True, masked=self.k + 1)
