@@ -61,7 +61,7 @@ from gemma4_mtp_jax.model.sharding import Placement, check_tensor_parallel, mesh
 from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
 from gemma4_mtp_jax.model.sampling import SamplingParams  # noqa: E402
 from gemma4_mtp_jax.steps.speculative import AssistantDrafter  # noqa: E402
-from gemma4_mtp_jax.programs.compiled import CompiledSteps  # noqa: E402
+from gemma4_mtp_jax.programs.compiled import CompiledSteps, placement_for  # noqa: E402
 
 SMOKE_ASSISTANT = dict(model_type="gemma4_assistant", backbone_hidden_size=64, use_ordered_embeddings=True,
                        num_centroids=16, centroid_intermediate_top_k=4,
@@ -147,7 +147,10 @@ def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, k
     placement = None
     if args.tensor_parallel_size > 1:
         check_tensor_parallel(tcfg, args.tensor_parallel_size)
-        placement = Placement.over(jax.devices()[:args.tensor_parallel_size])
+        # The speculative programs' placement for every program here (the assistant's pages whole on every device):
+        # the pages and parameters pass from one program to the next with the shardings each was compiled for.
+        placement = placement_for(Placement.over(jax.devices()[:args.tensor_parallel_size]),
+                                  AssistantDrafter(assistant), tcfg)
     plain = CompiledSteps(target, layout, cache_dtype, "auto", placement=placement, max_batch=max_b,
                           pack_params=args.pack_params)
     params = plain.params  # on the programs' devices (split under tensor parallelism)

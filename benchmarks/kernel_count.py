@@ -29,6 +29,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Hashable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,11 +111,12 @@ def _scope(line: str, comps: dict[str, list[str]], depth: int) -> str:
     return "/".join(names[:depth]) or "(top level)"
 
 
-def count_kernels(text: str, branch: str = "max", scope_depth: int | None = None) -> collections.Counter:
-    """Kernels one execution of the module launches, by kind (see the module docstring), or with `scope_depth` by
-    where in the model they come from (`_scope`). At each conditional the branch with the most kernels is counted
-    (branch "max": e.g. a batch that samples), or the fewest ("min": a greedy batch, whose sampling branches are
-    skipped)."""
+def tally(text: str, key: Callable[[str, str, dict[str, list[str]]], Hashable | None], branch: str = "max",
+          syncs: bool = True) -> collections.Counter:
+    """What one execution of the module runs, counted under `key(opcode, line, computations)` of each instruction
+    that does something (None: not counted): loops' bodies once per known trip count, command-buffer `call`s and
+    async wrappers descended into, of a conditional's branches the one with the most counted ("max") or the fewest
+    ("min"). With `syncs`, the host syncs too ("while-predicate-sync", "conditional-predicate-sync")."""
     entry, comps = parse_hlo(text)
     pick = max if branch == "max" else min
 
@@ -135,7 +137,8 @@ def count_kernels(text: str, branch: str = "max", scope_depth: int | None = None
                 cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
                 walk(body, times * n, out, depth + 1)
                 walk(cond, times * (n + 1), out, depth + 1)
-                out["while-predicate-sync"] += times * (n + 1) if not trips else 0
+                if syncs:
+                    out["while-predicate-sync"] += times * (n + 1) if not trips else 0
                 continue
             if opcode == "conditional":
                 # One branch is launched; the predicate costs a device-to-host copy.
@@ -147,7 +150,8 @@ def count_kernels(text: str, branch: str = "max", scope_depth: int | None = None
                 for b, c in zip(names, sub):
                     walk(b, times, c, depth + 1)
                 out.update(pick(sub, key=lambda c: sum(c.values())))
-                out["conditional-predicate-sync"] += times
+                if syncs:
+                    out["conditional-predicate-sync"] += times
                 continue
             if opcode in ("call", "async-start"):
                 callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", line)
@@ -156,10 +160,22 @@ def count_kernels(text: str, branch: str = "max", scope_depth: int | None = None
                     continue
             if opcode in ("async-done", "async-update"):
                 continue
-            out[_kind(opcode, line) if scope_depth is None else _scope(line, comps, scope_depth)] += times
+            k = key(opcode, line, comps)
+            if k is not None:
+                out[k] += times
     total: collections.Counter = collections.Counter()
     walk(entry, 1, total)
     return total
+
+
+def count_kernels(text: str, branch: str = "max", scope_depth: int | None = None) -> collections.Counter:
+    """Kernels one execution of the module launches, by kind (see the module docstring), or with `scope_depth` by
+    where in the model they come from (`_scope`). At each conditional the branch with the most kernels is counted
+    (branch "max": e.g. a batch that samples), or the fewest ("min": a greedy batch, whose sampling branches are
+    skipped)."""
+    if scope_depth is None:
+        return tally(text, lambda opcode, line, _: _kind(opcode, line), branch)
+    return tally(text, lambda _, line, comps: _scope(line, comps, scope_depth), branch)
 
 
 def summarize(text: str, scope_depth: int | None = None) -> dict:

@@ -116,6 +116,48 @@ def test_tensor_parallel_equals_one_device(tiny_ckpts):
     assert got["compiles_after_start"] == 0
 
 
+COLLECTIVES_CHILD = r"""
+import json, sys
+from benchmarks.collectives import engine_programs, summarize
+from benchmarks.common import lower_program
+from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+
+out = {}
+for family, p in json.loads(sys.argv[1]).items():
+    target, assistant = target_shapes(p["target"]), assistant_shapes(p["assistant"])
+    programs = engine_programs(target, assistant, tp=2, batch=2, k=3, context=64, page_size=4)
+    for prog in p["programs"]:
+        text = lower_program(programs[prog]()).compile().as_text()
+        out[f"{family}/{prog}"] = summarize(text, target.config.num_layers, k=3) | {
+            "target_layers": target.config.num_layers}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_collectives_per_step_program(tiny_ckpts):
+    """The tensor-parallel goals, counted in the optimized HLO of the tiny families' sampled speculative programs at
+    TP = 2 (benchmarks/collectives.py; compiled from the checkpoints' shapes alone): at most 2 all-reduces per target
+    layer (attention's and the MLP's or the experts'), no collective in the draft steps (the assistant, its embedding
+    lookup and head whole on every device, over pages whole on every device), and outside the layers only the one
+    gather of the logits for the draw (e2b: and PLE's lookup, which XLA may fold into a layer's all-reduce). The
+    sampled round holds every piece of the greedy one but its argmax over split logits, and its drafts' own
+    sampling besides; the greedy program would cost as much again (~7 s of lowering and compiling a program)."""
+    programs = {f: ["speculative_sampled"] for f in ("e2b", "a26b", "b31b", "u12b")}
+    paths = {f: {"target": str(tiny_ckpts[f]["target"]), "assistant": str(tiny_ckpts[f]["assistant"]),
+                 "programs": progs} for f, progs in programs.items()}
+    proc = subprocess.run([sys.executable, "-c", COLLECTIVES_CHILD, json.dumps(paths)], env=_child_env(2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    assert sorted(got) == sorted(f"{f}/{p}" for f, progs in programs.items() for p in progs)
+    for where, s in got.items():
+        layers = s["parts"]["layers"]["by_kind"]
+        assert layers.get("all-reduce", 0) <= 2 * s["target_layers"], (where, layers)
+        assert s["draft_collectives"] == 0, (where, [c for c in s["each"] if c["part"] == "draft"])
+        outside = [c for c in s["each"] if c["part"] in ("target", "step")]
+        assert sum(c["count"] for c in outside) <= (2 if where.startswith("e2b") else 1), (where, outside)
+
+
 def test_sizes_the_model_cannot_take_are_refused(tiny_ckpts, jax_models):
     import jax
 
@@ -158,6 +200,41 @@ def test_fp8_scales_split_like_their_weights_output_rows(tiny_ckpts):
     assert {"self_attn.q_proj.weight_scale", "mlp.up_proj.weight_scale", "experts.down_proj_scale"} <= split
     assert {"self_attn.o_proj.weight_scale", "mlp.down_proj.weight_scale"} <= whole
     assert spec["layers_0.self_attn.o_proj.weight"] == P(None, "tp")
+
+
+def test_what_the_assistant_reads_is_whole_and_counted_per_device(tiny_ckpts):
+    """At TP = 2 with the assistant: the target's embedding and the K/V (projections, pages) of the store layers the
+    assistant reads are whole on every device, the other layers' K/V split by KV head; memory planning counts the
+    whole pages and weights once per device (`page_copies`, `extra_copies`). Read off the shapes alone."""
+    from jax.sharding import AbstractMesh
+    from jax.sharding import PartitionSpec as P
+
+    from gemma4_mtp_jax.api import assistant_shapes, target_shapes
+    from gemma4_mtp_jax.model.config import owning_layers
+    from gemma4_mtp_jax.model.kv_state import page_bytes
+    from gemma4_mtp_jax.model.sharding import Placement
+    from gemma4_mtp_jax.programs.compiled import placement_for
+    from gemma4_mtp_jax.steps.speculative import AssistantDrafter
+
+    target = target_shapes(tiny_ckpts["a26b"]["target"], "float32")  # sliding layers: 2 KV heads; full: 1
+    cfg = target.config
+    drafter = AssistantDrafter(assistant_shapes(tiny_ckpts["a26b"]["assistant"], "float32"))
+    placement = placement_for(Placement(AbstractMesh((2,), ("tp",))), drafter, cfg)
+    read = set(cfg.store_layers.values())
+    assert placement.whole_kv == read
+    split = [i for i in owning_layers(cfg) if cfg.layers[i].layer_type == "sliding_attention" and i not in read]
+    assert split and all(placement.kv_split(cfg, i) for i in split)
+    spec = lambda name, shape: placement.target_param_spec(cfg, name, shape)  # noqa: E731
+    for i in read:
+        assert spec(f"layers_{i}.self_attn.k_proj.weight", (32, 48)) == P()
+    assert spec(f"layers_{split[0]}.self_attn.k_proj.weight", (32, 48)) == P("tp", None)
+    assert spec("embed_tokens.weight", (512, 48)) == P()
+    whole = [i for i in owning_layers(cfg) if i in read or cfg.layers[i].num_kv_heads % 2]
+    assert placement.page_copies(cfg) == {i: 2 for i in whole}
+    plain, counted = page_bytes(cfg, 4, "float32"), page_bytes(cfg, 4, "float32", placement.page_copies(cfg))
+    assert counted["sliding_attention"] > plain["sliding_attention"]
+    copies = placement.extra_copies(target.params, placement.target_params(cfg, target.params))
+    assert (512, 48) in [c.shape for c in copies]  # the embedding, whole on both devices
 
 
 DP_CHILD = r"""

@@ -49,7 +49,7 @@ from gemma4_mtp_jax.model.runtime import Assistant, Target, shapes_only
 from gemma4_mtp_jax.model.sampling import SamplingParams
 from gemma4_mtp_jax.model.sharding import Placement, ShardingError, check_tensor_parallel
 from gemma4_mtp_jax.steps.speculative import AssistantDrafter, Drafter
-from gemma4_mtp_jax.programs.compiled import CompiledSteps
+from gemma4_mtp_jax.programs.compiled import CompiledSteps, placement_for
 
 _FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
@@ -123,13 +123,14 @@ class Engine:
         if quantized(self.cache_dtype):
             check_fp8_support(devices if devices is not None else [target_device()],
                               "an fp8 KV cache (--kv-cache-dtype fp8; auto: the activations' dtype)")
+        if assistant is not None and drafter is None:
+            drafter = AssistantDrafter(assistant)
+        self.placement = placement_for(_placement(target, cfg.tensor_parallel_size, devices), drafter, tc)
         self.layout = self._plan_layout(devices)
         draft_window = assistant.config.text.sliding_window if assistant else 0
         self.kv = KVCacheManager(self.layout, cfg.max_num_seqs, cfg.enable_prefix_caching,
                                  reach=max(tc.sliding_window - 1, draft_window) + 1)
         self.scheduler = Scheduler(cfg, self.kv, self.k)
-        if assistant is not None and drafter is None:
-            drafter = AssistantDrafter(assistant)
         weights = (target.params, assistant.params if assistant else None)
 
         def explained(doing: str):
@@ -139,7 +140,7 @@ class Engine:
             self.steps = CompiledSteps(target, self.layout, self.cache_dtype, cfg.attention_impl, drafter=drafter,
                                        k=self.k, num_slots=cfg.max_num_seqs,
                                        round_sizes=round_sizes(self.k) if cfg.adaptive_speculation else (),
-                                       placement=_placement(target, cfg.tensor_parallel_size, devices),
+                                       placement=self.placement,
                                        pack_params=cfg.pack_params, max_batch=max(cfg.batch_buckets()),
                                        max_prefill_tokens=max(cfg.prefill_buckets()),
                                        structured=cfg.structured_outputs, prompt_logprobs=cfg.prompt_logprobs)
@@ -195,7 +196,11 @@ class Engine:
         geometry = dict(page_size=cfg.page_size, max_model_len=cfg.max_model_len, prefill_chunk=cfg.prefill_chunk,
                         num_speculative_tokens=self.k,
                         assistant_window=self.assistant.config.text.sliding_window if self.assistant else 0)
-        self.page_bytes = page_bytes(tc, cfg.page_size, self.cache_dtype)
+        # Under tensor parallelism the bytes all devices hold together: pages whole on every device (the layers the
+        # assistant reads, KV heads the devices do not divide) and whole weights (the embedding) count once per
+        # device, since the planning splits what it is given over the devices.
+        pl = self.placement
+        self.page_bytes = page_bytes(tc, cfg.page_size, self.cache_dtype, pl.page_copies(tc) if pl else None)
         geometry["scales"] = kv_cache_scales(tc, self.target.params, self.cache_dtype)
         num_pages = cfg.num_pages
         if num_pages is not None and cfg.kv_cache_bytes is not None:
@@ -203,6 +208,9 @@ class Engine:
         if num_pages is None:
             probe = make_layout(tc, num_pages={g: 1 << 30 for g in groups}, **geometry)
             weights = (self.target.params, self.assistant.params if self.assistant else None)
+            if pl is not None:
+                weights += (pl.extra_copies(self.target.params, pl.target_params(tc, self.target.params)),
+                            pl.extra_copies(weights[1]))
             num_pages = pool_sizes(probe, cfg, self.page_bytes, weights, devices)
         return make_layout(tc, num_pages=num_pages, **geometry)
 

@@ -34,7 +34,7 @@ from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, qu
 from gemma4_mtp_jax.kernels.device_budget import kernels_chosen
 from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
-from gemma4_mtp_jax.model.sharding import head_parallel, tensor_parallel_size
+from gemma4_mtp_jax.model.sharding import gathered, head_parallel, on_every_device, tensor_parallel_size
 
 Array = jax.Array
 NULL_PAGE = 0
@@ -145,13 +145,16 @@ def kv_cache_scales(cfg: TextConfig, params: dict, cache_dtype) -> Scales:
     return out
 
 
-def page_bytes(cfg: TextConfig, page_size: int, dtype) -> dict[str, int]:
-    """Bytes one page takes in each KV group's pool: K and V of every layer of the group that owns K/V."""
+def page_bytes(cfg: TextConfig, page_size: int, dtype, copies: dict[int, int] | None = None) -> dict[str, int]:
+    """Bytes one page takes in each KV group's pool: K and V of every layer of the group that owns K/V; an owning
+    layer in `copies` that many times (its pages whole on each of that many tensor-parallel devices, where the
+    others' are split: the bytes the devices hold together)."""
     itemsize = jnp.dtype(dtype).itemsize
     out: dict[str, int] = {}
     for i in owning_layers(cfg):
         lc = cfg.layers[i]
-        out[lc.layer_type] = out.get(lc.layer_type, 0) + 2 * lc.num_kv_heads * page_size * lc.head_dim * itemsize
+        one = 2 * lc.num_kv_heads * page_size * lc.head_dim * itemsize
+        out[lc.layer_type] = out.get(lc.layer_type, 0) + one * (copies or {}).get(i, 1)
     return out
 
 
@@ -205,17 +208,18 @@ def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:
 
 
 def _attend(q: Array | Projections, kp: Array, vp: Array, table: Array, mask_pos: Array, *, window: int | None,
-            ring_pages: int | None, attention_impl: str, scales: tuple[float, float]) -> Array:
-    """`attend_paged` on each device's heads (`head_parallel`), the pages read with their (k_scale, v_scale). For
-    Projections (a Q-only layer's raw q), q_norm's weight and RoPE's tables at the projections' own positions go
-    along, replicated, for the kernel to norm and rope the queries; where no kernel tiling fits, `attend_paged`'s
-    XLA path does it in plain XLA."""
+            ring_pages: int | None, attention_impl: str, scales: tuple[float, float], split: bool = True) -> Array:
+    """`attend_paged` on each device's heads (`head_parallel`; `split` False: on all heads by every device,
+    `on_every_device`), the pages read with their (k_scale, v_scale). For Projections (a Q-only layer's raw q), q_norm's
+    weight and RoPE's tables at the projections' own positions go along, replicated, for the kernel to norm and
+    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA."""
     fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl,
                            k_scale=scales[0], v_scale=scales[1])
+    run = head_parallel if split else on_every_device
     if not isinstance(q, Projections):
-        return head_parallel(fn, q, kp, vp, table, mask_pos)
+        return run(fn, q, kp, vp, table, mask_pos)
     cos, sin = rope_tables(q.positions, q.inv_freq, q.q.dtype)
-    return head_parallel(functools.partial(fn, eps=q.eps), q.q, kp, vp, table, mask_pos, q.q_norm, cos, sin)
+    return run(functools.partial(fn, eps=q.eps), q.q, kp, vp, table, mask_pos, q.q_norm, cos, sin)
 
 
 @flax.struct.dataclass
@@ -237,6 +241,11 @@ class PagedKV:
     ring_pages: int | None = flax.struct.field(pytree_node=False)
     attention_impl: str = flax.struct.field(pytree_node=False, default="auto")
     scales: Scales = flax.struct.field(pytree_node=False, default_factory=dict)  # KVLayout.kv_scales
+    # Layers whose pages are whole on every device under tensor parallelism (sharding.Placement.whole_kv). Their
+    # pages are held whole after the write: left to itself, the partitioner splits the new K / V by head (the
+    # attention after reads the pages by head), computing the projections on slices of their whole weights, and
+    # gathers them again for the write.
+    whole: frozenset[int] = flax.struct.field(pytree_node=False, default=frozenset())
 
     def _ring(self, group: str) -> int | None:
         return self.ring_pages if group == SLIDING else None
@@ -254,6 +263,8 @@ class PagedKV:
         k_scale, v_scale = self._scales(layer)
         q, pages = _attention_inputs(p, self.attention_impl, pages=self.pages[layer], page=page, offset=offset,
                                      k_scale=k_scale, v_scale=v_scale)
+        if layer in self.whole:
+            pages = tuple(map(gathered, pages))
         return q, self.replace(pages={**self.pages, layer: pages})
 
     def only(self, layers: dict[int, int]) -> "PagedKV":
@@ -262,7 +273,8 @@ class PagedKV:
         float8 cache's layers whose scales differ are traced apart)."""
         return self.replace(pages={r: self.pages[i] for r, i in layers.items()},
                             layer_group={r: self.layer_group[i] for r, i in layers.items()},
-                            scales={r: self.scales[i] for r, i in layers.items() if i in self.scales})
+                            scales={r: self.scales[i] for r, i in layers.items() if i in self.scales},
+                            whole=frozenset(r for r, i in layers.items() if i in self.whole))
 
     def absorb(self, view: "PagedKV", layers: dict[int, int]) -> "PagedKV":
         """This view with the pages `view` (from `only(layers)`) wrote put back under their own layers."""
@@ -305,6 +317,8 @@ class PagedDraftKV:
         group, source = self.layer_group[layer], self.source[layer]
         kp, vp = self.pages[source]
         newest = jnp.broadcast_to((self.lengths - 1)[:, None], q_pos.shape)
+        # Whole on every device, like the rest of the assistant: its source pages are whole too
+        # (sharding.Placement.whole_kv), so its draft steps need no collective.
         return _attend(q, kp, vp, self.tables[group], newest, window=None if window is None else window + 1,
                        ring_pages=self.ring_pages if group == SLIDING else None, attention_impl=self.attention_impl,
-                       scales=self.scales.get(source, UNSCALED))
+                       scales=self.scales.get(source, UNSCALED), split=False)

@@ -24,7 +24,7 @@ from gemma4_mtp_jax.kernels.device_budget import kernels_interpreted
 from gemma4_mtp_jax.kernels.feed_forward import feed_forward_block, mlp
 from gemma4_mtp_jax.kernels.grouped_matmul import routed_experts
 from gemma4_mtp_jax.kernels.split_k import SplitSum, split_matmul
-from gemma4_mtp_jax.model.sharding import expert_parallel
+from gemma4_mtp_jax.model.sharding import expert_parallel, vocab_parallel
 
 Array = jax.Array
 
@@ -192,5 +192,8 @@ class Embedding(nn.Module):
     def __call__(self, ids: Array, scale_dim: int) -> Array:
         return scaled_embedding_lookup(self.weight, ids, scale_dim)
 
-    def attend(self, x: Array) -> Array:
-        return jnp.einsum("...h,vh->...v", x, self.weight.astype(x.dtype))
+    def attend(self, x: Array, split: bool = False) -> Array:
+        """The tied LM head's logits; `split`: each device computes its own vocabulary rows' under tensor
+        parallelism (sharding.vocab_parallel: the target's head; the assistant's runs whole)."""
+        w = vocab_parallel(self.weight) if split else self.weight
+        return jnp.einsum("...h,vh->...v", x, w.astype(x.dtype))

@@ -132,7 +132,7 @@ class Gemma4Target(nn.Module):
         return (ctx + token_identity) * jnp.asarray(2.0**-0.5, ctx.dtype)
 
     def lm_logits(self, hidden: Array) -> Array:
-        out = self.embed_tokens.attend(hidden)
+        out = self.embed_tokens.attend(hidden, split=True)
         cap = self.cfg.final_logit_softcapping
         if cap:
             out = jnp.tanh(out / cap) * cap

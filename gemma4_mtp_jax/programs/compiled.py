@@ -26,6 +26,7 @@ from gemma4_mtp_jax.programs.executable_cache import user_cache_dir
 from gemma4_mtp_jax.steps.forward import StepSpec, decode_step, prefill_step
 from gemma4_mtp_jax.programs.input_pack import pack_rows, packed_width, return_in, unpack_rows
 from gemma4_mtp_jax.kernels.device_budget import on_gpu, pallas_kernels
+from gemma4_mtp_jax.model.config import TextConfig
 from gemma4_mtp_jax.model.kv_state import KVLayout
 from gemma4_mtp_jax.model.runtime import Target
 from gemma4_mtp_jax.model.sharding import Placement, mesh_context
@@ -118,6 +119,15 @@ def variant_tag(sampled: bool, processed: bool) -> str:
     return ",processed" if processed else ",sampled" if sampled else ""
 
 
+def placement_for(placement: Placement | None, drafter: Drafter | None, cfg: TextConfig) -> Placement | None:
+    """The placement the programs run on: `placement`, and with the MTP assistant the pages it reads whole on every
+    device too, so that its draft steps, whole on every device as well, need no collective
+    (sharding.Placement.whole_kv)."""
+    if placement is None or not isinstance(drafter, AssistantDrafter):
+        return placement
+    return placement.with_whole_kv(drafter.kv_layers(cfg))
+
+
 @dataclasses.dataclass
 class CompiledSteps:
     """Ahead-of-time compiled programs: prefill per (rows, chunk) bucket, and per batch bucket either decode or,
@@ -167,7 +177,10 @@ class CompiledSteps:
         self.round_sizes = tuple(sorted(set(self.round_sizes) | {self.k})) if self.drafter is not None else ()
         if any(not 0 <= r <= self.k for r in self.round_sizes):
             raise ValueError(f"round sizes {self.round_sizes} must lie in 0..k = {self.k}")
-        self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k)
+        self.placement = placement_for(self.placement, self.drafter, self.target.config)
+        whole_kv = frozenset() if self.placement is None else self.placement.whole_kv
+        self.spec = StepSpec(self.target, self.layout, self.attention_impl, drafter=self.drafter, k=self.k,
+                             whole_kv=whole_kv)
         self._rep = None if self.placement is None else self.placement.replicated
         # Elements of the staging buffer: one more than the largest packed input (input_pack.unpack_rows).
         rows, tokens = self.max_batch or self.num_slots, self.max_prefill_tokens or self.layout.max_model_len
@@ -185,10 +198,12 @@ class CompiledSteps:
         """The target's parameter tree on the programs' devices (ProgramArrays.params)."""
         return self.arrays.params
 
-    def _jit(self, fn, donate: tuple[int, ...]):
+    def _jit(self, fn, donate: tuple[int, ...], results: int = 1):
+        """fn jitted for the placement: it returns the state and `results` replicated arrays (the draft program:
+        its drafts, q and q_ids; the verify's forward: h_all and the logits)."""
         if self.attention_impl == "pallas":  # the Pallas kernels throughout, interpreted off the GPU
             fn = _with_pallas_kernels(fn)
-        return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(), self._rep))
+        return jit_on(self.placement, fn, donate, (self.arrays.state_shardings(),) + (self._rep,) * results)
 
     def _abstract_inputs(self, batch: int, tokens: int | None = None, processed: bool = False,
                          masked: int = 1) -> StepInputs:
@@ -326,11 +341,12 @@ class CompiledSteps:
         return self._jit(fn, (2, 3)), self._abstract_args(batch, processed=processed)
 
     def draft_program(self, batch: int) -> tuple[Any, tuple]:
-        return self._jit(self._draft_fn, (2, 3)), self._abstract_args(batch)
+        return self._jit(self._draft_fn, (2, 3), results=3), self._abstract_args(batch)
 
     def verify_program(self, batch: int) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch)
-        return self._jit(self._verify_forward_fn, (1, 2)), (params, state, packed, self.draft_outputs(batch)[1])
+        return (self._jit(self._verify_forward_fn, (1, 2), results=2),
+                (params, state, packed, self.draft_outputs(batch)[1]))
 
     def accept_program(self, batch: int) -> tuple[Any, tuple]:
         _, _, state, packed = self._abstract_args(batch, processed=True, masked=self.k + 1)

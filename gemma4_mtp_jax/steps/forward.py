@@ -18,6 +18,7 @@ from gemma4_mtp_jax.steps.device_state import History, StepInputs, pack_logprobs
 from gemma4_mtp_jax.model.kv_state import KVLayout, PagedKV
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.runtime import Target
+from gemma4_mtp_jax.model.sharding import gathered
 from gemma4_mtp_jax.model.sampling import process_logits, sample, token_logprobs
 
 Array = jax.Array
@@ -44,6 +45,9 @@ class StepSpec:
     scored: bool = False
     drafter: Any = None  # speculative.Drafter (the round's drafts); None outside the speculative round
     k: int = 0  # drafts per round
+    # Owning layers whose pages are whole on every device under tensor parallelism (sharding.Placement.whole_kv):
+    # their writes are kept whole too (PagedKV.whole).
+    whole_kv: frozenset[int] = frozenset()
 
     def but(self, **changes: Any) -> "StepSpec":
         return dataclasses.replace(self, **changes)
@@ -55,7 +59,7 @@ def make_kv_view(spec: StepSpec, pages, tables, positions: Array) -> PagedKV:
     return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(spec.target),
                    page_size=layout.page_size,
                    ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl=spec.attention_impl, scales=layout.kv_scales())
+                   attention_impl=spec.attention_impl, scales=layout.kv_scales(), whole=spec.whole_kv)
 
 
 def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables, media: tuple = ()):
@@ -75,8 +79,14 @@ def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array
     return hidden, kv.pages
 
 
-def lm_logits(target: Target, params, hidden: Array) -> Array:
-    return target.module.apply({"params": params}, hidden, method=Gemma4Target.lm_logits)
+def lm_logits(target: Target, params, hidden: Array, whole: bool = False) -> Array:
+    """The target's logits [..., V]. Under tensor parallelism each device computes its vocabulary rows' (the LM
+    head is vocabulary-parallel); `whole`: then gathered onto every device, in one all-gather, for what reads the
+    whole vocabulary (sampling's filters, sorts and draws, logits processing, logprobs), which on split logits the
+    partitioner serves with a dozen collectives of its own (`benchmarks/collectives.py`). A greedy argmax needs
+    only each device's best."""
+    logits = target.module.apply({"params": params}, hidden, method=Gemma4Target.lm_logits)
+    return gathered(logits) if whole else logits
 
 
 def processed_sample(spec: StepSpec, logits: Array, inputs: StepInputs, history: History, positions: Array,
@@ -95,7 +105,7 @@ def prompt_logprobs(spec: StepSpec, params, hidden: Array, next_tokens: Array) -
     """A scored prefill's logprobs of each chunk token's successor under the model's own distribution (no processing,
     temperature 1): hidden [B, T, H], next_tokens [B, T] (-1: unknown). Returns logprob columns [B, T (1 + 2K)]
     (device_state.pack_logprobs)."""
-    logits = lm_logits(spec.target, params, hidden).astype(jnp.float32)  # [B, T, V]
+    logits = lm_logits(spec.target, params, hidden, whole=True).astype(jnp.float32)  # [B, T, V]
     return pack_logprobs(*token_logprobs(logits, jnp.zeros(logits.shape[:1], jnp.float32), next_tokens))
 
 
@@ -110,7 +120,7 @@ def prefill_step(spec: StepSpec, params, pages, inputs: StepInputs, history: His
     hidden, pages = forward_paged(spec, params, pages, rows.tokens, rows.positions, inputs.tables, media)
     b = jnp.arange(rows.tokens.shape[0])
     h_last = hidden[b, rows.last_index]
-    logits = lm_logits(spec.target, params, h_last)
+    logits = lm_logits(spec.target, params, h_last, whole=True)
     token, logprobs = processed_sample(spec, logits, inputs, history, rows.positions[b, rows.last_index], None)
     if spec.scored:
         logprobs = jnp.concatenate([logprobs, prompt_logprobs(spec, params, hidden, rows.next_tokens)], 1)
@@ -123,7 +133,7 @@ def decode_step(spec: StepSpec, params, pages, inputs: StepInputs, history: Hist
     processes the logits and returns logprobs."""
     tokens, positions = inputs.rows.token, inputs.rows.length
     hidden, pages = forward_paged(spec, params, pages, tokens[:, None], positions[:, None], inputs.tables)
-    logits = lm_logits(spec.target, params, hidden[:, 0])
+    logits = lm_logits(spec.target, params, hidden[:, 0], whole=spec.sampled or spec.processed)
     if spec.processed:
         token, logprobs = processed_sample(spec, logits, inputs, history, positions, tokens)
         return pages, token, logprobs

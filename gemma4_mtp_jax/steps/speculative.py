@@ -18,7 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from gemma4_mtp_jax.model.config import SLIDING
+from gemma4_mtp_jax.model.config import SLIDING, AssistantConfig, TextConfig
 from gemma4_mtp_jax.steps.device_state import History, StepInputs, pack_logprobs
 from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits
 from gemma4_mtp_jax.kernels.centroid_head import centroid_head
@@ -125,6 +125,11 @@ def dense_q(q: Array, q_ids: Array | None, vocab_size: int) -> Array:
     return out.reshape(*lead, vocab_size)
 
 
+def draft_sources(target: TextConfig, assistant: AssistantConfig) -> dict[int, int]:
+    """Assistant layer -> the target's store layer of its type, whose pages it attends to."""
+    return {i: target.store_layers[t] for i, t in enumerate(assistant.text.layer_types)}
+
+
 def draft(spec: StepSpec, params_t, params_d, pages, hidden: Array,
           inputs: StepInputs) -> tuple[Array, Array, Array | None, Array]:
     """spec.k draft steps of the assistant (`spec.drafter`, an AssistantDrafter; params_d: its parameters and
@@ -136,7 +141,7 @@ def draft(spec: StepSpec, params_t, params_d, pages, hidden: Array,
     params_a, head = params_d
     acfg = assistant.config
     lengths, sampling = inputs.rows.length, inputs.sampling
-    source = {i: target.config.store_layers[t] for i, t in enumerate(acfg.text.layer_types)}
+    source = draft_sources(target.config, acfg)
     kv = PagedDraftKV(pages=pages, tables=inputs.tables, lengths=lengths, source=source,
                       layer_group=dict(enumerate(acfg.text.layer_types)),
                       ring_pages=layout.ring_pages(SLIDING) if SLIDING in dict(layout.pages_per_seq) else None,
@@ -192,6 +197,10 @@ class AssistantDrafter:
 
     def params(self) -> tuple[dict, DraftHead]:
         return self.assistant.params, make_draft_head(self.assistant)
+
+    def kv_layers(self, target: TextConfig) -> set[int]:
+        """The target's owning layers whose pages the draft steps read."""
+        return set(draft_sources(target, self.assistant.config).values())
 
     def draft(self, spec: StepSpec, params_t, params_d, pages, hidden: Array,
               inputs: StepInputs) -> tuple[Array, Array, Array | None]:
@@ -314,7 +323,7 @@ def verify_forward(spec: StepSpec, params_t, pages, inputs: StepInputs, drafts: 
     host computes the grammar masks `verify_accept` applies while the device runs it."""
     _, _, tokens, positions = _verified(inputs.rows, drafts)
     h_all, pages = forward_paged(spec, params_t, pages, tokens, positions, inputs.tables)
-    return pages, h_all, lm_logits(spec.target, params_t, h_all)
+    return pages, h_all, lm_logits(spec.target, params_t, h_all, whole=spec.sampled or spec.processed)
 
 
 def verify_accept(spec: StepSpec, hidden_buf: Array, inputs: StepInputs, history: History | None, drafts: Array,
