@@ -53,12 +53,10 @@ SEEDS = {"e2b": 1234, "a26b": 2345, "b31b": 3456, "u12b": 4567}
 UNIFIED = ("u12b",)  # families of the unified architecture (transformers' Gemma4Unified* classes)
 
 _S, _F = "sliding_attention", "full_attention"
-# Media token ids of the tiny multimodal targets. The begin / end-of-image and -audio tokens are embedded like any
-# text token, so they lie inside the vocabulary; the placeholders (image, audio, video) lie beyond it: transformers
-# takes every placeholder id in a prompt for a media position (embedded as the pad token), so one that a random text
-# prompt or a random model's greedy output could contain would make the text-only references diverge.
-MEDIA_TOKEN_IDS = dict(image_token_id=VOCAB + 0, audio_token_id=VOCAB + 1, boi_token_id=502, eoi_token_id=503,
-                       video_token_id=VOCAB + 4, boa_token_id=505, eoa_token_index=506)
+# Media token ids of the tiny multimodal targets: inside the vocabulary (the released ids lie beyond it), as the
+# begin / end-of-image and -audio tokens are embedded like any text token
+MEDIA_TOKEN_IDS = dict(image_token_id=500, audio_token_id=501, boi_token_id=502, eoi_token_id=503, video_token_id=504,
+                       boa_token_id=505, eoa_token_index=506)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
