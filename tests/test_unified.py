@@ -29,8 +29,10 @@ LENGTHS = [5, 13, 24, 30]  # shorter and longer than the window (8) and the pref
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
+    """Random text prompts: below the media token ids, which transformers' multimodal classes take for media
+    placeholders wherever they appear (embedded as the pad token)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, hf_tiny.VOCAB, size=n).tolist() for n in lengths]
+    return [rng.integers(3, min(hf_tiny.MEDIA_TOKEN_IDS.values()), size=n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
