@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4_mtp_jax.kernels.dense_attention import image_runs
 from gemma4_mtp_jax.kernels.device_budget import check_fp8_support
 from gemma4_mtp_jax.model.config import (
     AssistantConfig,
@@ -29,7 +30,7 @@ from gemma4_mtp_jax.model.assistant import Gemma4Assistant
 from gemma4_mtp_jax.model.attention import DenseKV, DraftKV
 from gemma4_mtp_jax.model.encoders import Gemma4Encoders, example_inputs
 from gemma4_mtp_jax.model.media_config import MediaConfig, parse_media_config
-from gemma4_mtp_jax.model.multimodal import check_counts, image_blocks, merge_soft_tokens, text_tokens
+from gemma4_mtp_jax.model.multimodal import check_counts, merge_soft_tokens, text_tokens, vision_tokens
 from gemma4_mtp_jax.model.target import Gemma4Target
 from gemma4_mtp_jax.model.runtime import Assistant, Encoders, Target
 from gemma4_mtp_jax.weights import hf_loader, orbax_io, quantize
@@ -339,7 +340,8 @@ def multimodal_forward(target: Target, tokens: Any, *, pixels: Any = None, pixel
         soft, valid = encode(enc.params, *(jnp.asarray(a) for a in inputs))
         check_counts(tokens_np, token_id, np.asarray(valid), what)
         embeds = merge_soft_tokens(embeds, tokens, token_id, soft, valid)
-    kv = DenseKV(positions, blocks=image_blocks(tokens, cfg), image_attention=target.config.image_attention)
+    kv = DenseKV(positions, runs=image_runs(vision_tokens(tokens, cfg), positions),
+                 image_attention=target.config.image_attention)
     logits, hidden, kv = target._forward_embeds(target.params, ids, positions, embeds, kv)
     store = {t: kv.layers[i] for t, i in target.config.store_layers.items()}
     return TargetOutput(logits, hidden, store)

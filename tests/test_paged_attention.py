@@ -195,6 +195,48 @@ def test_kernel_drafter_pattern_same_positions_under_jit():
     np.testing.assert_allclose(np.asarray(out), dense_oracle(c), atol=1e-5, rtol=1e-5)
 
 
+BOUNDS_CASES = {
+    # name: (window, ring_pages, image_attention rule, extra kernel kwargs)
+    "sliding_layers_ring": (10, 3, "sliding_layers", {}),
+    "all_layers_image_wider_than_window": (6, None, "all_layers", {}),
+    "all_layers_full_splits": (None, None, "all_layers", {"k_splits": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(BOUNDS_CASES))
+def test_image_queries_see_their_image_ahead(name):
+    """A prefill chunk of 12 rows holding an 8-token image (rows 2..9) whose tokens see each other: each row's keys
+    are `image_bounds`' interval, some ahead of it. The reference and the kernel against a dense oracle over that
+    interval; the image's first row must see its last key (so the test fails on causal masks)."""
+    from gemma4_mtp_jax.kernels.dense_attention import image_bounds, image_runs
+
+    window, ring, rule, kw = BOUNDS_CASES[name]
+    Tq = 12
+    c = build_case(5, Tq=Tq, nH=4, nKV=2, D=16, page_size=8, starts=[37, 21, 0, 2], n_valid=[Tq, 10, 0, Tq],
+                   window=window, ring_pages=ring)
+    vision = np.zeros(c.q_positions.shape, bool)
+    vision[:, 2:10] = True
+    vision &= c.q_positions >= 0
+    bounds = np.asarray(image_bounds(jnp.asarray(c.q_positions), image_runs(jnp.asarray(vision),
+                                                                            jnp.asarray(c.q_positions)),
+                                     window, rule))
+    assert bounds[0, 2, 1] == c.q_positions[0, 9], "the image's first query does not see its last key"
+    B, _, nH, _ = c.q.shape
+    G = nH // c.k_pages.shape[0]
+    want = np.zeros(c.q.shape)
+    for b, t, h in itertools.product(range(B), range(Tq), range(nH)):
+        if c.q_positions[b, t] >= 0:
+            lo, hi = bounds[b, t]
+            k, v = c.k_hist[b][lo:hi + 1, h // G], c.v_hist[b][lo:hi + 1, h // G]
+            s = k @ c.q[b, t, h]
+            w = np.exp(s - s.max())
+            want[b, t, h] = (w / w.sum()) @ v
+    for out in (pa.paged_attention_reference(*c.args(), window=window, ring_pages=ring, bounds=jnp.asarray(bounds)),
+                run_kernel(c, bounds=jnp.asarray(bounds), **kw)):
+        assert_padding_zero(c, out)
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window,ring,splits", [(None, None, None), (None, None, 3), (10, 2, None)])
 def test_kernel_bf16(window, ring, splits):
     c = build_case(4, Tq=5, nH=8, nKV=2, D=32, page_size=8, starts=[44, 17, 0, 3], n_valid=_valid(5),

@@ -8,7 +8,10 @@ a ring holds the newest N = R * page_size positions (position p in slot p mod N)
 Query row t of sequence b (mask position `q_positions[b, t]`, -1 = padding) sees key p iff
 `p <= q_positions[b, t]` and (window is None or `p > q_positions[b, t] - window`); with a ring, additionally
 `p > max_t q_positions[b, t] - N` (older positions have been overwritten; the caller sizes the ring so that this
-never hides a key the window wants: N >= window + Tq + 1). Padding rows give exact zeros.
+never hides a key the window wants: N >= window + Tq + 1). Padding rows give exact zeros. With `bounds` [B, Tq, 2]
+(a prefill chunk whose image soft tokens attend to each other: `dense_attention.image_bounds`), row t sees instead
+the keys `bounds[b, t, 0] <= p <= bounds[b, t, 1]`, which may lie ahead of it within the chunk (written before
+any is read); `window` then only bounds the planned key range.
 
 Two implementations with the same signature:
 
@@ -56,7 +59,7 @@ from jax.experimental import pallas as pl
 
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped_queries, quantized
 from gemma4_mtp_jax.kernels.device_budget import GpuBudget, default_budget, kernels_chosen, kernels_interpreted
-from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention
+from gemma4_mtp_jax.kernels.dense_attention import bounds_mask, causal_window_mask, dot_product_attention
 from gemma4_mtp_jax.kernels.triton_ops import compiler_params, dot, load, store
 
 Array = jax.Array
@@ -71,7 +74,8 @@ _SQUEEZED = getattr(pl, "squeezed", None)  # pl.squeezed (newer JAX) == None in 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm=None, rope=None, eps=None):
+def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm=None, rope=None, eps=None,
+                  bounds=None):
     B, Tq, nH, D = q.shape
     nKV, _, _, Dk = k_pages.shape
     if k_pages.shape != v_pages.shape:
@@ -84,6 +88,8 @@ def _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_no
         raise ValueError(f"page_table {page_table.shape} does not match batch {B}")
     if q_positions.shape != (B, Tq):
         raise ValueError(f"q_positions {q_positions.shape} != {(B, Tq)}")
+    if bounds is not None and bounds.shape != (B, Tq, 2):
+        raise ValueError(f"bounds {bounds.shape} != {(B, Tq, 2)} (each query's first and last visible key)")
     if ring_pages is not None and not 0 < ring_pages <= page_table.shape[1]:
         raise ValueError(f"ring_pages={ring_pages} must be in 1..{page_table.shape[1]} (the page-table width)")
     if (q_norm is None) != (rope is None):
@@ -122,12 +128,12 @@ def compute_dtype(q_dtype, pages_dtype):
 def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
                               *, window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
                               rope: tuple[Array, Array] | None = None, eps: float | None = None,
-                              k_scale: float = 1.0, v_scale: float = 1.0) -> Array:
+                              k_scale: float = 1.0, v_scale: float = 1.0, bounds: Array | None = None) -> Array:
     """Plain-XLA paged attention (see the module docstring). Gathers each sequence's pages into a dense copy. With
     `q_norm` and `rope`, q is the raw projection, turned into queries first (`normed_and_roped_queries`). The pages
     hold K / k_scale and V / v_scale (a float8 cache; 1.0 otherwise): the K/V read are multiplied back, exactly
     (powers of two), which scales the scores and the output as the kernel does."""
-    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
+    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps, bounds)
     if q_norm is not None:
         q = normed_and_roped_queries(q, q_norm, *rope, eps=eps)
     B, Tq, nH, D = q.shape
@@ -142,7 +148,10 @@ def paged_attention_reference(q: Array, k_pages: Array, v_pages: Array, page_tab
 
     q_positions = q_positions.astype(jnp.int32)
     k_pos = slot_positions(q_positions, S, ring_pages is not None)
-    allowed = causal_window_mask(q_positions, k_pos, window)
+    if bounds is None:
+        allowed = causal_window_mask(q_positions, k_pos, window)
+    else:
+        allowed = bounds_mask(k_pos, bounds.astype(jnp.int32))
     allowed &= (k_pos >= 0)[:, None, :] & (q_positions >= 0)[:, :, None]
     # Slots no query row can see may hold anything (stale pages, NaN): zero them so 0 * garbage stays 0.
     seen = jnp.any(allowed, axis=1)[:, :, None, None]
@@ -281,7 +290,7 @@ def kernel_config(q_shape, k_pages_shape, page_table_shape, *, itemsize: int = 2
 def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, block_k: int,
                             window: int | None, ring_slots: int | None, ring_pages: int | None,
                             table_width: int, k_splits: int, block_rows: int, q_len: int, num_heads: int,
-                            group: int, eps: float | None, dtype, k_scale: float, v_scale: float):
+                            group: int, eps: float | None, dtype, k_scale: float, v_scale: float, bounds: bool):
     """One program: block_rows query rows of one sequence and one KV head, over one split of its key range.
 
     The query rows are read straight from q's own layout (no padded copy of q) and, without key splits, the output
@@ -295,6 +304,8 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     program's keys), or with k_splits > 1 the split's o_ref [R, D] and m_ref, l_ref [R] float32 (running max and
     softmax denominator), merged in XLA.
 
+    With `bounds`, lo_ref and hi_ref [B * Tq] int32 (each row's first and last visible key) come before k_ref.
+
     With `eps` (a Q-only layer's raw queries): after q_ref come q_norm_ref [D] and cos_ref, sin_ref [B * Tq, D/2]
     (RoPE's tables per query token, in q's dtype), and each loaded row is q_norm'ed and roped as
     `attention_inputs` does it: RMSNorm in float32, times the weight, rounded to q's dtype; then x * cos +
@@ -304,10 +315,11 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     Everything is computed in `dtype` (`compute_dtype`): K/V blocks of a float8 cache are converted to it as they
     are loaded, the scores multiplied by `k_scale` and the output by `v_scale` (powers of two; 1.0: no multiply).
     """
-    if eps is None:
-        k_ref, v_ref, *out_refs = refs
-    else:
-        q_norm_ref, cos_ref, sin_ref, k_ref, v_ref, *out_refs = refs
+    if eps is not None:
+        q_norm_ref, cos_ref, sin_ref, *refs = refs
+    if bounds:
+        lo_ref, hi_ref, *refs = refs
+    k_ref, v_ref, *out_refs = refs
     b, h = pl.program_id(0), pl.program_id(1)
     j = pl.program_id(2) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     real = j < q_len * group
@@ -321,15 +333,21 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
     q = q.astype(dtype)
     rows, D = q.shape
 
-    # Visible key range of the block's rows: [lo, hi]. All-padding blocks get an empty range.
-    hi = jnp.max(pos)
+    # Each row's visible keys [row_lo, row_hi] (row_lo None: from 0), then the block's range [lo, hi]. All-padding
+    # blocks get an empty range.
     valid = pos >= 0
-    lo_q = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
+    if bounds:
+        row_lo = load(lo_ref.at[b * q_len + t], real, 0)
+        row_hi = jnp.where(valid, load(hi_ref.at[b * q_len + t], real, -1), -1)
+    else:
+        row_lo = None if window is None else pos - (window - 1)
+        row_hi = pos
+    hi = jnp.max(row_hi)
     lo = jnp.int32(0)
-    if window is not None:
-        lo = jnp.maximum(lo, lo_q - (window - 1))
-    if ring_slots is not None:
-        lo = jnp.maximum(lo, hi - (ring_slots - 1))  # older positions were overwritten in the ring
+    if row_lo is not None:
+        lo = jnp.maximum(lo, jnp.min(jnp.where(valid, row_lo, jnp.iinfo(jnp.int32).max)))
+    if ring_slots is not None:  # older positions were overwritten in the ring (its newest: the newest query's)
+        lo = jnp.maximum(lo, jnp.max(pos) - (ring_slots - 1))
     first_blk = lo // block_k
     n_blk = jnp.where(hi >= 0, hi // block_k - first_blk + 1, 0)
     if k_splits > 1:
@@ -340,7 +358,6 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
         start, trip = first_blk, n_blk
 
     offs = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    lo_win = None if window is None else pos - window  # [R]: key must be > this
 
     def body(i, carry):
         acc, m, l = carry
@@ -360,9 +377,9 @@ def _paged_attention_kernel(pos_ref, table_ref, q_ref, *refs, page_size: int, bl
         s = dot(q, k, trans_b=True)  # [R, bk] f32
         if k_scale != 1.0:
             s = s * k_scale
-        vis = (kpos[None, :] <= pos[:, None]) & live[None, :]
-        if lo_win is not None:
-            vis &= kpos[None, :] > lo_win[:, None]
+        vis = (kpos[None, :] <= row_hi[:, None]) & live[None, :]
+        if row_lo is not None:
+            vis &= kpos[None, :] >= row_lo[:, None]
         s = jnp.where(vis, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -476,8 +493,9 @@ def _merge_splits(o: Array, m: Array, l: Array) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("window", "ring_pages", "interpret", "config", "eps", "k_scale",
                                              "v_scale"))
-def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm, rope, *, window, ring_pages,
-                            interpret, config: KernelConfig, eps, k_scale: float = 1.0, v_scale: float = 1.0):
+def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm, rope, bounds, *, window,
+                            ring_pages, interpret, config: KernelConfig, eps, k_scale: float = 1.0,
+                            v_scale: float = 1.0):
     B, Tq, nH, D = q.shape
     nKV, num_pages, page_size, _ = k_pages.shape
     G = nH // nKV
@@ -501,7 +519,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         _paged_attention_kernel, page_size=page_size, block_k=config.block_k, window=window,
         ring_slots=None if ring_pages is None else ring_pages * page_size, ring_pages=ring_pages,
         table_width=width, k_splits=S, block_rows=br, q_len=Tq, num_heads=nH, group=G,
-        eps=None if q_norm is None else float(eps), dtype=dtype, k_scale=k_scale, v_scale=v_scale)
+        eps=None if q_norm is None else float(eps), dtype=dtype, k_scale=k_scale, v_scale=v_scale,
+        bounds=bounds is not None)
     whole = lambda b, h, r, s: (0, 0)  # noqa: E731  (indexed inside the kernel)
     in_specs = [
         pl.BlockSpec((B * Tq,), lambda b, h, r, s: (0,)),  # mask positions, token-major
@@ -513,6 +532,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
         in_specs += [pl.BlockSpec((D,), lambda b, h, r, s: (0,)),  # q_norm's weight
                      pl.BlockSpec((B * Tq, D // 2), whole), pl.BlockSpec((B * Tq, D // 2), whole)]  # cos, sin
         args += [q_norm, *(t.astype(q.dtype).reshape(B * Tq, D // 2) for t in rope)]
+    if bounds is not None:  # each row's first and last visible key, token-major
+        in_specs += [pl.BlockSpec((B * Tq,), lambda b, h, r, s: (0,))] * 2
+        args += [bounds[..., i].astype(jnp.int32).reshape(B * Tq) for i in (0, 1)]
     in_specs += [
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # K pool of head h
         pl.BlockSpec((sq, num_pages * page_size, D), lambda b, h, r, s: (h, 0, 0)),  # V pool of head h
@@ -547,7 +569,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm
 def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array, *,
                     window: int | None = None, ring_pages: int | None = None, q_norm: Array | None = None,
                     rope: tuple[Array, Array] | None = None, eps: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0, interpret: bool = False, block_rows: int | None = None,
+                    v_scale: float = 1.0, bounds: Array | None = None, interpret: bool = False,
+                    block_rows: int | None = None,
                     block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None) -> Array:
     """Pallas paged attention (Triton lowering on GPU; `interpret=True` runs anywhere). Same contract as
@@ -558,7 +581,7 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
     [B, Tq, D/2] each (`attention_inputs.rope_tables` at the layer's RoPE positions, which may differ from the mask
     positions `q_positions`) and `eps`: the kernel norms and ropes each query row as it loads it, sparing the
     layer an `attention_inputs` kernel, with that kernel's rounding."""
-    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps)
+    _check_shapes(q, k_pages, v_pages, page_table, q_positions, ring_pages, q_norm, rope, eps, bounds)
     config = _plan(q, k_pages, page_table, window, ring_pages, block_rows=block_rows, block_k=block_k,
                    k_splits=k_splits, num_warps=num_warps, num_stages=num_stages)
     if config is None:
@@ -567,7 +590,7 @@ def paged_attention(q: Array, k_pages: Array, v_pages: Array, page_table: Array,
                          f">= 16 and page size, and tiles within {default_budget().smem_per_block} bytes of shared "
                          f"memory); use the XLA path")
     return _paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, q_norm,
-                                   None if rope is None else tuple(rope), window=window, ring_pages=ring_pages,
+                                   None if rope is None else tuple(rope), bounds, window=window, ring_pages=ring_pages,
                                    interpret=interpret, config=config, eps=None if q_norm is None else float(eps),
                                    k_scale=float(k_scale), v_scale=float(v_scale))
 
@@ -586,17 +609,17 @@ def _log_fallback(q_shape, pages_shape, dtype_name: str) -> None:
 
 
 def attend_paged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, q_positions: Array,
-                 q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None, *,
-                 window: int | None = None, ring_pages: int | None = None, eps: float | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0, impl: str = "auto") -> Array:
+                 q_norm: Array | None = None, cos: Array | None = None, sin: Array | None = None,
+                 bounds: Array | None = None, *, window: int | None = None, ring_pages: int | None = None,
+                 eps: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, impl: str = "auto") -> Array:
     """Paged attention through the kernel ("pallas"), the XLA reference ("xla"), or "auto": the kernel where
     `kernels_chosen()` (a GPU) when a tiling of these shapes fits the device (one log line per shape otherwise), the
     reference elsewhere.
-    With `q_norm`, `cos`, `sin` (positional, so that `sharding.head_parallel` passes them on, replicated), q is a
-    Q-only layer's raw projection (see `paged_attention`). `k_scale`, `v_scale`: the scales a float8 cache's pages
-    were written with."""
+    With `q_norm`, `cos`, `sin` (array arguments, so that `sharding.head_parallel` passes them on, replicated), q is
+    a Q-only layer's raw projection (see `paged_attention`); `bounds`: each query's visible keys (module docstring).
+    `k_scale`, `v_scale`: the scales a float8 cache's pages were written with."""
     prep = {} if q_norm is None else dict(q_norm=q_norm, rope=(cos, sin), eps=eps)
-    prep.update(k_scale=k_scale, v_scale=v_scale)
+    prep.update(k_scale=k_scale, v_scale=v_scale, bounds=bounds)
     if impl == "auto":
         impl = "xla"
         if kernels_chosen():

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4_mtp_jax.kernels.attention_inputs import normed_and_roped
-from gemma4_mtp_jax.kernels.dense_attention import causal_window_mask, dot_product_attention, image_block_mask
+from gemma4_mtp_jax.kernels.dense_attention import bounds_mask, causal_window_mask, dot_product_attention, image_bounds
 
 Array = jax.Array
 
@@ -58,13 +58,12 @@ class KVView(Protocol):
 class DenseKV:
     """K/V of the tokens of one forward pass ([B, T, nKV, D] per owning layer), at positions `positions`.
 
-    With `blocks` ([B, T]: the image each token's soft token belongs to, -1 for other tokens) and a rule other than
-    "causal" (`TextConfig.image_attention`), an image's tokens also attend to each other
-    (`kernels.dense_attention.image_block_mask`)."""
+    With `runs` (the tokens' image runs, `kernels.dense_attention.image_runs`) and a rule other than "causal"
+    (`TextConfig.image_attention`), an image's tokens also attend to each other (`image_bounds`)."""
 
     positions: Array  # [B, T]
     layers: dict[int, tuple[Array, Array]] = flax.struct.field(default_factory=dict)
-    blocks: Array | None = None  # [B, T]
+    runs: tuple[Array, Array] | None = None  # (first, last) [B, T] each
     image_attention: str = flax.struct.field(pytree_node=False, default="causal")
 
     def prepare(self, layer: int, p: Projections) -> tuple[Array, "DenseKV"]:
@@ -73,10 +72,12 @@ class DenseKV:
 
     def attend(self, layer: int, q: Array, q_pos: Array, window: int | None) -> Array:
         k, v = self.layers[layer]
-        if self.blocks is None:
+        # the queries are this pass's own tokens, so their runs are the keys' too
+        bounds = None if self.runs is None else image_bounds(q_pos, self.runs, window, self.image_attention)
+        if bounds is None:
             allowed = causal_window_mask(q_pos, self.positions, window)
-        else:  # the queries are this pass's own tokens
-            allowed = image_block_mask(q_pos, self.positions, self.blocks, self.blocks, window, self.image_attention)
+        else:
+            allowed = bounds_mask(self.positions, bounds)
         return dot_product_attention(q, k, v, allowed)
 
 

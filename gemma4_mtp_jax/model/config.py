@@ -96,7 +96,7 @@ class TextConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     model_type: str = GEMMA4_TEXT  # the architecture (FAMILIES): gemma4_text or gemma4_unified_text
-    # How an image's soft tokens attend to each other (kernels/dense_attention.image_block_mask): "causal" (E2B,
+    # How an image's soft tokens attend to each other (kernels/dense_attention.image_bounds): "causal" (E2B,
     # E4B), "sliding_layers" (use_bidirectional_attention "vision" in Gemma 4: 26B, 31B) or "all_layers" (the same
     # setting in the unified 12B, whose forward widens every layer). Text-only sequences never see a difference.
     image_attention: str = "causal"

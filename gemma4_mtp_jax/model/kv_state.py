@@ -31,6 +31,7 @@ import numpy as np
 
 from gemma4_mtp_jax.model.config import SLIDING, TextConfig, owning_layers
 from gemma4_mtp_jax.kernels.attention_inputs import prepare_attention_inputs, quantized, rope_tables
+from gemma4_mtp_jax.kernels.dense_attention import image_bounds
 from gemma4_mtp_jax.kernels.device_budget import kernels_chosen
 from gemma4_mtp_jax.kernels.paged_attention import attend_paged
 from gemma4_mtp_jax.model.attention import Projections
@@ -208,18 +209,29 @@ def _queries_only(p: Projections, attention_impl: str) -> Array | Projections:
 
 
 def _attend(q: Array | Projections, kp: Array, vp: Array, table: Array, mask_pos: Array, *, window: int | None,
-            ring_pages: int | None, attention_impl: str, scales: tuple[float, float], split: bool = True) -> Array:
+            ring_pages: int | None, attention_impl: str, scales: tuple[float, float], split: bool = True,
+            bounds: Array | None = None) -> Array:
     """`attend_paged` on each device's heads (`head_parallel`; `split` False: on all heads by every device,
     `on_every_device`), the pages read with their (k_scale, v_scale). For Projections (a Q-only layer's raw q), q_norm's
     weight and RoPE's tables at the projections' own positions go along, replicated, for the kernel to norm and
-    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA."""
-    fn = functools.partial(attend_paged, window=window, ring_pages=ring_pages, impl=attention_impl,
-                           k_scale=scales[0], v_scale=scales[1])
+    rope the queries; where no kernel tiling fits, `attend_paged`'s XLA path does it in plain XLA. `bounds`: each
+    query's visible keys where an image's tokens see each other (`dense_attention.image_bounds`), replicated."""
+    extra: dict[str, Array] = {}
+    eps = None
+    if isinstance(q, Projections):
+        extra["cos"], extra["sin"] = rope_tables(q.positions, q.inv_freq, q.q.dtype)
+        extra["q_norm"], eps, q = q.q_norm, q.eps, q.q  # the raw projection
+    if bounds is not None:
+        extra["bounds"] = bounds
+    names = tuple(extra)
+
+    def fn(q, kp, vp, table, mask_pos, *arrays):
+        return attend_paged(q, kp, vp, table, mask_pos, **dict(zip(names, arrays)), window=window,
+                            ring_pages=ring_pages, eps=eps, impl=attention_impl, k_scale=scales[0],
+                            v_scale=scales[1])
+
     run = head_parallel if split else on_every_device
-    if not isinstance(q, Projections):
-        return run(fn, q, kp, vp, table, mask_pos)
-    cos, sin = rope_tables(q.positions, q.inv_freq, q.q.dtype)
-    return run(functools.partial(fn, eps=q.eps), q.q, kp, vp, table, mask_pos, q.q_norm, cos, sin)
+    return run(fn, q, kp, vp, table, mask_pos, *extra.values())
 
 
 @flax.struct.dataclass
@@ -246,6 +258,10 @@ class PagedKV:
     # attention after reads the pages by head), computing the projections on slices of their whole weights, and
     # gathers them again for the write.
     whole: frozenset[int] = flax.struct.field(pytree_node=False, default=frozenset())
+    # A prefill chunk with images whose soft tokens see each other (`TextConfig.image_attention`): the tokens' image
+    # runs (`dense_attention.image_runs`, each image whole within the chunk), from which `attend` bounds each query.
+    runs: tuple[Array, Array] | None = None
+    image_attention: str = flax.struct.field(pytree_node=False, default="causal")
 
     def _ring(self, group: str) -> int | None:
         return self.ring_pages if group == SLIDING else None
@@ -283,8 +299,9 @@ class PagedKV:
     def attend(self, layer: int, q: Array | Projections, q_pos: Array, window: int | None) -> Array:
         group = self.layer_group[layer]
         kp, vp = self.pages[layer]
+        bounds = None if self.runs is None else image_bounds(q_pos, self.runs, window, self.image_attention)
         return _attend(q, kp, vp, self.tables[group], q_pos, window=window, ring_pages=self._ring(group),
-                       attention_impl=self.attention_impl, scales=self._scales(layer))
+                       attention_impl=self.attention_impl, scales=self._scales(layer), bounds=bounds)
 
 
 @flax.struct.dataclass

@@ -7,7 +7,7 @@
      the merged embeddings;
   4. with `TextConfig.image_attention` other than "causal", the soft tokens of one image (a run of image or video
      placeholders: the begin / end-of-image tokens around it are text) attend to each other
-     (`kernels.dense_attention.image_block_mask`).
+     (`kernels.dense_attention.image_bounds`).
 
 Shapes stay static: an encoder's output keeps its padding rows and a validity mask, and the merge gathers.
 """
@@ -29,12 +29,10 @@ def text_tokens(tokens: Array, cfg: MediaConfig) -> Array:
     return jnp.where(is_media, jnp.asarray(cfg.pad_token_id, tokens.dtype), tokens)
 
 
-def image_blocks(tokens: Array, cfg: MediaConfig) -> Array:
-    """[B, T] int32: for each image (or video frame) soft token the index of its image within the row, counted
-    from 0; -1 for every other token. A run of consecutive image placeholders is one image."""
-    vision = (tokens == cfg.image_token_id) | (tokens == cfg.video_token_id)
-    starts = vision & ~jnp.pad(vision[:, :-1], ((0, 0), (1, 0)))
-    return jnp.where(vision, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, -1)
+def vision_tokens(tokens: Array, cfg: MediaConfig) -> Array:
+    """[B, T] bool: the image (and video frame) soft tokens' placeholders, whose runs are the images
+    (`kernels.dense_attention.image_runs`)."""
+    return (tokens == cfg.image_token_id) | (tokens == cfg.video_token_id)
 
 
 def compact(soft: Array, valid: Array) -> tuple[Array, Array]:
