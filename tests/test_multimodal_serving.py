@@ -5,7 +5,8 @@ its assistant, float32, CPU):
 * the prefix cache: the same image finds every page of the prompt, a different image behind the same placeholder
   ids finds only the pages before it, and its tokens are the reference's for that image;
 * a preempted request prefills again with its media;
-* a family whose image tokens attend to each other refuses a prompt with an image;
+* families whose image tokens see each other (b31b, u12b): an image kept in one prefill chunk and out of a
+  prefix-cache hit's cut, served exactly; an image longer than a chunk refused;
 * an audio clip padded to its frame bucket keeps its soft tokens; a fetched image within the limits;
 * the server (the same checkpoint, a word-level tokenizer written for it): a data: URL image's prompt and greedy
   answer, streamed and not, equal to the engine's; a WAV clip's soft-token count; 400s naming each bad part.
@@ -68,24 +69,24 @@ def _prompt(target) -> list[int]:
     return expand_placeholders(ids, cfg, [BUDGET])
 
 
-def _assert_reference_greedy(target, prompt: list[int], image: np.ndarray, output: list[int]) -> None:
+def _assert_reference_greedy(target, encoder, prompt: list[int], image: np.ndarray, output: list[int],
+                             logprobs=None) -> None:
     """`output` is the greedy continuation of the non-paged reference forward: one forward over prompt + output,
-    whose argmax after each position is the next token."""
+    whose argmax after each position is the next token; `logprobs` (Request.logprobs): the output tokens' logprobs
+    under that forward's logits, to 1e-4."""
     from gemma4_mtp_jax.media.image_processing import process_image
 
     g = hf_tiny.import_gemma4_mtp_jax()
-    pixels, positions, _ = process_image(image, _encoder_config(target))
+    pixels, positions, _ = process_image(image, encoder.image_config, unified=encoder.config.unified)
     ids = np.asarray([prompt + output])
     out = g.multimodal_forward(target, ids, pixels=pixels[None], pixel_positions=positions[None])
-    greedy = np.argmax(np.asarray(out.logits)[0, len(prompt) - 1:-1], axis=-1)
-    assert greedy.tolist() == output
-
-
-def _encoder_config(target):
-    from gemma4_mtp_jax.media.image_processing import ImageProcessorConfig
-
-    v = target.encoders.config.vision
-    return ImageProcessorConfig(v.patch_size, v.pooling_kernel_size, BUDGET)
+    logits = np.asarray(out.logits, np.float64)[0, len(prompt) - 1:-1]
+    assert np.argmax(logits, axis=-1).tolist() == output
+    if logprobs is not None:
+        want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        hf_tiny.assert_close("output logprobs", np.array([lp.logprob for lp in logprobs]),
+                             want[np.arange(len(output)), output], 1e-4)
 
 
 def _serve(engine, encoder, prompt, image, **kw):
@@ -102,7 +103,7 @@ def test_speculative_equals_plain_equals_reference(e2b, engines):
     spec = _serve(engines["spec"], encoder, prompt, image)
     assert spec.output == plain.output
     assert spec.drafts_per_round, "the multimodal request did not speculate"
-    _assert_reference_greedy(target, prompt, image, plain.output)
+    _assert_reference_greedy(target, encoder, prompt, image, plain.output)
 
 
 def test_prefix_cache_keys_pages_by_image(e2b, engines):
@@ -120,7 +121,7 @@ def test_prefix_cache_keys_pages_by_image(e2b, engines):
     hits = engine.kv.hits
     other = _serve(engine, encoder, prompt, _image(3))
     assert engine.kv.hits - hits == 8
-    _assert_reference_greedy(target, prompt, _image(3), other.output)
+    _assert_reference_greedy(target, encoder, prompt, _image(3), other.output)
     assert other.output != first.output
 
 
@@ -142,18 +143,63 @@ def test_preempted_request_prefills_again_with_its_media(e2b, engines):
     assert req.output == want
 
 
-def test_media_on_a_bidirectional_family_is_refused(tiny_ckpts, jax_models):
-    from gemma4_mtp_jax.engine import Engine, RequestError
+@pytest.fixture(scope="module")
+def bidirectional(tiny_ckpts, jax_models):
+    """{family: (target, assistant, media encoder)} of the families whose image tokens see each other: b31b in its
+    sliding layers, u12b in every layer."""
     from gemma4_mtp_jax.engine.media import MediaEncoder
-    from gemma4_mtp_jax.media.placeholders import expand_placeholders
 
-    target = jax_models.target(tiny_ckpts["b31b"]["target_multimodal"])
-    encoder = MediaEncoder(target, max_image_tokens=BUDGET)
-    cfg = target.encoders.config
-    prompt = expand_placeholders([5, 6, cfg.image_token_id, 7], cfg, [BUDGET])
-    engine = Engine(target, _config())
-    with pytest.raises(RequestError, match="image_attention='sliding_layers'.*paged prefill does not implement"):
-        engine.add_request(prompt, 4, media=encoder.prompt(prompt, [encoder.image(_image(5))]))
+    out = {}
+    for family, layout in (("b31b", "target_multimodal"), ("u12b", "target")):
+        target = jax_models.target(tiny_ckpts[family][layout])
+        out[family] = (target, jax_models.assistant(tiny_ckpts[family]["assistant"]),
+                       MediaEncoder(target, max_image_tokens=BUDGET))
+    return out
+
+
+@pytest.mark.parametrize("family", ["b31b", "u12b"])
+def test_images_see_themselves_when_served(bidirectional, family):
+    """The prefill keeps the image (soft tokens at 10..21) in one chunk of 16, though it straddles the first chunk's
+    end, and its tokens see each other through the paged attention: greedy spec == plain == the reference forward's.
+    A prompt sharing the text and image but not what follows them finds cached pages only before the image (8
+    positions: the page boundaries 12, 16 and 20 lie inside it, and a prefill resumed there would lose the image's
+    first keys in u12b's sliding layers), and is the reference's too. Output logprobs are compared too: greedy tokens
+    alone miss a wrong mask on b31b. An image longer than a prefill chunk is refused by name."""
+    from gemma4_mtp_jax.engine import Engine, RequestError
+    from gemma4_mtp_jax.model.sampling import SamplingParams
+
+    target, assistant, encoder = bidirectional[family]
+    plain, spec = Engine(target, _config()), Engine(target, _config(), assistant=assistant)
+    prompt, image, sampling = _prompt(target), _image(1), SamplingParams(logprobs=0)
+    want = _serve(plain, encoder, prompt, image, sampling=sampling)
+    got = _serve(spec, encoder, prompt, image, sampling=sampling)
+    assert got.output == want.output
+    assert got.drafts_per_round, "the multimodal request did not speculate"
+    _assert_reference_greedy(target, encoder, prompt, image, want.output, want.logprobs)
+    _assert_reference_greedy(target, encoder, prompt, image, got.output, got.logprobs)
+
+    other = prompt[:23] + [t + 1 for t in prompt[23:]]
+    hits = plain.kv.hits
+    req = _serve(plain, encoder, other, image, sampling=sampling)
+    assert plain.kv.hits - hits == 8
+    _assert_reference_greedy(target, encoder, other, image, req.output, req.logprobs)
+
+    short = Engine(target, _config(prefill_chunk=8, min_prefill_bucket=8))
+    with pytest.raises(RequestError, match="image of 12 soft tokens is longer than a prefill chunk .8 tokens."):
+        short.add_request(prompt, 4, media=encoder.prompt(prompt, [encoder.image(image)]))
+
+
+def test_server_prefill_chunk_holds_an_image(tiny_ckpts):
+    """The server raises --prefill-chunk to a power of two of at least --max-image-tokens where image tokens see each
+    other (b31b), and leaves it where they do not (e2b) or where it is already enough."""
+    import argparse
+
+    from gemma4_mtp_jax.server.cli import _prefill_chunk
+
+    args = lambda chunk: argparse.Namespace(prefill_chunk=chunk, max_image_tokens=BUDGET)  # noqa: E731
+    assert _prefill_chunk(args(8), tiny_ckpts["b31b"]["target_multimodal"]) == 16
+    assert _prefill_chunk(args(12), tiny_ckpts["b31b"]["target_multimodal"]) == 12
+    assert _prefill_chunk(args(8), tiny_ckpts["e2b"]["target_multimodal"]) == 8
 
 
 def test_media_mismatch_is_refused(e2b, engines):

@@ -286,7 +286,9 @@ class Engine:
                                f"[0, {V})")
         if sampling.prompt_logprobs is not None and not self.config.prompt_logprobs:
             raise RequestError("prompt logprobs need an engine with prompt_logprobs (serve --enable-prompt-logprobs)")
-        refusal = media_refusal(self.target, prompt, media, sampling) if media is not None else None
+        if media is not None and self.target.config.image_attention != "causal":
+            media = media.images_whole(prompt, self.target.encoders.config.image_token_id)
+        refusal = None if media is None else media_refusal(self.target, prompt, media, sampling, self.runner.chunk)
         if refusal:
             raise RequestError(refusal)
         if sampling.seed is None and sampling.temperature > 0:  # unseeded: a fresh draw, not the same seed for all

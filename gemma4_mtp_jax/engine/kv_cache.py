@@ -142,6 +142,9 @@ class KVCacheManager:
                     j += 1
                 n = j
         while n > 0:
+            if req.media is not None and req.media.inside(n * self.layout.page_size):
+                n -= 1  # the rest of the prefill would begin inside an image kept whole (PromptMedia.whole)
+                continue
             found = {}
             for g, alloc in self.allocators.items():
                 lo = 0 if self.layout.ring_pages(g) is None else self._window_first_page(n)

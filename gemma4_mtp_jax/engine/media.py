@@ -42,11 +42,28 @@ class MediaItem:
 @dataclasses.dataclass(frozen=True)
 class PromptMedia:
     """A prompt's soft tokens [P, H] at its P placeholder positions (ascending), and per item the span of prompt
-    positions it covers with its digest: (first, end, digest)."""
+    positions it covers with its digest: (first, end, digest). `whole`: the spans (first, end) that a prefill chunk
+    holds whole, never cut: each run of image soft tokens where the model's image tokens see each other (their
+    queries need every key of the run at once); empty otherwise."""
 
     soft: np.ndarray
     positions: np.ndarray
     spans: tuple[tuple[int, int, bytes], ...]
+    whole: tuple[tuple[int, int], ...] = ()
+
+    def images_whole(self, prompt: Sequence[int], image_token_id: int) -> "PromptMedia":
+        """This prompt's media with each run of image soft tokens kept whole (runs of consecutive image placeholders
+        among the soft tokens, as the forward delimits them: dense_attention.image_runs)."""
+        ids = np.asarray(prompt, np.int64)
+        at = self.positions[self.positions < len(ids)]  # a mismatch is refused later (media_refusal)
+        at = at[ids[at] == image_token_id]
+        breaks = np.flatnonzero(np.diff(at) != 1) + 1
+        runs = tuple((int(r[0]), int(r[-1]) + 1) for r in np.split(at, breaks) if len(r))
+        return dataclasses.replace(self, whole=runs)
+
+    def inside(self, position: int) -> tuple[int, int] | None:
+        """The `whole` span that a cut before `position` would split (first < position < end), or None."""
+        return next(((f, e) for f, e in self.whole if f < position < e), None)
 
     def chunk(self, start: int, n: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:
         """A prefill chunk's inputs for positions start..start+n-1 padded to `width`: (soft [1, width, H],
@@ -147,19 +164,21 @@ def _digest(kind: bytes, *arrays: np.ndarray) -> bytes:
     return h.digest()
 
 
-
-def media_refusal(target: Target, prompt: Sequence[int], media: PromptMedia, sampling: SamplingParams) -> str | None:
-    """Why this engine cannot serve a media request exactly, or None: a target without encoders; images on a
-    family whose image tokens attend to each other (`TextConfig.image_attention` other than "causal": the paged
-    prefill and kernel have no bidirectional image blocks yet, and causal attention there gives other numerics);
-    prompt logprobs (the scored prefill has no media variant); soft tokens off the placeholders."""
+def media_refusal(target: Target, prompt: Sequence[int], media: PromptMedia, sampling: SamplingParams,
+                  chunk: int) -> str | None:
+    """Why this engine cannot serve a media request exactly, or None: a target without encoders; an image longer
+    than a prefill chunk (`chunk` tokens) on a family whose image tokens see each other (`TextConfig.image_attention`
+    other than "causal": its run must be prefilled in one chunk, `PromptMedia.whole`); prompt logprobs (the scored
+    prefill has no media variant); soft tokens off the placeholders."""
     if target.encoders is None:
         return f"{target.path.name}: the model has no media encoders, so a prompt cannot hold images or audio"
     cfg = target.encoders.config
     ids = np.asarray(prompt, np.int64)
-    if np.isin(ids, [cfg.image_token_id, cfg.video_token_id]).any() and target.config.image_attention != "causal":
-        return (f"images are not served for this model yet: its image tokens attend to each other "
-                f"(image_attention={target.config.image_attention!r}), which the paged prefill does not implement")
+    longest = max((e - f for f, e in media.whole), default=0)
+    if longest > chunk:
+        return (f"an image of {longest} soft tokens is longer than a prefill chunk ({chunk} tokens), and this "
+                f"model's image tokens attend to each other (image_attention={target.config.image_attention!r}), so "
+                f"an image must be prefilled in one chunk: raise the prefill chunk or lower the image's token budget")
     if sampling.prompt_logprobs is not None:
         return "prompt logprobs are not served for a prompt with images or audio"
     want = np.flatnonzero(np.isin(ids, [cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id]))

@@ -129,6 +129,11 @@ class Runner:
         return StepInputs(step_rows, tables, SamplingBatch.from_rows([row.sampling for row in rows], batch),
                           processing)
 
+    @property
+    def chunk(self) -> int:
+        """The most prompt tokens one prefill chunk takes."""
+        return min(self.prefill_chunk, self.programs.buckets()[1][-1])
+
     def prefill(self, req: Request, row: Row, budget: int | None) -> tuple[int, np.ndarray | None]:
         """Write the K/V of `req`'s tokens but the newest (`row`: its row of host arrays): its prompt, or for a
         preempted sequence its prompt and output so far, whose newest token then feeds the next decode step. Goes
@@ -136,7 +141,7 @@ class Runner:
         (tokens prefilled, the packed result of the last chunk when the prefill is complete, else None): a new
         request's first token, through the stop rule. The program also leaves the drafter's first h in the slot."""
         buckets = self.programs.buckets()[1]
-        chunk = min(self.prefill_chunk, buckets[-1])
+        chunk = self.chunk
         todo = req.prompt + req.output[:-1]
         # Prompt logprobs come with the request's first prefill (a resumed one has them already).
         scored = req.sampling.prompt_logprobs is not None and not req.output
@@ -147,6 +152,9 @@ class Runner:
         while req.prefilled < len(todo) and (budget is None or done < budget):
             start = req.prefilled
             n = min(chunk, len(todo) - start, budget - done if budget is not None else chunk)
+            cut = req.media.inside(start + n) if req.media is not None else None
+            if cut is not None:  # an image kept whole: end the chunk before it, or past it when it starts the chunk
+                n = cut[0] - start if cut[0] > start else cut[1] - start
             self.kv.advance_rings(req, (start + n - 1) // ps)
             row.tables = self.kv.page_table(req)
             T = bucket(buckets, n)

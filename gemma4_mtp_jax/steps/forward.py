@@ -13,7 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gemma4_mtp_jax.kernels.dense_attention import image_runs
 from gemma4_mtp_jax.model.config import SLIDING, owning_layers
+from gemma4_mtp_jax.model.multimodal import vision_tokens
 from gemma4_mtp_jax.steps.device_state import History, StepInputs, pack_logprobs
 from gemma4_mtp_jax.model.kv_state import KVLayout, PagedKV
 from gemma4_mtp_jax.model.target import Gemma4Target
@@ -53,27 +55,35 @@ class StepSpec:
         return dataclasses.replace(self, **changes)
 
 
-def make_kv_view(spec: StepSpec, pages, tables, positions: Array) -> PagedKV:
+def make_kv_view(spec: StepSpec, pages, tables, positions: Array, runs: tuple[Array, Array] | None = None) -> PagedKV:
+    """The paged view of one forward; `runs`: its tokens' image runs, where an image's tokens see each other."""
     layout = spec.layout
     groups = dict(layout.pages_per_seq)
     return PagedKV(pages=pages, tables=tables, positions=positions, layer_group=_layer_groups(spec.target),
                    page_size=layout.page_size,
                    ring_pages=layout.ring_pages(SLIDING) if SLIDING in groups else None,
-                   attention_impl=spec.attention_impl, scales=layout.kv_scales(), whole=spec.whole_kv)
+                   attention_impl=spec.attention_impl, scales=layout.kv_scales(), whole=spec.whole_kv,
+                   runs=runs, image_attention=spec.target.config.image_attention)
 
 
 def forward_paged(spec: StepSpec, params, pages, tokens: Array, positions: Array, tables, media: tuple = ()):
     """Target forward over tokens [B, T] at positions [B, T] (-1 = padding): (post-norm hidden, new pages).
     Prefill chunks, decode and verify all write their K/V first, then read the pages in place. `media`: a
     prompt chunk's soft tokens (soft [B, T, H], at [B, T] bool), which replace the embeddings where `at` holds;
-    the token there is embedded as the pad id, as model/multimodal.py does (per-layer embeddings included)."""
-    kv = make_kv_view(spec, pages, tables, positions)
+    the token there is embedded as the pad id, as model/multimodal.py does (per-layer embeddings included). Where
+    the model's image tokens see each other, the image placeholders among them are runs of the images (the engine
+    never splits an image over two chunks: engine/media.py), and their queries are bounded accordingly."""
+    runs = None
     embeds = None
     if media:
         soft, at = media
-        tokens = jnp.where(at, jnp.asarray(spec.target.encoders.config.pad_token_id, tokens.dtype), tokens)
+        cfg = spec.target.encoders.config
+        if spec.target.config.image_attention != "causal":
+            runs = image_runs(at & vision_tokens(tokens, cfg), positions)
+        tokens = jnp.where(at, jnp.asarray(cfg.pad_token_id, tokens.dtype), tokens)
         embeds = spec.target.module.apply({"params": params}, tokens, method=Gemma4Target.embed)
         embeds = jnp.where(at[..., None], soft.astype(embeds.dtype), embeds)
+    kv = make_kv_view(spec, pages, tables, positions, runs)
     _, hidden, kv = spec.target.module.apply({"params": params}, tokens, positions, kv, logits=False,
                                              inputs_embeds=embeds)
     return hidden, kv.pages
