@@ -55,6 +55,28 @@ def _max_position_embeddings(path: Path) -> int | None:
     return int(v) if isinstance(v, int) and v > 1 else None
 
 
+def _prefill_chunk(args: argparse.Namespace, path: Path) -> int:
+    """--prefill-chunk, raised to a power of two of at least --max-image-tokens for a target whose image tokens see
+    each other: the engine prefills each image within one chunk (engine/media.PromptMedia.whole), so a smaller
+    chunk would refuse every image of the default size."""
+    from gemma4_mtp_jax.model.config import parse_target_config, read_config_json
+    from gemma4_mtp_jax.model.media_config import parse_media_config
+
+    try:
+        d = read_config_json(path)
+        bidirectional = parse_target_config(d).image_attention != "causal"
+        media = parse_media_config(d)
+    except Exception:  # the loader reports a bad checkpoint with its own message
+        return args.prefill_chunk
+    if not bidirectional or media is None or media.vision is None or args.prefill_chunk >= args.max_image_tokens:
+        return args.prefill_chunk
+    chunk = 1 << (args.max_image_tokens - 1).bit_length()
+    log.warning("--prefill-chunk raised from %d to %d: this model's image tokens attend to each other, so an image "
+                "(up to --max-image-tokens %d soft tokens) is prefilled within one chunk", args.prefill_chunk, chunk,
+                args.max_image_tokens)
+    return chunk
+
+
 class _Timer:
     def __init__(self, what: str):
         self.what = what
@@ -79,7 +101,7 @@ def _engine_config(args: argparse.Namespace, target_dir: Path, speculative: bool
         mpe = _max_position_embeddings(target_dir)
         max_len = min(mpe or DEFAULT_MAX_MODEL_LEN_CAP, DEFAULT_MAX_MODEL_LEN_CAP)
     cfg_kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len, page_size=args.page_size,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl,
+                      prefill_chunk=_prefill_chunk(args, target_dir), attention_impl=args.attention_impl,
                       cache_dtype=args.kv_cache_dtype,
                       kv_cache_bytes=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=args.enable_prefix_caching, async_scheduling=args.async_scheduling,
