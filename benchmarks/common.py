@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4_mtp_jax.steps.device_state import StepInputs, StepRows
+from gemma4_mtp_jax.steps.device_state import ProcessingRows, StepInputs, StepRows
 from gemma4_mtp_jax.model.kv_state import KVLayout, make_layout
-from gemma4_mtp_jax.model.sampling import SamplingBatch, SamplingParams
+from gemma4_mtp_jax.model.sampling import SamplingBatch, SamplingParams, mask_words
 from gemma4_mtp_jax.programs.compiled import CompiledSteps, compile_lowered
 from gemma4_mtp_jax.weights.dummy import random_params  # noqa: F401 -- the benchmarks' random weights
 
@@ -160,16 +160,25 @@ def lower_program(program: tuple) -> jax.stages.Lowered:
 
 
 def fresh_inputs(tokens: np.ndarray, lengths: np.ndarray, tables: dict[str, np.ndarray], num_slots: int,
-                 sampling: SamplingParams | None = None) -> np.ndarray:
+                 sampling: SamplingParams | None = None, processed: tuple[int, int] | None = None) -> np.ndarray:
     """A decode or speculative step's packed host inputs (CompiledSteps.inputs) whose rows all bring their token and
     length from the host, never reading what the previous call left in the slots: repeated calls time the same step
     (no sequence grows or stops). Greedy rows unless `sampling` (every row then samples so), no stop ids; tables:
-    KV group -> [B, width] page ids."""
+    KV group -> [B, width] page ids. `processed` (vocab size, grammar-masked positions): a processed program's
+    inputs, every row also a processing row of `sampling`'s (`SamplingParams.processing_row`, as the engine's
+    Runner.step_inputs builds it; its prompt the whole context) with all-allow grammar masks at that many positions
+    (1 for the processed decode and speculative programs, k+1 for a masked round's accept)."""
     B = len(tokens)
     rows = StepRows.stack([dict(slot=min(r, num_slots), fresh=True, token=t, length=n, remaining=1 << 20,
                                 stop_ids=-1, speculate=True) for r, (t, n) in enumerate(zip(tokens, lengths))], B)
+    processing = None
+    if processed is not None:
+        vocab_size, masked = processed
+        params = sampling or SamplingParams()
+        processing = ProcessingRows.stack([params.processing_row(int(n)) for n in lengths], B,
+                                          (0, masked, mask_words(vocab_size)))
     sampling = SamplingBatch.from_params([sampling] * B if sampling else [], B)
-    return CompiledSteps.inputs(StepInputs(rows, tables, sampling))
+    return CompiledSteps.inputs(StepInputs(rows, tables, sampling, processing))
 
 
 def compile_concurrently(lowerings: dict[Any, Callable[[], jax.stages.Lowered]],
