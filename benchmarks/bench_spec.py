@@ -19,6 +19,9 @@ itself the L at which speculation breaks even.
                                                                            # --top-k 64 for Gemma 3's default)
     python benchmarks/bench_spec.py --models 31b --batch 2 16 --quantization none fp8 --kv-cache-dtype fp8
                                           # each format in turn: spec / decode of fp8 beside bf16's
+    python benchmarks/bench_spec.py --models e2b --batch 1 16 --k 4 --processed   # also the processed decode and
+                                          # speculative programs (penalties + top logprobs) and a structured-output
+                                          # round (draft, verify, accept with grammar masks)
     python benchmarks/bench_spec.py --smoke
 """
 
@@ -33,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +62,7 @@ from gemma4_mtp_jax.model.config import parse_assistant_config, parse_target_con
 from gemma4_mtp_jax.model.kv_state import kv_cache_scales  # noqa: E402
 from gemma4_mtp_jax.model.sharding import Placement, check_tensor_parallel, mesh_context  # noqa: E402
 from gemma4_mtp_jax.steps.forward import StepSpec, forward_paged, lm_logits  # noqa: E402
-from gemma4_mtp_jax.model.sampling import SamplingParams  # noqa: E402
+from gemma4_mtp_jax.model.sampling import MAX_TOP_LOGPROBS, SamplingParams  # noqa: E402
 from gemma4_mtp_jax.steps.speculative import AssistantDrafter  # noqa: E402
 from gemma4_mtp_jax.programs.compiled import CompiledSteps, placement_for  # noqa: E402
 
@@ -97,6 +100,66 @@ def timed(fn, state, rest, repeats, warmup=3):
     return statistics.median(times), pipelined_time(call, repeats), box[0]
 
 
+def processing_params(sampling: SamplingParams | None) -> SamplingParams:
+    """A request that takes the processed programs: `sampling`'s (greedy: None) with presence and frequency
+    penalties and logprobs with the most top alternatives a processed program returns."""
+    return dataclasses.replace(sampling or SamplingParams(), presence_penalty=0.5, frequency_penalty=0.5,
+                               logprobs=MAX_TOP_LOGPROBS)
+
+
+def timed_masked_round(steps: CompiledSteps, programs: tuple, state, draft_in: np.ndarray,
+                       accept_in: Callable[[], np.ndarray], repeats: int, warmup: int = 3) -> tuple[dict, Any]:
+    """A structured-output round as Runner._masked_round runs it: the draft program, the verify's forward (its
+    logits kept on the device), the host reading the drafts, the accept's inputs packed (`accept_in()`: grammar
+    masks at the k+1 positions), the accept; `programs`: those three compiled; `draft_in`: the draft's (and the
+    verify's) packed inputs. Synchronised, each round waited for: the median seconds of a round and of the part
+    until the drafts are on the host. Then the accept program alone (`timed`, on the last round's drafts and
+    logits). Returns ({name: ms}, state)."""
+    draft, verify, accept = programs
+    rounds, drafts_read = [], []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        state, drafted, q, q_ids = draft(steps.program_params, steps.draft_params, state, draft_in)
+        state, h_all, logits = verify(steps.program_params, state, draft_in, drafted)
+        np.asarray(drafted)[:, :steps.k]  # the host waits for the drafts alone; the forward runs on
+        t_drafts = time.perf_counter()
+        state, out = accept(state, accept_in(), drafted, q, q_ids, h_all, logits)
+        jax.block_until_ready(out)
+        if i >= warmup:
+            rounds.append(time.perf_counter() - t0)
+            drafts_read.append(t_drafts - t0)
+    t, tp, (state,) = timed(accept, (state,), (accept_in(), drafted, q, q_ids, h_all, logits), repeats)
+    return {"masked_round_ms": statistics.median(rounds) * 1e3,
+            "masked_drafts_read_ms": statistics.median(drafts_read) * 1e3,
+            "masked_accept_ms": t * 1e3, "masked_accept_pipelined_ms": tp * 1e3}, state
+
+
+def processed_rounds(row: dict, compiled: dict, steps: CompiledSteps, state, case: tuple,
+                     sampling: SamplingParams | None, processing: SamplingParams, repeats: int) -> Any:
+    """--processed's columns of a row of B rows at k = steps.k whose spec_ms is measured: the processed speculative
+    program (every row `processing`'s) and the masked round of structured output (timed_masked_round; the rows
+    `sampling`'s, all-allow masks), the state threaded through. case: the row's (tokens, lengths, tables).
+    Returns the state."""
+    tokens, P, tables = case
+    B, k, V = len(tokens), steps.k, steps.target.config.vocab_size
+    spec_p, row["compile_spec_processed_s"] = compiled[("spec_processed", B, k)]
+    spec_p_in = (fresh_inputs(tokens, P, tables, steps.num_slots, processing, (V, 1)),)
+    t, tp, (state,) = timed(lambda s, *r: spec_p(steps.program_params, steps.draft_params, s, *r), (state,),
+                            spec_p_in, repeats)
+    row["spec_processed_ms"], row["spec_processed_pipelined_ms"] = t * 1e3, tp * 1e3
+    row["spec_processed_over_spec"] = row["spec_processed_ms"] / row["spec_ms"]
+    programs = []
+    for key in ("draft", "masked_verify", "accept"):
+        program, row[f"compile_{key}_s"] = compiled[(key, B, k)]
+        programs.append(program)
+    masked, state = timed_masked_round(
+        steps, tuple(programs), state, fresh_inputs(tokens, P, tables, steps.num_slots, sampling),
+        lambda: fresh_inputs(tokens, P, tables, steps.num_slots, sampling, (V, k + 1)), repeats)
+    row.update(masked)
+    row["masked_over_spec"] = row["masked_round_ms"] / row["spec_ms"]
+    return state
+
+
 def profiled(fn, state, rest, label: str, step_s: float):
     """Trace a few calls of fn(*state, *rest) -> (*state, out) (kernel_profile.py), the donated state threaded
     through as in `timed`; prints the kernels. Returns (profile, state)."""
@@ -115,7 +178,8 @@ def profiled(fn, state, rest, label: str, step_s: float):
 def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, kv_name: str) -> Iterator[dict]:
     """Rows of the decode step at each batch size, and of the verify and speculative steps at each batch size and
     k, all of one model and format (target weights `quantization`, K/V cache `kv_name`) in this process: the weights
-    made once, every program compiled before the first is timed (compile_concurrently). Yields each row as soon as
+    made once, every program compiled before the first is timed (compile_concurrently). --processed: also the
+    processed decode and speculative programs and the masked round (processed_rounds). Yields each row as soon as
     it is measured."""
     ks = args.k
     fmt = dict(quantization=quantization, quantization_assistant=args.quantization_assistant)
@@ -157,8 +221,11 @@ def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, k
     # The speculative programs take the same placed parameters (not a second copy), and the whole weights made on
     # the first device go: under tensor parallelism they and two sets of shards would not fit one GPU (31B, TP=2).
     target = plain.target = dataclasses.replace(target, params=params)
+    # --processed: structured programs too (the masked round's), the staging buffer then sized for k+1 masks as a
+    # server with structured output sizes it.
     steps = {k: CompiledSteps(target, layout, cache_dtype, "auto", drafter=AssistantDrafter(assistant), k=k,
-                              num_slots=max_b, placement=placement, pack_params=args.pack_params) for k in ks}
+                              num_slots=max_b, placement=placement, pack_params=args.pack_params,
+                              structured=args.processed) for k in ks}
     pages = random_pages(tcfg, layout, cache_dtype)
     hidden = jax.random.normal(jax.random.PRNGKey(3), (max_b + 1, tcfg.hidden_size), jnp.float32).astype(dtype)
     rng = np.random.default_rng(0)
@@ -186,11 +253,21 @@ def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, k
             lowerings[("verify", B, k)] = functools.partial(verify_lowering, B, k, tables)
             lowerings[("speculative", B, k)] = functools.partial(lower_program,
                                                                  steps[k].speculative_program(B, args.sampled))
+            if args.processed:
+                st = steps[k]
+                for key, program in (("spec_processed", st.speculative_program(B, True, True, k)),
+                                     ("draft", st.draft_program(B)), ("masked_verify", st.verify_program(B)),
+                                     ("accept", st.accept_program(B))):
+                    lowerings[(key, B, k)] = functools.partial(lower_program, program)
+        if args.processed:
+            lowerings[("decode_processed", B, 0)] = lambda B=B: lower_program(plain.decode_program(B, True, True))
     t0 = time.perf_counter()
     compiled = compile_concurrently(lowerings)
     print(f"[{name}] {len(compiled)} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
     sampling = SamplingParams(temperature=1.0, top_k=args.top_k, top_p=0.95, seed=7) if args.sampled else None
+    processing = processing_params(sampling)
+    V = tcfg.vocab_size
     for B in args.batch:
         tokens, P, tables = cases[B]
         dec, t_compile = compiled[("decode", B, 0)]
@@ -200,6 +277,13 @@ def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, k
         decode = {"compile_decode_s": t_compile, "decode_ms": t * 1e3, "decode_pipelined_ms": tp * 1e3}
         if args.profile:
             decode["decode_profile"], (state,) = profiled(dec_fn, (state,), dec_in, f"{name} B={B} decode", t)
+        if args.processed:
+            dec_p, decode["compile_decode_processed_s"] = compiled[("decode_processed", B, 0)]
+            dec_p_in = (fresh_inputs(tokens, P, tables, plain.num_slots, processing, (V, 1)),)
+            t, tp, (state,) = timed(lambda s, *r: dec_p(plain.program_params, s, *r), (state,), dec_p_in,
+                                    args.repeats)
+            decode["decode_processed_ms"], decode["decode_processed_pipelined_ms"] = t * 1e3, tp * 1e3
+            decode["decode_processed_over_decode"] = decode["decode_processed_ms"] / decode["decode_ms"]
         pages = state.pages
         touched = None
         if tcfg.enable_moe_block:  # MoE: the roofline counts the experts this step's routing actually read
@@ -230,8 +314,10 @@ def bench_model(name: str, args, bw: float, gemv_bw: float, quantization: str, k
             if args.profile:
                 row["spec_profile"], (state,) = profiled(spec_fn, (state,), spec_in,
                                                          f"{name} B={B} k={k} speculative", t)
-            pages, hidden = state.pages, state.hidden
             row["spec_ms"], row["spec_pipelined_ms"] = t * 1e3, tp * 1e3
+            if args.processed:
+                state = processed_rounds(row, compiled, st, state, cases[B], sampling, processing, args.repeats)
+            pages, hidden = state.pages, state.hidden
             row["spec_over_decode"] = row["spec_ms"] / row["decode_ms"]
             row["spec_over_decode_pipelined"] = row["spec_pipelined_ms"] / row["decode_pipelined_ms"]
             row["verify_over_decode"] = row["verify_ms"] / row["decode_ms"]
@@ -271,6 +357,10 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0,
                     help="with --sampled, every row's top_k (0 = off, the default; Gemma 3's generation_config "
                          "sets 64)")
+    ap.add_argument("--processed", action="store_true",
+                    help="also the processed decode and speculative programs (every row with presence and frequency "
+                         "penalties and the most top logprobs) and the masked round of structured output (draft, "
+                         "verify, the host reading the drafts, accept with all-allow grammar masks)")
     ap.add_argument("--smoke", action="store_true")
     add_format_args(ap)
     ap.add_argument("--quantization-assistant", default="none", choices=["none", "fp8"],
@@ -292,15 +382,20 @@ def main() -> None:
             gc.collect()
     print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s; speedup = L x decode / spec (synchronised), L each model's own "
           f"at k (sources below); '-': no L known")
+    processed = (f" {'dec proc':>8} {'/dec':>5} {'spec proc':>9} {'/spec':>5} {'masked':>8} {'/spec':>5} "
+                 f"{'accept':>8}") if args.processed else ""
     print(f"{'model':6} {'weights':7} {'kv':13} {'k':>2} {'B':>3} {'ctx':>6} {'decode':>8} {'roof%':>6} {'verify':>8} {'spec':>8} {'draft~':>8} "
-          f"{'spec/dec':>8} {'L':>5} {'speedup':>8} {'dec pipe':>8} {'spec pipe':>9} {'ratio':>6}")
+          f"{'spec/dec':>8} {'L':>5} {'speedup':>8} {'dec pipe':>8} {'spec pipe':>9} {'ratio':>6}{processed}")
     for r in rows:
         L, speedup = r["acceptance_length"], r["projected_speedup"]
         print(f"{r['model']:6} {r['quantization']:7} {r['kv_cache_dtype']:13} {r['k']:2d} {r['batch']:3d} {r['context']:6d} {r['decode_ms']:8.3f} "
               f"{100 * r['decode_roofline_fraction']:6.1f} {r['verify_ms']:8.3f} {r['spec_ms']:8.3f} "
               f"{r['draft_ms_est']:8.3f} {r['spec_over_decode']:8.2f} {'-' if L is None else f'{L:.2f}':>5} "
               f"{'-' if speedup is None else f'{speedup:.2f}':>8} "
-              f"{r['decode_pipelined_ms']:8.3f} {r['spec_pipelined_ms']:9.3f} {r['spec_over_decode_pipelined']:6.2f}")
+              f"{r['decode_pipelined_ms']:8.3f} {r['spec_pipelined_ms']:9.3f} {r['spec_over_decode_pipelined']:6.2f}"
+              + (f" {r['decode_processed_ms']:8.3f} {r['decode_processed_over_decode']:5.2f} "
+                 f"{r['spec_processed_ms']:9.3f} {r['spec_processed_over_spec']:5.2f} {r['masked_round_ms']:8.3f} "
+                 f"{r['masked_over_spec']:5.2f} {r['masked_accept_ms']:8.3f}" if args.processed else ""))
     print("L sources:")
     for model, k, source in sorted({(r["model"], r["k"], r["acceptance_length_source"]) for r in rows}):
         print(f"  {model} k={k}: {source}")
