@@ -238,7 +238,7 @@ def test_a_batch_round_fills_what_each_matcher_fills(vocab, tokenizer):
         assert all(m.accept(t) for t in before)
     matchers, drafts = [m for m, _, _ in cases], [d for _, _, d in cases]
     out = vocab.new_masks(len(cases), k + 1)
-    RoundMasks(threads=2).fill(matchers, drafts, out)
+    assert RoundMasks(threads=2).fill(matchers, drafts, out) == []
     for b, (m, before, d) in enumerate(cases):
         ref = vocab.new_masks(k + 1)
         n = m.fill_draft_masks(d, ref)

@@ -325,12 +325,12 @@ def test_logprobs_are_the_targets_and_go_with_the_tokens(client):
         assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-5
 
 
-def test_structured_output_holds_with_speculation(client, srv):
+def test_structured_output_holds_with_speculation(client, srv, monkeypatch):
     """Grammars through the speculative engine's masked rounds (--structured-outputs, on by default): a choice ends
     as one of the choices, a regex's output matches it, streamed and not; a JSON schema's output parses and
     validates whenever the model ended it; greedy output under a grammar is the plain engine's under the same
     grammar token for token (the verify masks every position as a decode step would); a schema that cannot compile
-    is a 400 naming the field."""
+    is a 400 naming the field; a grammar that fails in a masked round fails its request alone."""
     import json
     import re
 
@@ -338,7 +338,7 @@ def test_structured_output_holds_with_speculation(client, srv):
     import openai
 
     from gemma4_mtp_jax.engine import Engine, EngineConfig
-    from gemma4_mtp_jax.engine.grammar import GrammarSpec
+    from gemma4_mtp_jax.engine.grammar import GrammarError, GrammarSpec, RoundMasks
     from gemma4_mtp_jax.model.sampling import SamplingParams
 
     def ask(body, **kw):
@@ -372,6 +372,25 @@ def test_structured_output_holds_with_speculation(client, srv):
     req = plain.add_request(_extra(r, "prompt_token_ids"), 40, SamplingParams(), grammar=grammar.matcher())
     plain.run()
     assert req.output == _extra(c, "token_ids")
+    # A grammar that cannot go on in a masked round fails its request alone: the batch's other row goes on
+    # (here on a speculative engine of the server's pair whose first round reports the first row's matcher failed).
+    spec = Engine(engine.target, EngineConfig(max_num_seqs=2, max_model_len=128, prefill_chunk=64, page_size=16,
+                                              num_speculative_tokens=2, structured_outputs=True,
+                                              compile_at_start=False), assistant=engine.assistant)
+    real_fill = RoundMasks.fill
+
+    def first_fails(self, matchers, drafts, out):
+        errors = real_fill(self, matchers, drafts, out)
+        monkeypatch.setattr(RoundMasks, "fill", real_fill)
+        return errors + [(0, GrammarError("made to fail"))]
+
+    monkeypatch.setattr(RoundMasks, "fill", first_fails)
+    broken, kept = (spec.add_request(_extra(r, "prompt_token_ids"), 40, SamplingParams(), grammar=grammar.matcher())
+                    for _ in range(2))
+    spec.run()
+    assert broken.finish_reason == "error" and "made to fail" in broken.error and broken.output[:1] == req.output[:1]
+    assert kept.output == req.output
+    spec.close()
     with pytest.raises(openai.BadRequestError) as e:
         ask({"structured_outputs": {"regex": "(unclosed"}})
     assert e.value.body["param"] == "structured_outputs"

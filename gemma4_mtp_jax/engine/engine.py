@@ -371,7 +371,8 @@ class Engine:
         rows = self._rows(decoding, events)
         previous, self.runner.in_flight = self.runner.in_flight, None
         if rows:
-            self.runner.dispatch(rows, self._round_size(rows))
+            dispatched = self.runner.dispatch(rows, self._round_size(rows))
+            events += [self.scheduler.fail(req, "filling its grammar's masks", e) for req, e in dispatched.failed]
         return previous
 
     def _round_size(self, rows: list[Row]) -> int:

@@ -235,10 +235,12 @@ class RoundMasks:
         self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._executor = llguidance.LLExecutor(num_threads=self.threads)
 
-    def fill(self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]], out: np.ndarray) -> None:
+    def fill(self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]],
+             out: np.ndarray) -> list[tuple[int, GrammarError]]:
         """out[b] ([B, k+1, words], C-contiguous int32) gets what `matchers[b].fill_draft_masks(drafts[b], out[b])`
         writes in the rows that count: up to the first draft the grammar forbids, or the first stop id (past it
-        the sequence has ended). Every matcher ends where it started."""
+        the sequence has ended). Every matcher ends where it started. Returns the matchers that could not go on
+        (by index, with the library's reason; their rows of `out` mean nothing), so that each fails alone."""
         if len(matchers) != len(drafts) or out.ndim != 3 or out.shape[0] != len(matchers):
             raise ValueError(f"{len(matchers)} matchers, {len(drafts)} draft lists and masks {out.shape} disagree")
         k1, words = out.shape[1], out.shape[2]
@@ -250,9 +252,7 @@ class RoundMasks:
         self._executor.unsafe_compute_mask_ptr_with_draft_token(
             [(m._m, b * k1, list(d)) for b, (m, d) in enumerate(zip(matchers, drafts))],
             out.ctypes.data, words * 4, out.shape[0] * k1)
-        for m in matchers:
-            if m._m.is_error():
-                raise GrammarError(m._m.get_error())
+        return [(b, GrammarError(m._m.get_error())) for b, m in enumerate(matchers) if m._m.is_error()]
 
 
 class GrammarCompiler:

@@ -62,13 +62,15 @@ class Row:
 class Dispatched(NamedTuple):
     """A decode or speculative step dispatched and not read yet: its requests by row, the same as a set (asked once
     per decoding sequence per step), the program's output on the device, whether it was the processed variant
-    (its result then holds logprobs), and a speculative round's drafts per row (0 for a decode step)."""
+    (its result then holds logprobs), a speculative round's drafts per row (0 for a decode step), and the requests
+    whose grammar could not fill a masked round's masks (with why), which ran as padding rows and fail alone."""
 
     requests: list[Request]
     members: frozenset[Request]
     packed: jax.Array
     processed: bool = False
     k: int = 0
+    failed: tuple[tuple[Request, Exception], ...] = ()
 
 
 def bucket(buckets: list[int], n: int) -> int:
@@ -216,11 +218,12 @@ class Runner:
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
 
-    def _masked_round(self, rows: list[Row]) -> jax.Array:
+    def _masked_round(self, rows: list[Row]) -> tuple[jax.Array, list[tuple[Request, Exception]]]:
         """A speculative round for a batch with a grammar, in three programs: the drafts, read here; the verify's
         target forward, during which each grammar's masks at the k+1 verified positions are walked through its
         row's drafts (a draft it forbids is rejected: its probability there is 0); the rest of the verify, which
-        applies them. Returns that last program's output."""
+        applies them. Returns that last program's output and the requests whose grammar could not go on (their
+        rows run the last program as padding)."""
         programs, k = self.programs, self.programs.steps.k
         inputs = self.step_inputs(rows, masked_rounds=True)
         self.state, drafted, q, q_ids = programs.draft(self.state, inputs)
@@ -234,14 +237,21 @@ class Runner:
         masks = np.full((len(with_grammar), k + 1, words), -1, np.int32)
         if self._round_masks is None:  # llguidance's thread pool, made for the first masked round
             self._round_masks = RoundMasks()
-        self._round_masks.fill([rows[r].req.grammar for r in with_grammar],
-                               [drafts[r].tolist() for r in with_grammar], masks)
+        errors = self._round_masks.fill([rows[r].req.grammar for r in with_grammar],
+                                        [drafts[r].tolist() for r in with_grammar], masks)
         processing.mask[:] = -1
         processing.mask[with_grammar] = masks
         self.mask_seconds += time.perf_counter() - t0
-        self.state, packed = programs.accept(self.state, inputs.replace(processing=processing), drafted, q, q_ids,
-                                             verified)
-        return packed
+        failed = [(rows[with_grammar[i]].req, e) for i, e in errors]
+        step_rows = inputs.rows
+        if failed:  # padding rows now: they write nothing, and their slots keep what they held
+            pad = [with_grammar[i] for i, _ in errors]
+            slot, fresh, length = step_rows.slot.copy(), step_rows.fresh.copy(), step_rows.length.copy()
+            slot[pad], fresh[pad], length[pad] = self.pad_slot, True, -1
+            step_rows = step_rows.replace(slot=slot, fresh=fresh, length=length)
+        self.state, packed = programs.accept(self.state, inputs.replace(rows=step_rows, processing=processing),
+                                             drafted, q, q_ids, verified)
+        return packed, failed
 
     def dispatch(self, rows: list[Row], k: int = 0) -> Dispatched:
         """One decode step, or with a drafter one draft-and-verify round of `k` drafts (a round size compiled for
@@ -252,15 +262,17 @@ class Runner:
         steps = self.programs.steps
         if steps.drafter is None:
             k = 0
+        failed = []
         if k and steps.structured and any(row.req.grammar is not None for row in rows):
-            processed, packed, k = True, self._masked_round(rows), steps.k
+            processed, k = True, steps.k
+            packed, failed = self._masked_round(rows)
         else:
             self.state, packed = self.programs.step(self.state, self.step_inputs(rows, processed), sampled,
                                                     processed, k)
         for row in rows:
             row.req.on_device = True
         reqs = [row.req for row in rows]
-        self.in_flight = Dispatched(reqs, frozenset(reqs), packed, processed, k)
+        self.in_flight = Dispatched(reqs, frozenset(reqs), packed, processed, k, tuple(failed))
         return self.in_flight
 
     def collect(self, dispatched: Dispatched) -> list[tuple[Request, np.ndarray]]:
