@@ -345,7 +345,7 @@ class CompiledSteps:
 
     def verify_program(self, batch: int) -> tuple[Any, tuple]:
         params, _, state, packed = self._abstract_args(batch)
-        return (self._jit(self._verify_forward_fn, (1, 2), results=2),
+        return (self._jit(self._verify_forward_fn, (1,), results=2),
                 (params, state, packed, self.draft_outputs(batch)[1]))
 
     def accept_program(self, batch: int) -> tuple[Any, tuple]:
@@ -401,7 +401,8 @@ class CompiledSteps:
 
     def compile_verify(self, batch: int) -> Any:
         """(program_params, state, inputs, drafted) -> (state, h_all, logits): the verify's target forward on a
-        draft program's drafts; inputs: the draft program's; state and inputs donated."""
+        draft program's drafts; inputs: the draft program's; the state donated (the inputs are not: nothing it
+        returns could take their place)."""
         return self._compiled(self.verify, batch, lambda: self.verify_program(batch))
 
     def compile_accept(self, batch: int) -> Any:
@@ -471,7 +472,9 @@ class CompiledSteps:
                 sizes = sorted(self.round_sizes if round_sizes is None else round_sizes, reverse=True)
                 progs += [(f"speculative[{b}x{k}{tag}]", lambda b=b, v=variant, k=k: self.speculative_program(b, *v, k),
                            put(self.speculative, (b, *variant, k))) for b in batch_buckets for k in sizes]
-        if self.drafter is not None and self.structured:
+        # The masked round's programs are of size k: not listed again when only other sizes are asked for (the
+        # background's first bucket), which would compile them twice.
+        if self.drafter is not None and self.structured and (round_sizes is None or self.k in round_sizes):
             progs += [(f"draft[{b}x{self.k}]", lambda b=b: self.draft_program(b), put(self.draft, b),
                        lambda b=b: self.draft_outputs(b)) for b in batch_buckets]
             progs += [(f"verify[{b}x{self.k}]", lambda b=b: self.verify_program(b), put(self.verify, b),
