@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 end=${END:-580}
 . scripts/gpu_ab_harness.sh fp8d
 header
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95}
 case ${PART:-decode} in
   decode)
     for m in e2b e4b 26b; do
