@@ -81,7 +81,8 @@ def engines(tiny_ckpts, jax_models):
     """engines(family, k=0, oracle=False, cache_dtype=None, quantization=None, adaptive=False): one Engine per key
     for the whole module (k=0: no assistant; oracle: drafting with TargetGreedyDrafter; cache_dtype: EngineConfig's,
     the target's float32 when None; quantization "fp8": the target's weights fp8, its activations float32 as the
-    others'; adaptive: round sizes chosen per step, compiled in the background). An fp8 cache's engines, plain and
+    others'; adaptive: round sizes chosen per step, compiled in the background). The plain and oracle engines
+    compile their programs as their requests need them. An fp8 cache's engines, plain and
     speculative, take 2 sequences (one batch bucket to compile). `engines.drop(...)` (the same arguments) frees an
     engine no later test takes: the module's engines together come near the process's limit of memory mappings
     (conftest.compiled_programs_freed)."""
@@ -108,6 +109,8 @@ def engines(tiny_ckpts, jax_models):
                 assistant = jax_models.assistant(p["assistant"])
                 if adaptive:  # the round sizes chosen per step, compiled behind the first bucket's k
                     seqs = dict(seqs, adaptive_speculation=True, compile_in_background=True)
+                if oracle:  # greedy requests alone, none of whose tests counts compilations: its programs compile
+                    seqs = dict(seqs, compile_at_start=False)  # as they run (not the sampled / processed variants)
                 cfg = _config(num_speculative_tokens=k, **{"max_num_seqs": 2 if k < K else 4, **seqs})
                 cache[key] = Engine(target, cfg, assistant=assistant,
                                     drafter=TargetGreedyDrafter() if oracle else None)
