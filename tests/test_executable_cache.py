@@ -4,6 +4,11 @@ configuration, the package's code) misses; a bad entry is compiled again."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -27,18 +32,26 @@ def _tokens(engine) -> list[list[int]]:
     return [r.tokens for r in generate(engine.target, PROMPTS, 10, engine=engine)]
 
 
-@pytest.fixture(autouse=True)
-def no_jax_cache():
-    """JAX's persistent compilation cache off for each test here (an in-process server of another module may have
-    left it on): a program it gave back is not stored on the CPU, which these tests would read as a miss."""
+@contextlib.contextmanager
+def _jax_cache_off():
     import jax
     from jax._src import compilation_cache
 
     restore = jax_cache_settings()
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
-    yield
-    restore()
+    try:
+        yield
+    finally:
+        restore()
+
+
+@pytest.fixture(autouse=True)
+def no_jax_cache():
+    """JAX's persistent compilation cache off for each test here (an in-process server of another module may have
+    left it on): a program it gave back is not stored on the CPU, which these tests would read as a miss."""
+    with _jax_cache_off():
+        yield
 
 
 class _NoLowering:
@@ -60,15 +73,53 @@ def pair(tiny_ckpts, jax_models):
     return jax_models.target(p["target"]), jax_models.assistant(p["assistant"])
 
 
-def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypatch):
+@dataclasses.dataclass
+class FirstStart:
+    """An engine's first start with an empty executable cache: the cache's directory once written, the programs'
+    names, those it restored, and the engine's tokens for PROMPTS."""
+
+    directory: Path
+    names: list[str]
+    restored: list[str]
+    tokens: list[list[int]]
+
+    def copy(self, to: Path) -> Path:
+        """The cache's entries copied to `to` (a test's own: loads and writes there touch no other test's)."""
+        shutil.copytree(self.directory, to)
+        return to
+
+
+def _first_start(pair, directory: Path, **kw) -> FirstStart:
+    from gemma4_mtp_jax.engine import Engine
+
+    target, assistant = pair
+    with _jax_cache_off():  # a module fixture comes before no_jax_cache
+        first = Engine(target, _config(directory, **kw), assistant=assistant)
+        return FirstStart(directory, sorted(first.compile_times), list(first.programs.restored), _tokens(first))
+
+
+@pytest.fixture(scope="module")
+def first_start(pair, tmp_path_factory) -> FirstStart:
+    """The first start of `_config`'s engine (two batch rows), shared by the tests that need its cache or tokens
+    (each engine compiles its four programs: ~20 s of the CPU suite)."""
+    return _first_start(pair, tmp_path_factory.mktemp("first_start"))
+
+
+@pytest.fixture(scope="module")
+def first_start_1(pair, tmp_path_factory) -> FirstStart:
+    """The first start of `_config`'s engine with one batch row (the tests whose engines start again and again)."""
+    return _first_start(pair, tmp_path_factory.mktemp("first_start_1"), max_num_seqs=1, min_batch_bucket=1)
+
+
+def test_a_restart_loads_every_program_without_lowering(pair, first_start, tmp_path, monkeypatch):
     from gemma4_mtp_jax.engine import Engine
     from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
     target, assistant = pair
-    first = Engine(target, _config(tmp_path), assistant=assistant)
-    names = sorted(first.compile_times)
-    assert first.programs.restored == [] and len(list(tmp_path.glob("*.jaxexec"))) == len(names)
-    want = _tokens(first)
+    names = first_start.names
+    assert first_start.restored == [] and len(list(first_start.directory.glob("*.jaxexec"))) == len(names)
+    want = first_start.tokens
+    tmp_path = first_start.copy(tmp_path / "cache")
 
     real_jit = CompiledSteps._jit
     monkeypatch.setattr(CompiledSteps, "_jit", lambda self, *a: _NoLowering(real_jit(self, *a)))
@@ -77,7 +128,7 @@ def test_a_restart_loads_every_program_without_lowering(pair, tmp_path, monkeypa
     assert _tokens(again) == want
 
 
-def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, tmp_path, monkeypatch):
+def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, first_start, tiny_ckpts, tmp_path, monkeypatch):
     """compile_ahead, given the checkpoints' shapes alone (api.target_shapes: only the JSON files read; no pools
     allocated), compiles the programs an engine compiles first and stores them. An engine built after loading the
     weights lowers none of them, whether it is handed them (compiled_ahead) or finds them in the cache, and
@@ -88,7 +139,7 @@ def test_programs_compiled_ahead_from_shapes_are_the_engines(pair, tiny_ckpts, t
     from gemma4_mtp_jax.programs.compiled import CompiledSteps
 
     target, assistant = pair
-    want = _tokens(Engine(target, _config(tmp_path / "own"), assistant=assistant))
+    want = first_start.tokens  # an engine that compiled its own
     p = tiny_ckpts["e2b"]
     shapes = target_shapes(p["target"], "float32"), assistant_shapes(p["assistant"], "float32")
     assert shapes_only(shapes[0].params) and shapes_only(shapes[1].params)
@@ -180,13 +231,14 @@ def test_a_program_from_jax_persistent_cache_stored_only_where_it_runs(pair, tmp
     assert _tokens(again) == want
 
 
-def test_what_shapes_a_program_misses(pair, tmp_path, monkeypatch):
+def test_what_shapes_a_program_misses(pair, first_start_1, tmp_path, monkeypatch):
     from gemma4_mtp_jax.programs import executable_cache
     from gemma4_mtp_jax.engine import Engine
 
     target, assistant = pair
-    Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
+    tmp_path = first_start_1.copy(tmp_path / "cache")  # the first start's programs
     entries = len(list(tmp_path.glob("*.jaxexec")))
+    assert entries == len(first_start_1.names)
     longer = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1, max_model_len=40),
                     assistant=assistant)
     assert longer.programs.restored == []  # another page-table width: every program differs
@@ -200,12 +252,12 @@ def test_what_shapes_a_program_misses(pair, tmp_path, monkeypatch):
         plain.compile_times) + len(edited.compile_times)
 
 
-def test_a_bad_entry_is_compiled_again(pair, tmp_path, caplog):
+def test_a_bad_entry_is_compiled_again(pair, first_start_1, tmp_path, caplog):
     from gemma4_mtp_jax.engine import Engine
 
     target, assistant = pair
-    first = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
-    want = _tokens(first)
+    tmp_path = first_start_1.copy(tmp_path / "cache")  # the first start's programs
+    want = first_start_1.tokens
     for entry in tmp_path.glob("*.jaxexec"):
         entry.write_bytes(b"not an executable")
     again = Engine(target, _config(tmp_path, max_num_seqs=1, min_batch_bucket=1), assistant=assistant)
