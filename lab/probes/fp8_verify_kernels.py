@@ -2,7 +2,7 @@
 weights, compiled for the H200 on the CPU (compile-only; BUILD.md's /tmp/gpuvenv): which path do the fp8 matmuls
 take at 2 and at 10 rows? (The fp8 verify costs 1.14x its decode on an H100, bf16's 1.05x.)
 
-    JAX_PLATFORMS=cpu /tmp/gpuvenv/bin/python lab/probes/fp8_verify_kernels.py [31b] [--tilings]
+    JAX_PLATFORMS=cpu /tmp/gpuvenv/bin/python lab/probes/fp8_verify_kernels.py [31b]
 """
 import dataclasses
 import os
@@ -22,18 +22,6 @@ target, assistant = load_model(sys.argv[1] if len(sys.argv) > 1 else "31b")
 B, k = 2, 4
 layout = layout_for(target.config, B, page_size=16, max_model_len=4096, num_speculative_tokens=k,
                     assistant_window=assistant.config.text.sliding_window)
-for fmt in () if "--tilings" in sys.argv else ("bf16", "fp8"):
-    t = target if fmt == "bf16" else dataclasses.replace(target, params=quantize_abstract(target.params))
-    with jax.default_device(device):
-        spec = CompiledSteps(t, layout, t.dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=B,
-                             structured=True)
-        plain = CompiledSteps(t, layout, t.dtype, "auto", max_batch=B)
-        for name, prog in {"decode": lambda: plain.decode_program(B, False),
-                           "verify": lambda: spec.verify_program(B)}.items():
-            s = summarize(lower_program(prog()).compile().as_text())
-            print(f"{fmt} {name:7} kernels {s['kernels']:5d} syncs {s['host_syncs']} {s['by_kind']}", flush=True)
-
-
 def gemm_configs(text: str) -> dict:
     """How many GEMM fusions take each Triton tiling (output tile sizes, stages, warps), from their
     block_level_fusion_config (the untuned choice: compile-only means no autotuning)."""
@@ -49,13 +37,15 @@ def gemm_configs(text: str) -> dict:
     return dict(out.most_common(8))
 
 
-if "--tilings" in sys.argv:
-    for fmt in ("bf16", "fp8"):
-        t = target if fmt == "bf16" else dataclasses.replace(target, params=quantize_abstract(target.params))
-        with jax.default_device(device):
-            spec = CompiledSteps(t, layout, t.dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=B,
-                                 structured=True)
-            plain = CompiledSteps(t, layout, t.dtype, "auto", max_batch=B)
-            for name, prog in {"decode": lambda: plain.decode_program(B, False),
-                               "verify": lambda: spec.verify_program(B)}.items():
-                print(fmt, name, gemm_configs(lower_program(prog()).compile().as_text()), flush=True)
+for fmt in ("bf16", "fp8"):
+    t = target if fmt == "bf16" else dataclasses.replace(target, params=quantize_abstract(target.params))
+    with jax.default_device(device):
+        spec = CompiledSteps(t, layout, t.dtype, "auto", drafter=AssistantDrafter(assistant), k=k, num_slots=B,
+                             structured=True)
+        plain = CompiledSteps(t, layout, t.dtype, "auto", max_batch=B)
+        for name, prog in {"decode": lambda: plain.decode_program(B, False),
+                           "verify": lambda: spec.verify_program(B)}.items():
+            text = lower_program(prog()).compile().as_text()
+            s = summarize(text)
+            print(f"{fmt} {name:7} kernels {s['kernels']:5d} syncs {s['host_syncs']} {s['by_kind']}", flush=True)
+            print(f"{fmt} {name:7} tilings {gemm_configs(text)}", flush=True)
