@@ -244,11 +244,16 @@ class Runner:
         self.mask_seconds += time.perf_counter() - t0
         failed = [(rows[with_grammar[i]].req, e) for i, e in errors]
         step_rows = inputs.rows
-        if failed:  # padding rows now: they write nothing, and their slots keep what they held
+        if failed:  # padding rows now (StepRows' own): they write nothing, and their slots keep what they held
             pad = [with_grammar[i] for i, _ in errors]
-            slot, fresh, length = step_rows.slot.copy(), step_rows.fresh.copy(), step_rows.length.copy()
-            slot[pad], fresh[pad], length[pad] = self.pad_slot, True, -1
-            step_rows = step_rows.replace(slot=slot, fresh=fresh, length=length)
+            blank = StepRows.stack([], 1, slot=self.pad_slot)
+
+            def padded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+                a = a.copy()
+                a[pad] = b[0]
+                return a
+
+            step_rows = jax.tree_util.tree_map(padded, step_rows, blank)
         self.state, packed = programs.accept(self.state, inputs.replace(rows=step_rows, processing=processing),
                                              drafted, q, q_ids, verified)
         return packed, failed
