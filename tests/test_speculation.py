@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemma4_mtp_jax.engine.speculation import (PositionAcceptance, SpeculationPolicy, expected_tokens,
-                                               output_position_bucket, round_sizes)
+from gemma4_mtp_jax.engine.speculation import (PositionAcceptance, SpeculationPolicy, output_position_bucket,
+                                               round_sizes)
 
 
 def test_round_sizes_and_output_position_buckets():
@@ -17,9 +17,9 @@ def test_round_sizes_and_output_position_buckets():
         "0-127", "0-127", "128-511", "128-511", "512-2047", "512-2047", "2048+", "2048+"]
 
 
-def test_position_counts_and_expected_tokens():
+def test_position_counts():
     """A round reaches the positions up to its first rejection (and no further than it drafted); the estimate of a
-    position with no round is the prior; E(k) = 1 + sum of the running products."""
+    position with no round is the prior."""
     counts = PositionAcceptance.zeros(4)
     for drafted, accepted in ((4, 2), (2, 2), (4, 0), (1, 1)):
         counts.record(drafted, accepted)
@@ -28,8 +28,6 @@ def test_position_counts_and_expected_tokens():
     assert counts.rates(prior, 0.0)[:3].tolist() == [0.75, 1.0, 0.0]
     assert counts.rates(prior, 2.0).tolist() == pytest.approx([4 / 6, 3 / 4, 1 / 3, 0.5])
     assert PositionAcceptance.zeros(0).rates(prior, 2.0).tolist() == [0.5] * 4  # a request with no round yet
-    assert expected_tokens(np.array([0.5, 0.5, 1.0]), 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
-    assert expected_tokens(np.array([0.9]), 0) == 1.0
 
 
 def _policy(costs: dict[int, float], batch: int = 8) -> SpeculationPolicy:
@@ -70,6 +68,49 @@ def test_the_round_size_maximises_tokens_per_second():
     assert policy.choose(8, _rows(8, 1.0), sizes) == 2  # 1 and 4 are not timed yet
     # Nothing timed yet for this bucket: the configured k, as a fixed engine.
     assert _policy(COSTS).choose(16, _rows(8, 0.0), sizes) == 4
+
+
+def test_the_choice_is_the_definition_row_by_row():
+    """The policy computes all rows at once; the definition, row by row: a_j = (accepted + s * prior) /
+    (reached + s) per row (positions it never counted take the prior), E(k) = 1 + sum_{i<k} prod_{j<=i} a_j, the
+    size of the largest sum of E over rows (1 for a row that does not speculate) per cost, ties to the smaller.
+    The overall counts likewise: each round's positions reached and accepted, added after the decay."""
+    rng = np.random.default_rng(0)
+    sizes = (0, 1, 2, 4)
+    for trial in range(200):
+        policy = _policy({k: 1.0 + c for k, c in zip(sizes, np.sort(rng.uniform(0, 1, 4)))})
+        oracle = PositionAcceptance.zeros(4)
+        for _ in range(int(rng.integers(0, 4))):
+            rounds = [(int(d), int(rng.integers(0, d + 1))) for d in rng.choice(sizes, int(rng.integers(1, 9)))]
+            policy.record_step(rounds)
+            if any(d for d, _ in rounds):
+                oracle.reached *= policy.DECAY
+                oracle.accepted *= policy.DECAY
+                for d, a in rounds:
+                    oracle.record(d, a)
+        np.testing.assert_allclose(policy.overall.reached, oracle.reached)
+        np.testing.assert_allclose(policy.overall.accepted, oracle.accepted)
+        rows = []
+        for _ in range(int(rng.integers(1, 12))):
+            if rng.random() < 0.2:
+                rows.append(None)
+                continue
+            counts = PositionAcceptance.zeros(int(rng.choice([0, 1, 2, 4])))
+            for _ in range(int(rng.integers(0, 12))):
+                d = int(rng.integers(1, len(counts.reached) + 1)) if len(counts.reached) else 0
+                counts.record(d, int(rng.integers(0, d + 1)))
+            rows.append(counts)
+        prior = policy.overall_rates()
+
+        def per_second(size: int) -> float:
+            tokens = 0.0
+            for r in rows:
+                tokens += 1.0 if r is None else 1.0 + float(np.sum(np.cumprod(r.rates(prior, policy.STRENGTH)[:size])))
+            return tokens / policy.costs[8, size]
+
+        if any(r is not None for r in rows):
+            expected = max(sizes, key=lambda k: (round(per_second(k), 9), -k))
+            assert policy.choose(8, rows, sizes) == expected, trial
 
 
 def test_a_request_leans_on_the_overall_estimate_until_it_has_rounds():

@@ -65,11 +65,6 @@ class PositionAcceptance:
         return (accepted + strength * prior) / (reached + strength)
 
 
-def expected_tokens(rates: np.ndarray, k: int) -> float:
-    """E(k) = 1 + sum_{i<k} prod_{j<=i} a_j: the tokens a round of k drafts emits on average."""
-    return 1.0 + float(np.sum(np.cumprod(rates[:k])))
-
-
 class SpeculationPolicy:
     """The round size of each speculative step: the engine's k always (`adaptive` False), or the one that maximises
     the step's expected tokens per second among the sizes whose programs are compiled and timed (`costs`)."""
@@ -99,13 +94,15 @@ class SpeculationPolicy:
     def record_step(self, rounds: list[tuple[int, int]]) -> None:
         """A read step's speculative rounds, (drafted, accepted) per row that speculated, into the overall
         estimate."""
-        rounds = [(k, n) for k, n in rounds if k > 0]
-        if not rounds:
+        drafted, accepted = np.array([r for r in rounds if r[0] > 0], np.int64).reshape(-1, 2).T
+        if not drafted.size:
             return
         self.overall.reached *= self.DECAY
         self.overall.accepted *= self.DECAY
-        for k, n in rounds:
-            self.overall.record(k, n)
+        # PositionAcceptance.record of every round at once: one pass, not one per row (the engine's loop pays it)
+        positions = np.arange(self.k)
+        self.overall.reached += (np.minimum(accepted + 1, drafted)[:, None] > positions).sum(axis=0)
+        self.overall.accepted += (accepted[:, None] > positions).sum(axis=0)
 
     def choose(self, batch: int, rows: list[PositionAcceptance | None], sizes: tuple[int, ...]) -> int:
         """The round size for a step of `rows` (each speculating row's own counts; None for a row that does not
@@ -120,14 +117,17 @@ class SpeculationPolicy:
         timed = [s for s in sizes if (batch, s) in self.costs]
         if not timed:  # nothing measured yet: the configured k, as a fixed engine runs
             return self.k if self.k in sizes else max(sizes)
-        prior = self.overall_rates()
-        rates = [r.rates(prior, self.STRENGTH) for r in rows if r is not None]
-        if not rates:
+        speculating = [r for r in rows if r is not None]
+        if not speculating:
             return min(timed)
+        # sum over rows of E_row(size) = len(rows) + the rows' expected accepted drafts before position `size`,
+        # computed for all rows at once: at 128 rows a loop of small numpy calls costs milliseconds of the engine's
+        # step loop, as much as the round sizes it chooses between differ on a small model
+        rates = self._rates(speculating)  # [R, k]
+        accepted_before = np.concatenate([[0.0], np.cumsum(np.cumprod(rates, axis=1).sum(axis=0))])  # [k + 1]
 
         def tokens_per_second(size: int) -> float:
-            tokens = sum(expected_tokens(a, size) for a in rates) + (len(rows) - len(rates))
-            return tokens / self.costs[batch, size]
+            return (len(rows) + accepted_before[size]) / self.costs[batch, size]
 
         best = max(timed, key=lambda s: (tokens_per_second(s), -s))  # ties: the smaller round
         if best > 0:
@@ -139,3 +139,15 @@ class SpeculationPolicy:
             self._without_drafts = 0
             return min(positive)
         return best
+
+    def _rates(self, rows: list[PositionAcceptance]) -> np.ndarray:
+        """[len(rows), k]: each row's a_j (PositionAcceptance.rates against the overall estimate), for all at once."""
+        k = self.k
+        if all(len(r.reached) == k for r in rows):
+            reached, accepted = np.stack([r.reached for r in rows]), np.stack([r.accepted for r in rows])
+        else:  # rows with fewer positions counted (fresh requests, or only smaller rounds so far)
+            reached, accepted = np.zeros((len(rows), k)), np.zeros((len(rows), k))
+            for i, r in enumerate(rows):
+                n = min(k, len(r.reached))
+                reached[i, :n], accepted[i, :n] = r.reached[:n], r.accepted[:n]
+        return (accepted + self.STRENGTH * self.overall_rates()) / (reached + self.STRENGTH)
