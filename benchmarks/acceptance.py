@@ -67,7 +67,6 @@ import gzip
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -82,11 +81,8 @@ from gemma4_mtp_jax.api import load_assistant, load_target
 from gemma4_mtp_jax.engine import Engine, EngineConfig
 from gemma4_mtp_jax.generate import generate, load_tokenizer
 from gemma4_mtp_jax.model.sampling import SamplingParams
+from tools.corpus import PAIR_UNSEEN_CHAT_KINDS, PAIR_UNSEEN_SOURCES, chat_kind_patterns, first_user_turn
 
-# The demo corpus's sources that the shipped pair never trained on (scripts/fetch_demo_corpus.sh added them later),
-# and their chat template kinds in gemma4_mtp_jax/train/corpus.py: left out of the held-out prompts by default.
-PAIR_UNSEEN_SOURCES = ("shakespeare",)
-PAIR_UNSEEN_CHAT_KINDS = ("shakespeare", "shakespeare_scene", "shakespeare_poem")
 
 CHAT_PROMPTS = [
     "Who is Mr. Darcy?",
@@ -159,18 +155,6 @@ def chat_prompts(target_dir: Path, tokenizer, count: int) -> list[list[int]]:
     return _render_chat(target_dir, tokenizer, (CHAT_PROMPTS * 4)[:count])
 
 
-def _template_kind_patterns(kinds: list[str]) -> list[re.Pattern]:
-    """Regexes of corpus.py's chat request templates of these kinds ({x}, {y}: any text)."""
-    from tools.corpus import _CHAT_PROMPTS
-
-    unknown = set(kinds) - set(_CHAT_PROMPTS)
-    if unknown:
-        raise SystemExit(f"--heldout-chat-skip: unknown template kinds {sorted(unknown)}; known: "
-                         f"{sorted(_CHAT_PROMPTS)}")
-    return [re.compile(re.escape(t).replace(r"\{x\}", "(.+)").replace(r"\{y\}", "(.+)"), re.S)
-            for kind in kinds for t in _CHAT_PROMPTS[kind]]
-
-
 def heldout_chat_prompts(target_dir: Path, tokenizer, corpus: Path, count: int,
                          skip_kinds: list[str]) -> list[list[int]]:
     """`count` prompts: the first user turn of evenly spaced examples of corpus/heldout/chat.jsonl (built from
@@ -178,11 +162,14 @@ def heldout_chat_prompts(target_dir: Path, tokenizer, corpus: Path, count: int,
     path = corpus / "heldout" / "chat.jsonl"
     if not path.is_file():
         raise SystemExit(f"--corpus {corpus}: no heldout/chat.jsonl (python -m gemma4_mtp_jax.train.corpus writes it)")
-    skip = _template_kind_patterns(skip_kinds)
+    try:
+        skip = chat_kind_patterns(skip_kinds)
+    except ValueError as e:
+        raise SystemExit(f"--heldout-chat-skip: {e}") from None
     questions = []
     for line in path.read_text(encoding="utf-8").splitlines():
         text = json.loads(line)["text"]
-        user = text.split("<start_of_turn>user\n", 1)[1].split("<end_of_turn>", 1)[0]
+        user = first_user_turn(text)
         if not any(p.fullmatch(user) for p in skip):
             questions.append(user)
     if len(questions) < count:

@@ -5,6 +5,7 @@ stdlib snapshot, each packed the way the real artifacts are (.deb = ar + data.ta
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -346,6 +347,23 @@ def test_build_corpus(raw_dir: Path, tmp_path: Path) -> None:
     assert austen["train_bytes"] == len(emma_train.encode()) and "MIT" in austen["licence"]
     assert "Trademark" in sources["sources"][1]["licence"]
     assert sources == report
+
+    # the demo assistant's training data: every source but the ones the shipped pair never saw, chat included
+    from tokenizers import Tokenizer
+
+    from tools import demo_assistant_data
+
+    assert demo_assistant_data.main([str(out), str(tmp_path / "assistant.jsonl.gz")]) == 0
+    with gzip.open(tmp_path / "assistant.jsonl.gz", "rt") as f:
+        docs = [json.loads(line)["ids"] for line in f]
+    tok = Tokenizer.from_file(str(demo_assistant_data.PAIR_TOKENIZER))
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in docs]
+    chat = [json.loads(line)["text"] for line in train_chat.splitlines()]
+    kept_chat = [c for c in chat if "Shakespeare" not in c and "Fake" not in c]
+    assert len(kept_chat) < len(chat)
+    assert len(docs) == len(kept_chat) + sum(1 for f in train.rglob("*.txt") if "shakespeare" not in f.parts)
+    assert not any("DUKE" in t or "Fake" in t or "Shakespeare" in t for t in texts)
+    assert any("Emma Woodhouse" in t for t in texts) and all(ids[0] == 2 and ids[-1] == 1 for ids in docs)
 
 
 def test_shakespeare_incomplete_edition_loses(tmp_path: Path) -> None:
