@@ -3,7 +3,7 @@
 The same workload is sent to `python -m gemma4_mtp_jax.serve` twice: with the MTP assistant (mode "spec") and with
 `--assistant none` (mode "plain"). Each level is either a concurrency C (a closed loop keeps exactly C streaming
 requests in flight) or a request rate R (an open loop: requests arrive as a Poisson process of R per second, `inf`
-= all at once), until `--requests-per-level` have finished. The workload:
+= all at once), until `--requests-per-level` (or `--rounds-per-level` x C) have finished. The workload:
 - `--dataset chat` (default): greedy chat requests from a list of short prompts (built in, or --prompts-json), each
   asking `--max-tokens`; the actual output lengths are reported (EOS ends a reply unless --ignore-eos).
 - `--dataset random`: completions with random token-id prompts; prompt and output lengths drawn uniformly from
@@ -653,7 +653,8 @@ def run_mode(args: argparse.Namespace, mode: str, workload: Workload, levels: li
         server["warmup_s"] = round(time.perf_counter() - t0, 2)
         server["warmup_compiles"] = count_compiles(log_path, offset)
         for lv in levels:
-            n = args.requests_per_level or max(8, 2 * (lv.concurrency or max_num_seqs(args, levels)))
+            in_flight = lv.concurrency or max_num_seqs(args, levels)
+            n = args.requests_per_level or max(8, args.rounds_per_level * in_flight)
             before, offset = scrape_metrics(args.port), os.path.getsize(log_path)
             results, wall, interference = run_level(args, workload.after(sent), lv, n, long_after())
             sent, long_sent = sent + n, long_sent + len(interference)
@@ -771,7 +772,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--request-rate", default=None,
                       help="comma-separated request rates per second (Poisson arrivals; inf: all at once)")
     ap.add_argument("--requests-per-level", type=int, default=None,
-                    help="requests timed at each level (default: 2 x concurrency or x the server's batch, >= 8)")
+                    help="requests timed at each level (default: --rounds-per-level x the concurrency, or x the "
+                         "server's batch with --request-rate; at least 8)")
+    ap.add_argument("--rounds-per-level", type=int, default=2,
+                    help="without --requests-per-level: requests timed at each level per request in flight "
+                         "(default 2; more for a smaller spread between runs)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the server's --max-num-seqs (default: the largest concurrency, or 32 with --request-rate)")
     ap.add_argument("--dataset", choices=["chat", "random"], default="chat", help="the workload (see above)")
@@ -831,6 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(e))
     if args.requests_per_level is not None and args.requests_per_level < 1:
         ap.error("--requests-per-level must be >= 1")
+    if args.rounds_per_level < 1:
+        ap.error("--rounds-per-level must be >= 1")
     biggest = max((lv.concurrency or 0 for lv in levels), default=0)
     if args.max_num_seqs is not None and args.max_num_seqs < biggest:
         ap.error(f"--max-num-seqs ({args.max_num_seqs}) must be >= the largest --concurrency ({biggest})")
