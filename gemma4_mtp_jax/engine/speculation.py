@@ -62,7 +62,13 @@ class PositionAcceptance:
         n = min(len(prior), len(self.reached))
         reached, accepted = np.zeros(len(prior)), np.zeros(len(prior))
         reached[:n], accepted[:n] = self.reached[:n], self.accepted[:n]
-        return (accepted + strength * prior) / (reached + strength)
+        return estimated_rates(reached, accepted, prior, strength)
+
+
+def estimated_rates(reached: np.ndarray, accepted: np.ndarray, prior: np.ndarray, strength: float) -> np.ndarray:
+    """a_j from counts [..., k] of rounds that reached and accepted each position, as if `strength` rounds at the
+    `prior` rates [k] came before them."""
+    return (accepted + strength * prior) / (reached + strength)
 
 
 class SpeculationPolicy:
@@ -150,4 +156,4 @@ class SpeculationPolicy:
             for i, r in enumerate(rows):
                 n = min(k, len(r.reached))
                 reached[i, :n], accepted[i, :n] = r.reached[:n], r.accepted[:n]
-        return (accepted + self.STRENGTH * self.overall_rates()) / (reached + self.STRENGTH)
+        return estimated_rates(reached, accepted, self.overall_rates(), self.STRENGTH)
