@@ -17,8 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
+from gemma4_mtp_jax.train.demo_recipe import shuffle_documents
 from gemma4_mtp_jax.train.tokenizer import encode_documents
 from tools.corpus import PAIR_UNSEEN_CHAT_KINDS, PAIR_UNSEEN_SOURCES, chat_kind_patterns, first_user_turn
 
@@ -51,11 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                     kept += 1
         files = [chat if f == train / "chat.jsonl" else f for f in files]
         docs = encode_documents(Tokenizer.from_file(str(PAIR_TOKENIZER)), files)
-    order = np.random.default_rng([args.seed, 7, True]).permutation(len(docs))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(args.out, "wt", encoding="utf-8") as f:
-        for i in order:
-            f.write(json.dumps({"ids": docs[i].tolist()}) + "\n")
+        for doc in shuffle_documents(docs, args.seed, train=True):
+            f.write(json.dumps({"ids": doc.tolist()}) + "\n")
     print(f"{len(files)} files, {len(docs)} documents, {sum(len(d) for d in docs)} tokens; chat examples kept "
           f"{kept}, left out {dropped} -> {args.out}")
     return 0

@@ -119,6 +119,12 @@ def stage_tokenizer(args, out: Path):
     return tok
 
 
+def shuffle_documents(docs: list[np.ndarray], seed: int, train: bool) -> list[np.ndarray]:
+    """The data stage's document order for a split (seeded): the order the pair's training streams read."""
+    order = np.random.default_rng([seed, 7, train]).permutation(len(docs))
+    return [docs[i] for i in order]
+
+
 def stage_data(args, out: Path, tok) -> dict[str, np.ndarray]:
     from gemma4_mtp_jax.train.tokenizer import encode_documents, write_ids_jsonl
 
@@ -130,8 +136,7 @@ def stage_data(args, out: Path, tok) -> dict[str, np.ndarray]:
         for split in ("train", "heldout"):
             files = _files(Path(args.corpus) / split)
             docs = encode_documents(tok, files)
-            order = np.random.default_rng([args.seed, 7, split == "train"]).permutation(len(docs))
-            docs = [docs[i] for i in order]
+            docs = shuffle_documents(docs, args.seed, split == "train")
             streams[split] = np.concatenate(docs).astype(np.uint16)
             info[split] = {"files": len(files), "documents": len(docs), "tokens": int(len(streams[split])),
                            "bytes": sum(f.stat().st_size for f in files)}
